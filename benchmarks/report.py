@@ -1,0 +1,38 @@
+"""Render benchmark JSON records (DESIGN.md §8) as a table: python benchmarks/report.py F.json..."""
+import json
+import sys
+
+
+def rows(paths):
+    for p in paths:
+        try:
+            with open(p) as f:
+                yield from json.load(f)
+        except (OSError, ValueError) as e:
+            print(f"(skipping {p}: {e})")
+
+
+def shape_str(shape):
+    return " ".join(f"{k}={v}" for k, v in shape.items())
+
+
+def main(paths):
+    cols = ["kernel", "shape", "topo", "transport", "ours_ms", "base", "base_ms", "speedup",
+            "floor_ms", "of_floor"]
+    table = []
+    for r in rows(paths):
+        of_floor = r["floor_ms"] / r["ours_ms"] if r.get("floor_ms") and r.get("ours_ms") else None
+        extra = f" sms_reserved={r['sms_reserved']}" if r.get("sms_reserved") else ""
+        table.append([r["kernel"], shape_str(r["shape"]) + extra, r.get("topology", ""),
+                      r.get("transport", ""), r.get("ours_ms"), r.get("baseline", ""),
+                      r.get("baseline_ms"), r.get("speedup"), r.get("floor_ms"), of_floor])
+    fmt = [lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))]
+    cells = [[fmt[0](v) for v in row] for row in table]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,16 @@
+"""mknumba: persistent, fused multi-GPU / multi-node kernels written with numba-cuda.
+
+    import mknumba as mk
+    comm = mk.init()                        # MPI bootstrap, topology, GPU binding, proxies
+    op = mk.AllGather(comm, (1024,), "float32")
+    out = op(x)                             # x: [1024] on this rank's GPU -> out: [ranks, 1024]
+"""
+from . import _compat  # noqa: F401  (must run before numba.cuda compiles anything)
+from .errors import MkError, MkTimeoutError, MkValueError
+from .kernels.allgather import AllGather
+from .runtime import Comm, finalize, init
+from .topology import Topology, make_topology
+
+__version__ = "0.1.0"
+__all__ = ["init", "finalize", "Comm", "AllGather", "Topology", "make_topology",
+           "MkError", "MkValueError", "MkTimeoutError"]

@@ -1,0 +1,41 @@
+"""Exceptions, role codes, and the device error record that turns a hang into a message.
+
+A kernel block whose bounded wait expires writes one record (first writer wins) into a small
+int64 array in mapped host memory; the host decodes it into :class:`MkTimeoutError`.
+"""
+import numpy as np
+
+
+class MkError(RuntimeError):
+    """Base class for mknumba errors."""
+
+
+class MkValueError(MkError, ValueError):
+    """An argument was rejected before anything was launched."""
+
+
+class MkTimeoutError(MkError, TimeoutError):
+    """A bounded device-side wait expired: names the rank, role and flag it was waiting on."""
+
+
+# Role codes carried in error records; names appear in messages.
+ROLE_COMPUTE, ROLE_INTRA, ROLE_SEND, ROLE_RECV, ROLE_CONTROLLER, ROLE_PROXY, ROLE_TEST = range(1, 8)
+ROLE_NAMES = {ROLE_COMPUTE: "compute", ROLE_INTRA: "intra-node comm", ROLE_SEND: "inter-node send",
+              ROLE_RECV: "receive", ROLE_CONTROLLER: "controller", ROLE_PROXY: "proxy",
+              ROLE_TEST: "test"}
+
+# Layout of the error record: one int64 per field.
+ERR_SET, ERR_RANK, ERR_ROLE, ERR_FLAG, ERR_EXPECTED, ERR_SEEN, ERR_BLOCK = range(7)
+ERR_WORDS = 8
+
+
+def describe_error_record(rec, what=""):
+    """Format an error record (a length-8 int64 array) as a sentence; '' when it is clear."""
+    rec = np.asarray(rec)
+    if rec[ERR_SET] == 0:
+        return ""
+    role = ROLE_NAMES.get(int(rec[ERR_ROLE]), f"role {int(rec[ERR_ROLE])}")
+    return (f"{what + ': ' if what else ''}rank {int(rec[ERR_RANK])}, {role} role (block "
+            f"{int(rec[ERR_BLOCK])}) timed out waiting on flag {int(rec[ERR_FLAG])} to reach epoch "
+            f"{int(rec[ERR_EXPECTED])}; it last held {int(rec[ERR_SEEN])}. A peer rank probably "
+            f"failed, was not launched, or called with other arguments.")

@@ -1,0 +1,234 @@
+"""Device primitives: ordered loads and stores, atomics, fences, timers and the bounded flag wait.
+
+Every kernel in mknumba synchronises through this one module. On the GPU each primitive is one
+inline-PTX instruction emitted through ``@intrinsic`` with side effects and a memory clobber: a
+plain load in a ``while`` loop is hoisted out of it, and ``cuda.atomic.*`` are relaxed at the
+default scope, so neither can carry cross-GPU ordering. Under numba's CUDA simulator
+(``NUMBA_ENABLE_CUDASIM=1``) each primitive has a pure-Python twin with the same signature.
+
+Scopes: ``gpu`` orders against other blocks of the same GPU; ``sys`` against peer GPUs (NVLink)
+and the host proxy. Flags written by another GPU or by the host are read with ``sys`` scope.
+
+Element types: 32- and 64-bit integer arrays (flags, counters, epochs, error records).
+"""
+import threading
+import time
+
+import numpy as np
+
+from ._compat import SIMULATOR
+from .errors import (ERR_BLOCK, ERR_EXPECTED, ERR_FLAG, ERR_RANK, ERR_ROLE, ERR_SEEN, ERR_SET)
+from numba import cuda
+
+__all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "atomic_add_release",
+           "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys", "nanosleep",
+           "globaltimer", "peer_view", "data_ptr", "epoch_reached", "wait_flag", "record_timeout"]
+
+if not SIMULATOR:
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.core.errors import TypingError
+    from numba.core.extending import intrinsic
+
+    def _elem(arr_ty):
+        """PTX type suffix and register constraint for an integer array's element."""
+        if not isinstance(arr_ty, types.Array) or not isinstance(arr_ty.dtype, types.Integer):
+            raise TypingError(f"mknumba primitive needs an integer array, got {arr_ty}")
+        bits = arr_ty.dtype.bitwidth
+        if bits == 32:
+            return "b32", "u32", "r"
+        if bits == 64:
+            return "b64", "u64", "l"
+        raise TypingError(f"mknumba primitive needs 32- or 64-bit elements, got {arr_ty.dtype}")
+
+    def _elem_ptr(context, builder, arr_ty, arr, idx, idx_ty):
+        ary = context.make_array(arr_ty)(context, builder, arr)
+        idx = context.cast(builder, idx, idx_ty, types.intp)
+        return cgutils.get_item_pointer(context, builder, arr_ty, ary, [idx], wraparound=False)
+
+    def _asm(builder, ret, argtys, text, constraints, args):
+        fnty = ir.FunctionType(ret, argtys)
+        clobbered = ",".join(filter(None, [constraints, "~{memory}"]))
+        return builder.call(ir.InlineAsm(fnty, text, clobbered, side_effect=True), args)
+
+    def _make_load(scope):
+        @intrinsic
+        def load(typingctx, arr, idx):
+            b, _, c = _elem(arr)
+
+            def codegen(context, builder, sig, args):
+                ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                return _asm(builder, ptr.type.pointee, [ptr.type],
+                            f"ld.acquire.{scope}.{b} $0, [$1];", f"={c},l", [ptr])
+            return arr.dtype(arr, idx), codegen
+        return load
+
+    def _make_store(scope):
+        @intrinsic
+        def store(typingctx, arr, idx, val):
+            b, _, c = _elem(arr)
+
+            def codegen(context, builder, sig, args):
+                ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                v = context.cast(builder, args[2], sig.args[2], sig.args[0].dtype)
+                _asm(builder, ir.VoidType(), [ptr.type, v.type],
+                     f"st.release.{scope}.{b} [$0], $1;", f"l,{c}", [ptr, v])
+                return context.get_dummy_value()
+            return types.none(arr, idx, val), codegen
+        return store
+
+    def _make_add(sem, scope):
+        @intrinsic
+        def add(typingctx, arr, idx, val):
+            _, u, c = _elem(arr)
+
+            def codegen(context, builder, sig, args):
+                ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+                v = context.cast(builder, args[2], sig.args[2], sig.args[0].dtype)
+                return _asm(builder, v.type, [ptr.type, v.type],
+                            f"atom.add.{sem}.{scope}.{u} $0, [$1], $2;", f"={c},l,{c}", [ptr, v])
+            return arr.dtype(arr, idx, val), codegen
+        return add
+
+    def _make_fence(scope):
+        @intrinsic
+        def fence(typingctx):
+            def codegen(context, builder, sig, args):
+                _asm(builder, ir.VoidType(), [], f"fence.acq_rel.{scope};", "", [])
+                return context.get_dummy_value()
+            return types.none(), codegen
+        return fence
+
+    ld_acquire, ld_acquire_sys = _make_load("gpu"), _make_load("sys")
+    st_release, st_release_sys = _make_store("gpu"), _make_store("sys")
+    atomic_add_release, atomic_add_release_sys = _make_add("release", "gpu"), _make_add("release", "sys")
+    atomic_add_relaxed = _make_add("relaxed", "gpu")
+    fence_gpu, fence_sys = _make_fence("gpu"), _make_fence("sys")
+
+    @intrinsic
+    def nanosleep(typingctx, ns):
+        """Suspend the calling thread for about ``ns`` nanoseconds (0..1e6)."""
+        def codegen(context, builder, sig, args):
+            v = context.cast(builder, args[0], sig.args[0], types.uint32)
+            _asm(builder, ir.VoidType(), [v.type], "nanosleep.u32 $0;", "r", [v])
+            return context.get_dummy_value()
+        return types.none(ns), codegen
+
+    @intrinsic
+    def globaltimer(typingctx):
+        """Nanoseconds from the GPU's global timer (coarse ticks, monotonic)."""
+        def codegen(context, builder, sig, args):
+            return _asm(builder, ir.IntType(64), [], "mov.u64 $0, %globaltimer;", "=l", [])
+        return types.uint64(), codegen
+
+    @intrinsic
+    def peer_view(typingctx, ptrs, peer, template):
+        """``template``'s shape and dtype over the address ``ptrs[peer]``: a peer's symmetric buffer."""
+        if not isinstance(template, types.Array):
+            raise TypingError("peer_view: template must be an array")
+
+        def codegen(context, builder, sig, args):
+            ptrs_ty, peer_ty, tmpl_ty = sig.args
+            addr = builder.load(_elem_ptr(context, builder, ptrs_ty, args[0], args[1], peer_ty))
+            tmpl = context.make_array(tmpl_ty)(context, builder, args[2])
+            out = context.make_array(sig.return_type)(context, builder)
+            out.meminfo = cgutils.get_null_value(out.meminfo.type)
+            out.parent = cgutils.get_null_value(out.parent.type)
+            out.nitems = tmpl.nitems
+            out.itemsize = tmpl.itemsize
+            out.data = builder.inttoptr(addr, out.data.type)
+            out.shape = tmpl.shape
+            out.strides = tmpl.strides
+            return out._getvalue()
+        return template.copy(readonly=False)(ptrs, peer, template), codegen
+
+    @intrinsic
+    def data_ptr(typingctx, arr):
+        """The address of ``arr``'s first element, as uint64 (to hand to linked helpers)."""
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, args[0])
+            return builder.ptrtoint(ary.data, ir.IntType(64))
+        return types.uint64(arr), codegen
+
+else:  # ---- simulator twins: same names, same meaning, plain Python -------------------------
+    _lock = threading.Lock()   # atomics are atomic within one process only (DESIGN.md §4)
+    _sim_arrays = {}           # token -> array: what a simulated peer pointer refers to
+
+    def sim_register(token, array):
+        """Make ``peer_view`` resolve the simulated address ``token`` to ``array``."""
+        _sim_arrays[int(token)] = array
+
+    def sim_unregister(token):
+        _sim_arrays.pop(int(token), None)
+
+    def ld_acquire(arr, idx):
+        return arr[idx]
+
+    ld_acquire_sys = ld_acquire
+
+    def st_release(arr, idx, val):
+        arr[idx] = val
+
+    st_release_sys = st_release
+
+    def atomic_add_release(arr, idx, val):
+        with _lock:
+            old = arr[idx]
+            arr[idx] = old + val
+        return old
+
+    atomic_add_release_sys = atomic_add_relaxed = atomic_add_release
+
+    def fence_gpu():
+        pass
+
+    fence_sys = fence_gpu
+
+    def nanosleep(ns):
+        time.sleep(max(int(ns), 1000) * 1e-9)  # yields the GIL to the other simulated threads
+
+    def globaltimer():
+        return time.monotonic_ns()
+
+    def peer_view(ptrs, peer, template):
+        return _sim_arrays[int(ptrs[peer])]
+
+    def data_ptr(arr):
+        raise NotImplementedError("data_ptr has no meaning in the simulator")
+
+
+@cuda.jit(device=True, inline=True)
+def epoch_reached(value, epoch):
+    """True when a flag ``value`` has reached ``epoch``, modulo 2**32 (epochs wrap)."""
+    return ((np.int64(value) - np.int64(epoch)) & 0xFFFFFFFF) < 0x80000000
+
+
+@cuda.jit(device=True)
+def record_timeout(err, rank, role, flag_idx, expected, seen):
+    """Write the error record once (first writer wins); the host turns it into MkTimeoutError."""
+    if cuda.atomic.cas(err, ERR_SET, 0, 1) == 0:
+        err[ERR_RANK] = rank
+        err[ERR_ROLE] = role
+        err[ERR_FLAG] = flag_idx
+        err[ERR_EXPECTED] = expected
+        err[ERR_SEEN] = seen
+        err[ERR_BLOCK] = cuda.blockIdx.x
+        fence_sys()
+
+
+@cuda.jit(device=True)
+def wait_flag(flags, idx, epoch, deadline, err, rank, role):
+    """Spin until ``flags[idx]`` reaches ``epoch``; False (and an error record) past ``deadline``.
+
+    flags: uint32 array written by a peer GPU, the proxy or another block (acquire, sys scope).
+    deadline: a ``globaltimer()`` value. The caller returns on False so the kernel can finish.
+    """
+    seen = ld_acquire_sys(flags, idx)
+    while not epoch_reached(seen, epoch):
+        if globaltimer() > deadline:
+            record_timeout(err, rank, role, idx, epoch, seen)
+            return False
+        nanosleep(100)
+        seen = ld_acquire_sys(flags, idx)
+    return True

@@ -1,0 +1,49 @@
+"""Block-level building blocks shared by every role: copy a tile, publish it, wait for one.
+
+All threads of the block call these together (they contain ``syncthreads``); thread 0 does the
+flag traffic, the others wait at the barrier. That keeps one poller per block, so a waiting
+block costs one warp's load traffic rather than a whole block's.
+"""
+import numpy as np
+from numba import cuda
+
+from .. import primitives as prim
+
+
+@cuda.jit(device=True)
+def copy_tile(src, src_off, dst, dst_off, n):
+    """dst[dst_off : dst_off+n] = src[src_off : src_off+n], by all threads of the block.
+
+    src, dst: 1-d arrays of one dtype (dst may be a peer's buffer from ``peer_view``).
+    """
+    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+        dst[dst_off + i] = src[src_off + i]
+
+
+@cuda.jit(device=True)
+def publish(flags, idx, epoch):
+    """Make the block's earlier stores visible system-wide, then set ``flags[idx] = epoch``.
+
+    Data before flag: the barrier gathers every thread's stores under thread 0, whose
+    system-scope fence orders them before its release store of the flag (sys scope, since the
+    reader may be a peer GPU or the proxy).
+    """
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        prim.fence_sys()
+        prim.st_release_sys(flags, idx, epoch)
+
+
+@cuda.jit(device=True)
+def wait(flags, idx, epoch, deadline, err, rank, role):
+    """Block-wide bounded wait for ``flags[idx]`` to reach ``epoch``; False on timeout.
+
+    Every thread gets the same answer, so the whole block can return together.
+    """
+    ok = cuda.shared.array(1, np.int32)
+    if cuda.threadIdx.x == 0:
+        ok[0] = 1 if prim.wait_flag(flags, idx, epoch, deadline, err, rank, role) else 0
+    cuda.syncthreads()
+    result = ok[0] != 0
+    cuda.syncthreads()  # nobody may overwrite ok[0] in a later wait before all have read it
+    return result

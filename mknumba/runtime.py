@@ -1,0 +1,196 @@
+"""The runtime: MPI bootstrap, topology, GPU binding, symmetric memory, error records, teardown.
+
+    import mknumba as mk
+    with mk.init() as comm:          # one process per GPU, launched with mpiexec
+        buf = comm.alloc_symmetric((1024,), "float32")
+        ...
+
+Environment: ``MKNUMBA_GPUS_PER_NODE`` (pose one host as several nodes), ``MKNUMBA_TIMEOUT_S``
+(bound of every device-side wait), ``MKNUMBA_ALLOW_SHARED_GPU=1`` (several ranks per GPU, e.g.
+under MPS), ``MKNUMBA_TRANSPORT`` (inter-node transport, see ``mknumba.proxy``).
+"""
+import os
+import socket
+
+import numpy as np
+from numba import cuda
+
+from ._compat import SIMULATOR
+from .errors import ERR_WORDS, MkError, MkTimeoutError, MkValueError, describe_error_record
+from .symmem import SymmetricBuffer
+from .topology import make_topology
+
+_DEFAULT_TIMEOUT_S = 120.0 if SIMULATOR else 30.0  # simulated peers are Python: slow
+_current = None
+
+
+def _mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise MkError("mknumba needs mpi4py and an MPI library; on a machine without MPI "
+                      "install them with: pip install 'mknumba[mpi]'") from e
+    return MPI
+
+
+class Comm:
+    """This rank's view of the job. Create it with :func:`init`; see the module docstring.
+
+    Attributes: ``rank``/``size`` (world), ``node``/``nodes``, ``local_rank``/``local_size``
+    (within the node; ``local_size`` is GPUs per node), ``rail_peers`` (world ranks with this
+    local rank on the other nodes), ``device_id``, ``mpi`` (world communicator), ``node_comm``,
+    ``rail_comm``, ``timeout_ns``, ``simulator``, ``proxy`` (None on a single node).
+    """
+
+    def __init__(self, mpi_comm=None, gpus_per_node=None, timeout_s=None, transport=None):
+        timeout_s = float(timeout_s if timeout_s is not None
+                          else os.environ.get("MKNUMBA_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
+        if not timeout_s > 0:
+            raise MkValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_ns = int(timeout_s * 1e9)
+        MPI = _mpi()
+        self.mpi = (mpi_comm or MPI.COMM_WORLD).Dup()
+        self.simulator = SIMULATOR
+        host = socket.gethostname()
+        if gpus_per_node is None and os.environ.get("MKNUMBA_GPUS_PER_NODE"):
+            gpus_per_node = int(os.environ["MKNUMBA_GPUS_PER_NODE"])
+        # Every rank must agree on the job's shape before anything is allocated.
+        asks = self.mpi.allgather((host, gpus_per_node))
+        if len({g for _, g in asks}) != 1:
+            raise MkValueError(f"ranks disagree on gpus_per_node: {[g for _, g in asks]}")
+        self.topology = make_topology(self.mpi.Get_rank(), [h for h, _ in asks], gpus_per_node)
+        t = self.topology
+        self.rank, self.size = t.rank, t.size
+        self.node, self.nodes = t.node, t.nodes
+        self.local_rank, self.local_size = t.local_rank, t.local_size
+        self.rail_peers = t.rail_peers
+        self.node_comm = self.mpi.Split(color=t.node, key=t.local_rank)
+        self.rail_comm = self.mpi.Split(color=t.local_rank, key=t.node)
+        self.device_id = 0 if SIMULATOR else self._bind_gpu()
+        self._buffers = []
+        self._closed = False
+        self.proxy = None
+        if self.nodes > 1:
+            from . import proxy
+            if hasattr(proxy, "start"):  # TODO(lead): drop once mknumba.proxy lands
+                self.proxy = proxy.start(self, transport)
+
+    def _bind_gpu(self):
+        if not cuda.is_available():
+            raise MkError("no CUDA GPU is visible to this process; to run without a GPU set "
+                          "NUMBA_ENABLE_CUDASIM=1 (numba's simulator, small sizes)")
+        ngpu = len(cuda.gpus)
+        per_host = self.mpi.allreduce(self.topology.host_rank, op=_mpi().MAX) + 1
+        if per_host > ngpu and os.environ.get("MKNUMBA_ALLOW_SHARED_GPU") != "1":
+            raise MkError(f"{per_host} ranks on this host but only {ngpu} GPUs; launch at most "
+                          f"{ngpu} ranks per host, or set MKNUMBA_ALLOW_SHARED_GPU=1 under MPS")
+        dev = self.topology.host_rank % ngpu
+        cuda.select_device(dev)
+        ctx = cuda.current_context()
+        for peer in self.node_comm.allgather(dev):
+            if peer != dev and not ctx.can_access_peer(peer):
+                raise MkError(f"rank {self.rank}: GPU {dev} cannot access GPU {peer} of the "
+                              "same node (no P2P); fused kernels need peer access")
+        return dev
+
+    # -- memory ------------------------------------------------------------------------------------
+    def _group(self, scope):
+        if scope == "node":
+            return self.node_comm, self.topology.node_ranks
+        if scope == "world":
+            return self.mpi, tuple(range(self.size))
+        raise MkValueError(f"scope must be 'node' or 'world', got {scope!r}")
+
+    def alloc_symmetric(self, shape, dtype, scope="node"):
+        """Collective over ``scope``: a zeroed :class:`SymmetricBuffer` of ``shape``/``dtype``.
+
+        ``scope="world"`` maps every rank's buffer into every other rank: only possible when
+        all ranks share one host (emulated nodes).
+        """
+        self._check_open()
+        group, ranks = self._group(scope)
+        buf = SymmetricBuffer(group, shape, dtype, job_tag=f"mk{os.getpid() % 100000}")
+        buf.scope_ranks = ranks
+        self._buffers.append(buf)
+        return buf
+
+    def alloc_flags(self, n, scope="node"):
+        """Collective: ``n`` zeroed uint32 epoch flags per rank, symmetric over ``scope``."""
+        return self.alloc_symmetric((int(n),), np.uint32, scope)
+
+    def free(self, buf):
+        """Collective over the buffer's group: release a symmetric buffer early."""
+        buf.free()
+        self._buffers.remove(buf)
+
+    def new_error_record(self):
+        """A zeroed int64[8] record in mapped host memory that kernels fill on a timeout."""
+        rec = cuda.mapped_array(ERR_WORDS, dtype=np.int64)
+        rec[:] = 0
+        return rec
+
+    def check(self, record, what=""):
+        """Raise :class:`MkTimeoutError` if a kernel wrote ``record``."""
+        msg = describe_error_record(record, what)
+        if msg:
+            raise MkTimeoutError(msg)
+
+    # -- collective helpers and teardown ----------------------------------------------------------
+    def barrier(self):
+        """Synchronise this rank's GPU, then all ranks."""
+        if not SIMULATOR:
+            cuda.synchronize()
+        self.mpi.Barrier()
+
+    def _check_open(self):
+        if self._closed:
+            raise MkError("this Comm was finalized")
+
+    def finalize(self):
+        """Collective: stop the proxy, free every symmetric buffer, release the communicators."""
+        global _current
+        if self._closed:
+            return
+        if not SIMULATOR:
+            cuda.synchronize()
+        if self.proxy is not None:
+            self.proxy.stop()
+            self.proxy = None
+        for buf in reversed(self._buffers):
+            buf.free()
+        self._buffers.clear()
+        self.mpi.Barrier()
+        for c in (self.node_comm, self.rail_comm, self.mpi):
+            c.Free()
+        self._closed = True
+        if _current is self:
+            _current = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.finalize()
+
+    def __repr__(self):
+        return (f"Comm(rank={self.rank}/{self.size}, node={self.node}/{self.nodes}, "
+                f"local_rank={self.local_rank}/{self.local_size}, device={self.device_id}, "
+                f"simulator={self.simulator})")
+
+
+def init(mpi_comm=None, *, gpus_per_node=None, timeout_s=None, transport=None):
+    """Collective: bootstrap mknumba over MPI and return this rank's :class:`Comm`.
+
+    mpi_comm: an mpi4py communicator (default ``MPI.COMM_WORLD``).
+    gpus_per_node: ranks per (emulated) node; default ``MKNUMBA_GPUS_PER_NODE`` or all ranks of
+        a host. ``timeout_s``: bound of device-side waits. ``transport``: inter-node transport.
+    """
+    global _current
+    _current = Comm(mpi_comm, gpus_per_node, timeout_s, transport)
+    return _current
+
+
+def finalize():
+    """Finalize the Comm made by the last :func:`init`, if it is still open."""
+    if _current is not None:
+        _current.finalize()

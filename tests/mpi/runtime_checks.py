@@ -1,0 +1,155 @@
+"""Multi-rank checks of the runtime and the AllGather kernel, run under mpiexec.
+
+    mpiexec -n N python tests/mpi/runtime_checks.py CHECK [ITERATIONS]
+
+The same program runs under the simulator (NUMBA_ENABLE_CUDASIM=1, CI) and on GPUs. Each rank
+prints ``PASS <check> rank <r>`` when every assertion held; any failure exits non-zero.
+"""
+import os
+import sys
+
+import numpy as np
+
+import mknumba as mk
+from mknumba._compat import SIMULATOR
+
+
+def host(a):
+    return np.asarray(a) if SIMULATOR else a.copy_to_host()
+
+
+def device(a):
+    if SIMULATOR:
+        return a.copy()
+    from numba import cuda
+    return cuda.to_device(a)
+
+
+def check_topology(comm):
+    gpn = int(os.environ.get("MKNUMBA_GPUS_PER_NODE", comm.size))
+    assert comm.local_size == gpn and comm.nodes == comm.size // gpn, comm
+    assert comm.node == comm.rank // gpn and comm.local_rank == comm.rank % gpn, comm
+    assert comm.rail_peers == tuple(n * gpn + comm.local_rank
+                                    for n in range(comm.nodes) if n != comm.node)
+    everyone = comm.mpi.allgather((comm.node, comm.local_rank))
+    assert len(set(everyone)) == comm.size  # each (node, local rank) exactly once
+    assert comm.node_comm.Get_size() == gpn and comm.rail_comm.Get_size() == comm.nodes
+    # Symmetric memory: each member writes its rank into its own buffer, then reads the peers'.
+    buf = comm.alloc_symmetric((4, 3), np.int32)
+    assert buf.scope_ranks == comm.topology.node_ranks
+    if SIMULATOR:
+        buf.peers[buf.index][...] = comm.rank
+    else:
+        buf.local.copy_to_device(np.full((4, 3), comm.rank, np.int32))
+    comm.barrier()
+    for i, world_rank in enumerate(buf.scope_ranks):
+        assert (host(buf.peers[i]) == world_rank).all(), (i, host(buf.peers[i]))
+    comm.barrier()
+    comm.free(buf)
+
+
+def check_allgather(comm, iterations):
+    """Back-to-back calls with no host synchronisation, fresh random inputs each time,
+    poisoned outputs, several dtypes and shapes; every result checked against NumPy."""
+    rng = np.random.default_rng(1234 + comm.rank)
+    scopes = ["node"] + (["world"] if comm.nodes == 1 else [])
+    small = SIMULATOR
+    cases = [((37,), np.float32), ((5, 77), np.float64), ((300,), np.int32)] if small else \
+        [((1 << 20,), np.float32), ((3, 100003), np.float64), ((4097,), np.int32)]
+    for scope in scopes:
+        group = comm.node_comm if scope == "node" else comm.mpi
+        for shape, dtype in cases:
+            op = mk.AllGather(comm, shape, dtype, scope=scope)
+            sent, outs = [], []
+            for it in range(iterations):
+                x = (rng.standard_normal(shape) * 1000).astype(dtype)
+                sent.append(x)
+                out = None
+                if it % 2 and dtype != np.int32:       # every other call: a poisoned out=
+                    out = device(np.full((group.Get_size(),) + shape, np.nan, dtype))
+                outs.append(op(device(x), out=out))
+            op.synchronize()
+            for it, (x, out) in enumerate(zip(sent, outs)):
+                want = np.stack(group.allgather(x))
+                got = host(out)
+                assert got.shape == want.shape and np.array_equal(got, want), \
+                    f"{scope} {shape} {dtype} call {it}: {np.sum(got != want)} elements differ"
+            op.free()
+
+
+def check_timeout(comm):
+    """A wait that can never finish ends in MkTimeoutError naming rank, role and flag."""
+    op = mk.AllGather(comm, (64,), np.float32, scope="node")
+    if comm.local_rank == 0:                 # only rank 0 of each node calls: nobody sends
+        op(device(np.ones(64, np.float32)))
+        try:
+            op.synchronize()
+        except mk.MkTimeoutError as e:
+            msg = str(e)
+            assert f"rank {comm.rank}" in msg and "receive role" in msg and "flag" in msg, msg
+            assert "epoch 1" in msg, msg
+        else:
+            raise AssertionError("a wait with no sender did not time out")
+        try:                                 # the op stays poisoned: later calls refuse
+            op(device(np.ones(64, np.float32)))
+        except mk.MkTimeoutError:
+            pass
+        else:
+            raise AssertionError("a timed-out op accepted another call")
+    comm.barrier()
+
+
+def expect_value_error(fn, *words):
+    try:
+        fn()
+    except mk.MkValueError as e:
+        assert all(w in str(e) for w in words), (str(e), words)
+        return
+    raise AssertionError(f"no MkValueError (wanted {words})")
+
+
+def check_validation(comm):
+    """Every bad input fails before launch with a message that names what is wrong."""
+    op = mk.AllGather(comm, (16,), np.float32)
+    expect_value_error(lambda: op(device(np.ones(16, np.float64))), "dtype", "float64")
+    expect_value_error(lambda: op(device(np.ones(17, np.float32))), "shape", "(17,)")
+    expect_value_error(lambda: op(device(np.ones((16, 2), np.float32))[:, 0]), "contiguous")
+    expect_value_error(lambda: op(device(np.ones(16, np.float32)),
+                                  out=device(np.ones((3, 16), np.float32))), "out", "shape")
+    expect_value_error(lambda: op("not an array"), "x")
+    if not SIMULATOR:
+        expect_value_error(lambda: op(np.ones(16, np.float32)), "host")
+    expect_value_error(lambda: mk.AllGather(comm, (0,), np.float32), "positive")
+    expect_value_error(lambda: mk.AllGather(comm, (4,), np.complex64), "dtype")
+    expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, scope="galaxy"), "scope")
+    expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, threads=0), "threads")
+    expect_value_error(lambda: comm.alloc_symmetric((4 + comm.rank,), np.float32),
+                       "different", "rank 1")
+    expect_value_error(lambda: mk.init(timeout_s=-1), "timeout")
+    if comm.nodes > 1:
+        expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, scope="world"),
+                           "nodes")
+    op.free()
+    comm.barrier()
+
+
+def main():
+    check = sys.argv[1]
+    iterations = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+    timeout = 3.0 if check == "timeout" else None
+    with mk.init(timeout_s=timeout) as comm:
+        if check == "topology":
+            check_topology(comm)
+        elif check == "allgather":
+            check_allgather(comm, iterations)
+        elif check == "timeout":
+            check_timeout(comm)
+        elif check == "validation":
+            check_validation(comm)
+        else:
+            raise SystemExit(f"unknown check {check}")
+        print(f"PASS {check} rank {comm.rank}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

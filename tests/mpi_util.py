@@ -1,0 +1,39 @@
+"""Launch a test program on N ranks with mpiexec (MPICH or Open MPI) and check it passed."""
+import os
+import shutil
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def mpiexec():
+    """mpiexec beside this Python (the mpich wheel puts it there), else the one on PATH."""
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    exe = local if os.path.exists(local) else shutil.which("mpiexec") or shutil.which("mpirun")
+    if exe is None:
+        raise RuntimeError("no mpiexec found: pip install 'mknumba[mpi]' brings MPICH's")
+    cmd = [exe]
+    version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout
+    if "Open MPI" in version or "OpenRTE" in version:
+        cmd += ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+    return cmd
+
+
+def run_mpi(script, n, *args, env=None, simulator=True, timeout=600):
+    """Run ``tests/mpi/<script>`` on ``n`` ranks; return its output; fail the test on error."""
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env["PYTHONUNBUFFERED"] = "1"
+    if simulator:
+        full_env["NUMBA_ENABLE_CUDASIM"] = "1"
+    else:
+        full_env.pop("NUMBA_ENABLE_CUDASIM", None)
+    full_env.update(env or {})
+    cmd = mpiexec() + ["-n", str(n), sys.executable, os.path.join(HERE, "mpi", script),
+                       *map(str, args)]
+    p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{out[-6000:]}"
+    return out

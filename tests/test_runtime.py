@@ -1,0 +1,44 @@
+"""The runtime and the first persistent kernel (AllGather), on 1, 2 and 4 ranks.
+
+Simulator runs (CI): tests/mpi/runtime_checks.py under mpiexec with NUMBA_ENABLE_CUDASIM=1.
+GPU runs: the same program on real GPUs (marked ``gpu``).
+"""
+import pytest
+
+from conftest import HAVE_GPU
+from mpi_util import run_mpi
+
+CHECKS = ["topology", "allgather", "timeout", "validation"]
+# (ranks, GPUs per node): one node of 2, one of 4, and two emulated nodes of 2.
+LAYOUTS = [(2, None), (4, None), (4, 2)]
+
+
+def _passed(out, check, n):
+    assert sum(f"PASS {check} rank {r}" in out for r in range(n)) == n, out[-3000:]
+
+
+@pytest.mark.parametrize("ranks,gpn", LAYOUTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("check", CHECKS)
+def test_simulator(check, ranks, gpn):
+    env = {"MKNUMBA_GPUS_PER_NODE": str(gpn)} if gpn else {}
+    _passed(run_mpi("runtime_checks.py", ranks, check, env=env, timeout=300), check, ranks)
+
+
+def _gpu_count():
+    if not HAVE_GPU:
+        return 0
+    from numba import cuda
+    return len(cuda.gpus)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks,gpn", [(1, None), (2, None), (2, 1)], ids=str)
+@pytest.mark.parametrize("check,iterations", [("topology", 0), ("allgather", 250),
+                                              ("timeout", 0), ("validation", 0)])
+def test_gpu(check, iterations, ranks, gpn):
+    if _gpu_count() < ranks:
+        pytest.skip(f"needs {ranks} GPUs, found {_gpu_count()}")
+    env = {"MKNUMBA_GPUS_PER_NODE": str(gpn)} if gpn else {}
+    out = run_mpi("runtime_checks.py", ranks, check, iterations, env=env, simulator=False,
+                  timeout=600)
+    _passed(out, check, ranks)
