@@ -1,0 +1,154 @@
+"""mknumba.gemm against cuBLAS (PyTorch) on one GPU: correctness, SASS check, timings.
+
+    python benchmarks/bench_gemm.py --out benchmarks/results/gemm.json [--sass-dir DIR]
+
+For every shape: a correctness check on fresh random inputs (poisoned output, relative Frobenius
+error against an fp32 reference), then the median time of ours (0, 8, 16, 32 SMs held back) and of
+cuBLAS (torch.matmul, same operand layout: A [M, K], B [N, K]) in the same process. Writes the
+records of DESIGN.md §8 and prints a table last.
+"""
+import argparse
+import datetime
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+import mknumba  # noqa: E402,F401
+from mknumba.kernels.gemm import Gemm  # noqa: E402
+
+SQUARE = [(4096, 4096, 4096), (8192, 8192, 8192)]
+TP = [(m, 8192, k) for m in (4096, 8192, 16384) for k in (1024, 2048, 4096)]
+ODD = [(128 * 3 + 5, 256 * 2 + 8, 64 * 3 + 8), (1000, 776, 1096), (4160, 8184, 1032)]
+RESERVED = (0, 8, 16, 32)
+
+
+def rel_err(c, a, b_nk):
+    ref = a.float() @ b_nk.float().T
+    return ((c.float() - ref).norm() / ref.norm()).item()
+
+
+def check(op, m, n, k, layout="nk"):
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b_nk = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    b = {"nk": b_nk, "kn": b_nk.T.contiguous(), "kn_view": b_nk.T}[layout]
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    op(a, b, b_layout="nk" if layout == "nk" else "kn", out=out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all().item(), "unwritten (NaN) outputs"
+    return rel_err(out, a, b_nk)
+
+
+def time_ms(fn, iters):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(iters):
+            fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / iters)
+    return sorted(times)[len(times) // 2]
+
+
+def sass_report(op, sass_dir):
+    """Dump the sm_90a cubin; count HGMMA and local-memory instructions; resource usage."""
+    kern = next(v[0] for key, v in op._compiled.items() if key[0] == "sm90")
+    cubin = kern._codelibrary.get_cubin()
+    data = getattr(cubin, "code", cubin)
+    path = os.path.join(sass_dir, "gemm_sm90.cubin")
+    with open(path, "wb") as f:
+        f.write(bytes(data))
+    tool = shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump"
+    out = {"cubin": path}
+    try:
+        sass = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True).stdout
+        res = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True,
+                             text=True).stdout
+        out.update(hgmma=sass.count("HGMMA"), utmaldg=sass.count("UTMALDG"),
+                   ldl=sass.count("LDL"), stl=sass.count("STL"),
+                   resources=" ".join(l.strip() for l in res.splitlines() if "REG" in l))
+        with open(os.path.join(sass_dir, "gemm_sm90.sass"), "w") as f:
+            f.write(sass)
+    except OSError as e:
+        out["error"] = str(e)
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="benchmarks/results/gemm.json")
+    p.add_argument("--sass-dir", default=None)
+    p.add_argument("--quick", action="store_true", help="only 8192^3, all reserve values")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    gpu = torch.cuda.get_device_name()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ops = {s: Gemm(tile="sm90", reserved_sms=s) for s in RESERVED}
+    shapes = [(8192, 8192, 8192)] if args.quick else SQUARE + TP
+
+    # ---- correctness: every benchmarked shape, odd shapes, both B layouts, the SIMT twin
+    errs = {}
+    for shape in shapes + ODD:
+        errs[shape] = check(ops[0], *shape)
+    errs["kn"] = check(ops[0], 1000, 776, 1096, "kn")
+    errs["kn_view"] = check(ops[0], 1000, 776, 1096, "kn_view")
+    flags = ops[0].tile_flags.copy_to_host()  # the last call had 8 x 4 tiles
+    assert (flags[:8 * 4] == ops[0].epoch).all(), "a tile flag did not reach the epoch"
+    errs["reserved32"] = check(ops[32], 4160, 8184, 1032)
+    errs["simt_twin"] = check(Gemm(tile="simt"), 300, 264, 136)
+    for key, e in errs.items():
+        print(f"check {key}: rel err {e:.2e}", "OK" if e <= 1e-2 else "FAIL", flush=True)
+
+    sass = sass_report(ops[0], args.sass_dir) if args.sass_dir else {}
+    print("sass:", sass, flush=True)
+
+    # ---- timings
+    records, cmd = [], " ".join([os.path.basename(sys.executable)] + sys.argv)
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    for (m, n, k) in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        flops = 2.0 * m * n * k
+        iters = max(5, int(2e13 / flops))
+        t_cublas = time_ms(lambda: torch.matmul(a, b.T, out=c), iters)
+        for s in RESERVED:
+            t = time_ms(lambda: ops[s](a, b, b_layout="nk", out=c), iters)
+            records.append(dict(
+                kernel="gemm", shape=dict(m=m, n=n, k=k), dtype="bfloat16", world=1,
+                topology="1x1", transport="none", ours_ms=t, baseline="cublas",
+                baseline_ms=t_cublas, speedup=t_cublas / t, floor_ms=t_cublas, gpu=gpu, date=date,
+                command=cmd, tflops=flops / t / 1e9, baseline_tflops=flops / t_cublas / 1e9,
+                sms_reserved=s, sms=sms, rel_err=errs.get((m, n, k)), sass=sass or None))
+            print(f"{m}x{n}x{k} reserved {s}: ours {t:.3f} ms, cublas {t_cublas:.3f} ms",
+                  flush=True)
+
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(records, f, indent=1)
+
+    # ---- table: ratio to cuBLAS, and each hold-back against (sms - S)/sms of our all-SM rate
+    full = {(r["shape"]["m"], r["shape"]["n"], r["shape"]["k"]): r["tflops"]
+            for r in records if r["sms_reserved"] == 0}
+    print(f"\n{'shape':>18} {'S':>3} {'ours TF/s':>9} {'cuBLAS':>7} {'ratio':>6} {'vs ideal':>8}")
+    for r in records:
+        sh = (r["shape"]["m"], r["shape"]["n"], r["shape"]["k"])
+        ideal = full[sh] * (sms - r["sms_reserved"]) / sms
+        print(f"{'x'.join(map(str, sh)):>18} {r['sms_reserved']:>3} {r['tflops']:9.1f} "
+              f"{r['baseline_tflops']:7.1f} {r['speedup']:6.3f} {r['tflops'] / ideal:8.3f}")
+    bad = [k for k, e in errs.items() if not e <= 1e-2]
+    print("correctness:", "all <= 1e-2" if not bad else f"FAILED {bad}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Compute role: one output tile of C = A @ B^T, bf16 in, fp32 accumulate, bf16 out.
+
+Tile contract (shared by both implementations; the persistent kernel calls it once per tile with
+every thread of the block):
+
+    tile(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq) -> 1 in exactly one thread, else 0
+
+    a: [m, k] bf16 bits (uint16/int16), row-major     — A, K contiguous
+    b: [n, k] bf16 bits, row-major                     — B given as [N, K] (K contiguous)
+    c: [m, n] bf16 bits, row-major                     — rows [tile_m*BM, +BM), cols [tile_n*BN, +BN)
+    smem: the block's dynamic shared memory (uint8); tmaps: uint64[32], the two CUtensorMaps
+    seq: how many tiles this block has already computed (the sm_90a ring's phase follows from it)
+
+The thread that returns 1 does so after every thread's stores of this tile were issued and a
+block-level barrier among the storing threads, so it can publish the tile's completion flag with a
+release (``primitives.st_release``). A kernel whose B is [K, N] transposes it first
+(``kernels.gemm``).
+
+Two implementations:
+- ``gemm_tile_sm90``: Hopper only (sm_90a). The linked helper ``cuda/gemm_tile.cu`` does TMA into a
+  4-stage mbarrier ring, two consumer warpgroups issue wgmma m64n256k16; 128 x 256 x 64 tiles,
+  288 threads per block, ``SM90_SMEM_BYTES`` of dynamic shared memory.
+- ``gemm_tile_simt``: the generic twin (simulator, GPUs without sm_90a): plain loads, one fp32 dot
+  product per output element, ``SIMT_TILE`` tiles, any block size.
+"""
+import os
+
+import numpy as np
+from numba import cuda, types
+
+from .._compat import SIMULATOR
+from ..primitives import data_ptr
+
+HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
+
+# Must match the constants at the top of gemm_tile.cu.
+SM90_TILE = (128, 256)      # BM, BN
+SM90_BK = 64
+SM90_STAGES = 4
+SM90_THREADS = 288          # two consumer warpgroups + one producer warp
+SM90_SMEM_BYTES = SM90_STAGES * (SM90_TILE[0] + SM90_TILE[1]) * SM90_BK * 2 + 16 * SM90_STAGES + 1024
+
+SIMT_TILE = (32, 32)
+SIMT_THREADS = 128
+
+
+# ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
+if not SIMULATOR:
+    _u64, _i32 = types.uint64, types.int32
+    _sm90_init = cuda.declare_device("mk_gemm_sm90_init", _i32(_u64, _u64), link=[HELPER], abi="c")
+    _sm90_tile = cuda.declare_device(
+        "mk_gemm_sm90_tile", _i32(_u64, _u64, _u64, _i32, _i32, _i32, _i32, _i32, _i32, _i32),
+        link=[HELPER], abi="c")
+
+    @cuda.jit(device=True)
+    def gemm_init_sm90(smem, tmaps):
+        """Once per block before the first tile (the caller then syncs the block)."""
+        _sm90_init(data_ptr(smem), data_ptr(tmaps))
+
+    @cuda.jit(device=True)
+    def gemm_tile_sm90(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq):
+        """One 128 x 256 tile through TMA + wgmma; a and b are read through ``tmaps``."""
+        k_iters = (k + SM90_BK - 1) // SM90_BK
+        return _sm90_tile(data_ptr(smem), data_ptr(tmaps), data_ptr(c), np.int32(c.shape[1]),
+                          np.int32(m), np.int32(n), np.int32(tile_m), np.int32(tile_n),
+                          np.int32(k_iters), np.int32(seq))
+
+
+# ---- bf16 <-> fp32 on raw bits -----------------------------------------------------------------
+if SIMULATOR:
+    def _f32_bits(x):
+        return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+
+    def _bits_f32(u):
+        return np.array([u & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]
+else:
+    @cuda.jit(device=True, inline=True)
+    def _f32_bits(x):
+        return np.uint32(cuda.libdevice.float_as_int(np.float32(x)))
+
+    @cuda.jit(device=True, inline=True)
+    def _bits_f32(u):
+        return cuda.libdevice.int_as_float(np.int32(u))
+
+
+@cuda.jit(device=True, inline=True)
+def bf16_to_f32(bits):
+    """bf16 stored as 16 bits -> float32 (exact: bf16 is the top half of a float32)."""
+    return _bits_f32((np.uint32(bits) & np.uint32(0xFFFF)) << np.uint32(16))
+
+
+@cuda.jit(device=True, inline=True)
+def f32_to_bf16(x):
+    """float32 -> bf16 bits, round to nearest even (NaN stays NaN), as uint16."""
+    u = _f32_bits(x)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16(0x7FC0)
+    u += np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))
+    return np.uint16(u >> np.uint32(16))
+
+
+# ---- generic SIMT twin ------------------------------------------------------------------------
+@cuda.jit(device=True)
+def gemm_init_simt(smem, tmaps):
+    """No ring to set up; present so both tiles have the same calling sequence."""
+    pass
+
+
+@cuda.jit(device=True)
+def gemm_tile_simt(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq):
+    """One SIMT_TILE tile of C = A @ B^T: threads stride over its elements, fp32 dot products."""
+    r0 = tile_m * SIMT_TILE[0]
+    c0 = tile_n * SIMT_TILE[1]
+    rows = min(SIMT_TILE[0], m - r0)
+    cols = min(SIMT_TILE[1], n - c0)
+    for e in range(cuda.threadIdx.x, rows * cols, cuda.blockDim.x):
+        i = r0 + e // cols
+        j = c0 + e % cols
+        acc = np.float32(0.0)
+        for kk in range(k):
+            acc += bf16_to_f32(a[i, kk]) * bf16_to_f32(b[j, kk])
+        c[i, j] = f32_to_bf16(acc)
+    cuda.syncthreads()  # every store of the tile is issued before thread 0 reports it
+    return cuda.threadIdx.x == 0
+
+
+def tile_shape(sm90):
+    """(BM, BN) of the tile implementation that ``sm90`` selects."""
+    return SM90_TILE if sm90 else SIMT_TILE
+
+
+__all__ = ["SM90_TILE", "SM90_THREADS", "SM90_SMEM_BYTES", "SIMT_TILE", "SIMT_THREADS",
+           "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "f32_to_bf16", "tile_shape",
+           "HELPER"] + ([] if SIMULATOR else ["gemm_init_sm90", "gemm_tile_sm90"])

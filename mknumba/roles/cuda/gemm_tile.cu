@@ -1,0 +1,221 @@
+// Hopper (sm_90a) GEMM tile for mknumba's persistent kernels: C[tile] = A[tile rows, :] @ B[tile cols, :]^T
+//
+// Linked into numba kernels with cuda.declare_device(..., link=[this file]) and LTO, so both entry
+// points inline into the caller. A block of 288 threads runs them:
+//   warps 0-7  two consumer warpgroups; warpgroup w owns rows [64w, 64w+64) of the 128 x 256 tile
+//              and runs wgmma m64n256k16 with fp32 accumulators in registers (128 per thread);
+//   warp 8     the producer: one lane issues the bulk tensor copies (TMA) that fill the ring.
+// Operands (bf16, row-major, described by two CUtensorMaps in global memory):
+//   A [M, K]  box 64 (K) x 128 (rows);  B [N, K]  box 64 (K) x 256 (rows): both K-major,
+//   128-byte swizzled, which is wgmma's native layout for K-major operands.
+// The shared-memory ring has STAGES slots of (A 16 KB + B 32 KB), each guarded by two mbarriers:
+//   full[s]  the producer's arrive.expect_tx + TMA complete_tx; consumers wait on it;
+//   empty[s] one arrive per consumer warpgroup once its MMAs that read slot s have retired.
+// The ring is never reset between tiles: the caller passes `seq`, the number of tiles this block
+// has already run, and k-step g = seq * k_iters + kk uses slot g % STAGES with phase (g / STAGES) & 1.
+// Hence the producer runs ahead into the next tile while the consumers finish this one's epilogue.
+
+#include <cuda_bf16.h>
+
+namespace {
+
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+constexpr int CONSUMER_WARPGROUPS = 2;
+constexpr int CONSUMER_THREADS = 128 * CONSUMER_WARPGROUPS;
+constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+// Layout from the 1024-byte-aligned base (128B swizzle repeats every 1024 B):
+//   [A slot 0..3][B slot 0..3][full 0..3][empty 0..3]
+constexpr unsigned B_OFFSET = STAGES * A_BYTES;
+constexpr unsigned BAR_OFFSET = STAGES * STAGE_BYTES;
+
+struct Ring {
+    unsigned a, b, full, empty;  // shared-space addresses
+};
+
+__device__ __forceinline__ Ring ring_at(unsigned long long smem_generic) {
+    unsigned base = (unsigned)__cvta_generic_to_shared((void *)smem_generic);
+    base = (base + 1023u) & ~1023u;
+    return Ring{base, base + B_OFFSET, base + BAR_OFFSET, base + BAR_OFFSET + 8 * STAGES};
+}
+
+// ---- mbarrier ------------------------------------------------------------------------------
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned phase) {
+    unsigned done;
+    do {
+        asm volatile("{ .reg .pred p;\n"
+                     "  mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+                     "  selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(bar), "r"(phase) : "memory");
+    } while (!done);
+}
+
+__device__ __forceinline__ void mbar_arrive(unsigned bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
+                 : "memory");
+}
+
+// ---- bulk tensor copy: one box of a 2-D tensor map into shared memory ------------------------
+// Out-of-range parts of the box are filled with zeros and still count toward complete_tx, so
+// ragged M, N and K need no special case in the main loop.
+__device__ __forceinline__ void tma_load_2d(unsigned dst, unsigned long long tmap, int inner,
+                                            int outer, unsigned bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+        " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst), "l"(tmap), "r"(inner), "r"(outer), "r"(bar)
+        : "memory");
+}
+
+// ---- wgmma ---------------------------------------------------------------------------------
+// Shared-memory matrix descriptor for a K-major, 128B-swizzled tile whose rows are 128 B (64 bf16):
+// stride between 8-row core-matrix groups 1024 B; the leading offset is unused with this swizzle.
+__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
+    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) |
+           (1ull << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+}
+template <int N> __device__ __forceinline__ void wgmma_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+#define MK_ACC8(i)                                                                                 \
+    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),    \
+        "+f"(d[i + 6]), "+f"(d[i + 7])
+
+// d[64 x 256 fp32, distributed over the warpgroup] += A_desc[64 x 16] @ B_desc[256 x 16]^T
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long da,
+                                                 unsigned long long db) {
+    asm volatile(
+        "{\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, 1, 1, 1, 0, 0;\n"
+        "}\n"
+        : MK_ACC8(0), MK_ACC8(8), MK_ACC8(16), MK_ACC8(24), MK_ACC8(32), MK_ACC8(40), MK_ACC8(48),
+          MK_ACC8(56), MK_ACC8(64), MK_ACC8(72), MK_ACC8(80), MK_ACC8(88), MK_ACC8(96),
+          MK_ACC8(104), MK_ACC8(112), MK_ACC8(120)
+        : "l"(da), "l"(db));
+}
+
+// Keeps the compiler from moving accumulator reads/writes across the asynchronous MMAs.
+__device__ __forceinline__ void fence_operands(float (&d)[128]) {
+#pragma unroll
+    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+__device__ __forceinline__ void consumer_barrier() {
+    // Named barrier 1 over the two consumer warpgroups (barrier 0 is __syncthreads).
+    asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_THREADS) : "memory");
+}
+
+}  // namespace
+
+// Bytes of dynamic shared memory the kernel must be launched with (ring + barriers + alignment).
+extern "C" __device__ int mk_gemm_sm90_smem_bytes() { return BAR_OFFSET + 16 * STAGES + 1024; }
+
+// Once per block, before the first tile; thread 0 initialises the barriers, the caller then
+// runs __syncthreads(). tmaps: address of the two 128-byte CUtensorMaps (A, then B).
+extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned long long tmaps) {
+    if (threadIdx.x == 0) {
+        Ring r = ring_at(smem);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(r.full + 8 * s, 1);
+            mbar_init(r.empty + 8 * s, CONSUMER_WARPGROUPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"(tmaps) : "memory");
+        asm volatile("prefetch.tensormap [%0];" ::"l"(tmaps + 128) : "memory");
+    }
+    return 0;
+}
+
+// One 128 x 256 output tile; every thread of the 288-thread block calls it for every tile.
+//   c, ldc: bf16 output (row-major, ldc elements per row); m, n bound the stores.
+//   tile_m, tile_n: tile coordinates; k_iters = ceil(K / 64); seq: tiles this block already ran.
+// Returns 1 in exactly one thread (consumer thread 0) once all of this tile's stores are issued by
+// every consumer thread: that thread publishes the tile's completion flag. Other threads return 0;
+// the producer warp returns as soon as it has queued the tile's loads.
+extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned long long tmaps,
+                                            unsigned long long c, int ldc, int m, int n,
+                                            int tile_m, int tile_n, int k_iters, int seq) {
+    const Ring r = ring_at(smem);
+    const int tid = threadIdx.x;
+    const unsigned g0 = (unsigned)seq * (unsigned)k_iters;
+
+    if (tid >= CONSUMER_THREADS) {  // ---- producer warp: one lane drives the copy engine
+        if (tid == CONSUMER_THREADS) {
+            for (int kk = 0; kk < k_iters; ++kk) {
+                const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
+                mbar_wait(r.empty + 8 * s, phase ^ 1);  // slot free (a fresh barrier passes)
+                mbar_expect_tx(r.full + 8 * s, STAGE_BYTES);
+                tma_load_2d(r.a + s * A_BYTES, tmaps, kk * BK, tile_m * BM, r.full + 8 * s);
+                tma_load_2d(r.b + s * B_BYTES, tmaps + 128, kk * BK, tile_n * BN, r.full + 8 * s);
+            }
+        }
+        return 0;
+    }
+
+    // ---- consumers: warpgroup wg multiplies its 64 rows of A against all 256 columns of B
+    const int wg = tid / 128;
+    float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.f;
+    fence_operands(d);
+
+    for (int kk = 0; kk < k_iters; ++kk) {
+        const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
+        mbar_wait(r.full + 8 * s, phase);
+        const unsigned a = r.a + s * A_BYTES + wg * 64 * 128, b = r.b + s * B_BYTES;
+        wgmma_fence();
+#pragma unroll
+        for (int k16 = 0; k16 < BK / 16; ++k16)  // 16 bf16 = 32 bytes along the swizzled row
+            wgmma_m64n256k16(d, smem_desc(a + 32 * k16), smem_desc(b + 32 * k16));
+        wgmma_commit();
+        // Keep one k-step of MMAs in flight; the previous step's slot can be refilled now.
+        wgmma_wait<1>();
+        fence_operands(d);
+        if (kk > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+    fence_operands(d);
+    if (k_iters > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g0 + k_iters - 1) % STAGES));
+
+    // ---- epilogue: fp32 -> bf16, straight from the wgmma accumulator layout to global memory.
+    // Thread layout of m64nNk16: warp w of the warpgroup holds rows 16w + lane/4 (+8), and
+    // d[4j..4j+3] are columns 8j + 2*(lane%4) (+1) of those two rows.
+    const int lane = tid % 32, warp = (tid % 128) / 32;
+    const int row0 = tile_m * BM + wg * 64 + warp * 16 + lane / 4;
+    const int col0 = tile_n * BN + 2 * (lane % 4);
+    __nv_bfloat16 *out = (__nv_bfloat16 *)c;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j) {
+        const int col = col0 + 8 * j;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int row = row0 + 8 * h;
+            if (row < m && col < n)  // n is even (the op checks), so col + 1 < n as well
+                *(__nv_bfloat162 *)(out + (long long)row * ldc + col) =
+                    __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+        }
+    }
+    consumer_barrier();
+    return tid == 0;
+}

@@ -1,0 +1,82 @@
+"""Persistent tile scheduling: which blocks compute, and in which order they visit output tiles.
+
+A persistent kernel launches exactly as many blocks as can be resident at once (``plan_grid``)
+and never more: a block that waits on another block's flag must not wait on one that was never
+scheduled. The first ``compute_blocks`` blocks take the compute role; the remaining blocks (the
+SMs "held back") are free for communication roles in fused kernels. Blocks of lower index produce,
+higher ones consume (the simulator runs blocks in index order; DESIGN.md §3).
+
+Compute block ``b`` visits tiles ``b, b + compute_blocks, b + 2 * compute_blocks, ...`` of the
+linear tile order. ``tile_coords`` maps a linear index to (tile_m, tile_n) in grouped order: the
+blocks running at one moment cover a compact ``group_m``-row band of tiles, so the A rows and B
+columns they read stay in L2 instead of streaming from HBM once per tile.
+"""
+from dataclasses import dataclass
+
+from numba import cuda
+
+from ..errors import MkValueError
+
+
+def cdiv(a, b):
+    """ceil(a / b) for non-negative integers."""
+    return (a + b - 1) // b
+
+
+def tile_coords_host(t, tiles_m, tiles_n, group_m):
+    """Grouped raster order: linear tile ``t`` -> (tile_m, tile_n).
+
+    Tiles are visited in bands of ``group_m`` tile rows; inside a band the row index moves
+    fastest (column-major), so consecutive tiles share the B columns and the band shares A rows.
+    The last band may be shorter. A bijection on [0, tiles_m * tiles_n).
+    """
+    per_band = group_m * tiles_n
+    band = t // per_band
+    first_m = band * group_m
+    rows = min(tiles_m - first_m, group_m)
+    r = t - band * per_band
+    return first_m + r % rows, r // rows
+
+
+#: The same function compiled for the device (numba inlines it into the tile loop).
+tile_coords = cuda.jit(device=True)(tile_coords_host)
+
+
+def default_group_m(tiles_m, tiles_n, blocks):
+    """Band height that makes the tiles in flight (about ``blocks``) roughly square."""
+    g = 1
+    while g * g < blocks and g < tiles_m:
+        g *= 2
+    return max(1, min(g, tiles_m))
+
+
+@dataclass(frozen=True)
+class GridPlan:
+    """A persistent grid: ``grid`` co-resident blocks, the first ``compute_blocks`` compute."""
+    grid: int
+    compute_blocks: int
+    blocks_per_sm: int
+    sms: int
+    reserved_sms: int
+
+    @property
+    def other_blocks(self):
+        """Blocks held back for other roles (communication, controller)."""
+        return self.grid - self.compute_blocks
+
+
+def plan_grid(sms, blocks_per_sm, reserved_sms=0):
+    """Size a persistent grid to what is co-resident and hold ``reserved_sms`` SMs back.
+
+    sms: multiprocessors on the device; blocks_per_sm: occupancy of the kernel (from the
+    occupancy API: registers, shared memory and block size decide it). Raises MkValueError when the
+    hold-back leaves no SM to compute on.
+    """
+    if sms < 1 or blocks_per_sm < 1:
+        raise MkValueError(f"need at least one SM and one block per SM (got {sms}, {blocks_per_sm})")
+    if not 0 <= reserved_sms < sms:
+        raise MkValueError(f"reserved_sms must be in [0, {sms - 1}] on a {sms}-SM device, "
+                         f"got {reserved_sms}")
+    grid = sms * blocks_per_sm
+    return GridPlan(grid=grid, compute_blocks=(sms - reserved_sms) * blocks_per_sm,
+                    blocks_per_sm=blocks_per_sm, sms=sms, reserved_sms=reserved_sms)
