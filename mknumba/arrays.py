@@ -40,7 +40,9 @@ def _wrap(x, name):
             return FakeCUDAArray(x)
         raise MkValueError(f"{name}: expected a NumPy or simulator device array, got {type(x)}")
     if cuda.is_cuda_array(x):
-        return cuda.as_cuda_array(x)
+        # sync=False: numba would otherwise synchronise the producer's stream on every call,
+        # a host stall per launch. Kernels run in order on the stream the caller passes.
+        return cuda.from_cuda_array_interface(x.__cuda_array_interface__, owner=x, sync=False)
     if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
         return _from_dlpack(x, name)
     if isinstance(x, np.ndarray):
@@ -56,7 +58,8 @@ def _from_dlpack(x, name):
     except ImportError:
         raise MkValueError(f"{name}: DLPack input needs CuPy installed (or pass an object with "
                            "__cuda_array_interface__)") from None
-    return cuda.as_cuda_array(cupy.from_dlpack(x))
+    y = cupy.from_dlpack(x)
+    return cuda.from_cuda_array_interface(y.__cuda_array_interface__, owner=y, sync=False)
 
 
 def _elsewhere(arr):

@@ -87,15 +87,21 @@ class AllGather:
         self.count = int(np.prod(self.shape))
         # Defaults: (simulator, GPU). The simulator runs every thread as a Python thread.
         given = dict(tile=tile, threads=threads, send_blocks=send_blocks, recv_blocks=recv_blocks)
-        defaults = dict(tile=(64, 16384), threads=(16, 512), send_blocks=(2, 16),
-                        recv_blocks=(2, 16))
+        defaults = dict(tile=(64, 8192), threads=(16, 512), send_blocks=(2, 32),
+                        recv_blocks=(2, 32))
         for name, value in given.items():
             value = int(defaults[name][0 if SIMULATOR else 1] if value is None else value)
             if value < 1:
                 raise MkValueError(f"AllGather: {name} must be >= 1, got {value}")
             setattr(self, name, value)
-        tiles = -(-self.count // self.tile)
-        self.stage = comm.alloc_symmetric((2 * self.members * self.count,), self.dtype, scope)
+        # The kernel moves raw words: 8-byte ones when the shard allows (wider stores over
+        # NVLink), whatever the element type.
+        nbytes = self.count * self.dtype.itemsize
+        self.word = next(np.dtype(w) for w in (np.uint64, np.uint32, np.uint16, np.uint8)
+                         if nbytes % np.dtype(w).itemsize == 0)
+        self.words = nbytes // self.word.itemsize
+        tiles = -(-self.words // self.tile)
+        self.stage = comm.alloc_symmetric((2 * self.members * self.words,), self.word, scope)
         self.flags = comm.alloc_flags(self.members * tiles, scope)
         self.err = comm.new_error_record()
         self.epoch = 0
@@ -114,7 +120,7 @@ class AllGather:
         self.epoch = (self.epoch + 1) & 0xFFFFFFFF
         grid = self.send_blocks + self.recv_blocks
         allgather_kernel[grid, self.threads, stream](
-            x.reshape(self.count), out.reshape(self.members * self.count),
+            x.reshape(self.count).view(self.word), out.reshape(-1).view(self.word),
             self.stage.local, self.stage.ptrs, self.flags.local, self.flags.ptrs,
             np.uint32(self.epoch), self.me, self.members, self.tile, self.send_blocks,
             np.uint64(self.comm.timeout_ns), self.err, self.comm.rank)

@@ -11,7 +11,11 @@ import sys
 import numpy as np
 
 import mknumba as mk
+from mknumba import primitives as prim
 from mknumba._compat import SIMULATOR
+from mknumba.errors import ROLE_TEST
+from mknumba.roles.blocks import wait
+from numba import cuda
 
 
 def host(a):
@@ -77,8 +81,28 @@ def check_allgather(comm, iterations):
             op.free()
 
 
+@cuda.jit
+def wait_forever(flags, timeout_ns, err, rank):
+    """One block waits for a flag that nobody will ever set."""
+    wait(flags, 0, 1, prim.globaltimer() + timeout_ns, err, rank, ROLE_TEST)
+
+
 def check_timeout(comm):
     """A wait that can never finish ends in MkTimeoutError naming rank, role and flag."""
+    flags, err = comm.alloc_flags(4), comm.new_error_record()
+    wait_forever[1, 4 if SIMULATOR else 64](flags.local, np.uint64(comm.timeout_ns), err,
+                                            comm.rank)
+    if not SIMULATOR:
+        cuda.synchronize()
+    try:
+        comm.check(err, "wait_forever")
+    except mk.MkTimeoutError as e:
+        msg = str(e)
+        assert f"rank {comm.rank}, test role" in msg and "flag 0 to reach epoch 1" in msg, msg
+    else:
+        raise AssertionError("a wait nobody can satisfy did not time out")
+    if comm.local_size == 1:
+        return
     op = mk.AllGather(comm, (64,), np.float32, scope="node")
     if comm.local_rank == 0:                 # only rank 0 of each node calls: nobody sends
         op(device(np.ones(64, np.float32)))
@@ -123,8 +147,9 @@ def check_validation(comm):
     expect_value_error(lambda: mk.AllGather(comm, (4,), np.complex64), "dtype")
     expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, scope="galaxy"), "scope")
     expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, threads=0), "threads")
-    expect_value_error(lambda: comm.alloc_symmetric((4 + comm.rank,), np.float32),
-                       "different", "rank 1")
+    if comm.size > 1:
+        expect_value_error(lambda: comm.alloc_symmetric((4 + comm.rank,), np.float32, "world"),
+                           "different", "rank 1")
     expect_value_error(lambda: mk.init(timeout_s=-1), "timeout")
     if comm.nodes > 1:
         expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, scope="world"),
