@@ -21,8 +21,9 @@ def mpiexec():
     return cmd
 
 
-def run_mpi(script, n, *args, env=None, simulator=True, timeout=600):
-    """Run ``tests/mpi/<script>`` on ``n`` ranks; return its output; fail the test on error."""
+def run_mpi(script, n, *args, env=None, simulator=True, timeout=600, expect_fail=False):
+    """Run ``tests/mpi/<script>`` on ``n`` ranks and return its output. The test fails if the
+    program fails (or, with ``expect_fail``, if it succeeds)."""
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env["PYTHONUNBUFFERED"] = "1"
@@ -35,5 +36,8 @@ def run_mpi(script, n, *args, env=None, simulator=True, timeout=600):
                        *map(str, args)]
     p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
-    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{out[-6000:]}"
+    if expect_fail:
+        assert p.returncode != 0, f"{' '.join(cmd)} succeeded but should have failed:\n{out}"
+    else:
+        assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{out[-6000:]}"
     return out

@@ -3,8 +3,11 @@
 Simulator runs (CI): tests/mpi/runtime_checks.py under mpiexec with NUMBA_ENABLE_CUDASIM=1.
 GPU runs: the same program on real GPUs (marked ``gpu``).
 """
+import sys
+
 import pytest
 
+import mknumba as mk
 from conftest import HAVE_GPU
 from mpi_util import run_mpi
 
@@ -42,3 +45,17 @@ def test_gpu(check, iterations, ranks, gpn):
     out = run_mpi("runtime_checks.py", ranks, check, iterations, env=env, simulator=False,
                   timeout=600)
     _passed(out, check, ranks)
+
+
+@pytest.mark.gpu
+def test_gpu_more_ranks_than_gpus():
+    n = _gpu_count() + 1
+    out = run_mpi("runtime_checks.py", n, "topology", simulator=False, expect_fail=True)
+    assert f"{n} ranks on this host but only {n - 1} GPUs" in out, out[-3000:]
+
+
+def test_no_mpi_is_a_clear_error(monkeypatch):
+    from mknumba import runtime
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    with pytest.raises(mk.MkError, match=r"pip install 'mknumba\[mpi\]'"):
+        runtime._mpi()
