@@ -11,6 +11,7 @@ under MPS), ``MKNUMBA_TRANSPORT`` (inter-node transport, see ``mknumba.proxy``).
 """
 import os
 import socket
+import time
 
 import numpy as np
 from numba import cuda
@@ -66,14 +67,17 @@ class Comm:
         self.rail_peers = t.rail_peers
         self.node_comm = self.mpi.Split(color=t.node, key=t.local_rank)
         self.rail_comm = self.mpi.Split(color=t.local_rank, key=t.node)
+        # mpi4py's first pickle-based reduction on a communicator duplicates it while holding
+        # the GIL; done later, with a kernel waiting on the proxy thread, that can deadlock.
+        for c in (self.mpi, self.node_comm, self.rail_comm):
+            c.allreduce(0)
         self.device_id = 0 if SIMULATOR else self._bind_gpu()
         self._buffers = []
         self._closed = False
         self.proxy = None
         if self.nodes > 1:
             from . import proxy
-            if hasattr(proxy, "start"):  # TODO(lead): drop once mknumba.proxy lands
-                self.proxy = proxy.start(self, transport)
+            self.proxy = proxy.start(self, transport)
 
     def _bind_gpu(self):
         if not cuda.is_available():
@@ -130,16 +134,34 @@ class Comm:
         return rec
 
     def check(self, record, what=""):
-        """Raise :class:`MkTimeoutError` if a kernel wrote ``record``."""
+        """Raise if the proxy failed, or :class:`MkTimeoutError` if a kernel wrote ``record``
+        (a dead proxy is the likelier cause of a timeout, so it is reported first)."""
+        if self.proxy is not None:
+            self.proxy.check()
         msg = describe_error_record(record, what)
         if msg:
             raise MkTimeoutError(msg)
 
     # -- collective helpers and teardown ----------------------------------------------------------
+    def synchronize(self, stream=0):
+        """Wait until the work queued on ``stream`` is done, without holding the GIL.
+
+        A blocking CUDA call from this thread keeps the GIL while it waits; if the kernel it
+        waits for needs the proxy thread (which needs the GIL) to make progress, that is a
+        deadlock. So: record an event and poll it, sleeping between polls.
+        """
+        if SIMULATOR:
+            return
+        done = cuda.event(timing=False)
+        done.record(stream)
+        while not done.query():
+            if self.proxy is not None:
+                self.proxy.check()
+            time.sleep(20e-6)
+
     def barrier(self):
-        """Synchronise this rank's GPU, then all ranks."""
-        if not SIMULATOR:
-            cuda.synchronize()
+        """Synchronise this rank's GPU (default stream), then all ranks."""
+        self.synchronize()
         self.mpi.Barrier()
 
     def _check_open(self):
@@ -151,11 +173,10 @@ class Comm:
         global _current
         if self._closed:
             return
-        if not SIMULATOR:
-            cuda.synchronize()
-        if self.proxy is not None:
-            self.proxy.stop()
-            self.proxy = None
+        self.synchronize()
+        proxy, self.proxy = self.proxy, None
+        if proxy is not None:
+            proxy.stop()     # never raises, so every rank reaches the collective frees below
         for buf in reversed(self._buffers):
             buf.free()
         self._buffers.clear()
@@ -165,6 +186,8 @@ class Comm:
         self._closed = True
         if _current is self:
             _current = None
+        if proxy is not None:
+            proxy.check()    # now that teardown is matched across ranks, report its failure
 
     def __enter__(self):
         return self

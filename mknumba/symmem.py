@@ -81,6 +81,7 @@ class SymmetricBuffer:
         mine = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
         names = self.group.allgather(name)
         self._segments = []
+        self.shm_name = name  # this rank's segment, for transports that map it outside the group
         self.peers = []
         for i, n in enumerate(names):
             seg = mine if i == self.index else shared_memory.SharedMemory(name=n)

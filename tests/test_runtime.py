@@ -12,8 +12,8 @@ from conftest import HAVE_GPU
 from mpi_util import run_mpi
 
 CHECKS = ["topology", "allgather", "timeout", "validation"]
-# (ranks, GPUs per node): one node of 2, one of 4, and two emulated nodes of 2.
-LAYOUTS = [(2, None), (4, None), (4, 2)]
+# (ranks, GPUs per node): one node of 2, one of 4, two emulated nodes of 2 and of 1.
+LAYOUTS = [(2, None), (4, None), (4, 2), (2, 1)]
 
 
 def _passed(out, check, n):

@@ -1,0 +1,44 @@
+"""Host proxy, command ring and transports (paper §3.3, DESIGN.md §7).
+
+Send blocks publish 48-byte commands into a ring in mapped host memory
+(:func:`mknumba.roles.send.enqueue`); one proxy thread per GPU polls it, batches commands per
+connection and hands them to a transport, which moves the payload and then makes the chunk's
+arrival flag true on the peer (:func:`mknumba.roles.recv.wait_chunk` waits for it).
+
+    proxy = mknumba.proxy.start(comm)            # init() does this when comm.nodes > 1
+    win = proxy.register(buf)                    # collective, same order on every rank
+    ring, head, tail = proxy.device_args()       # kernel arguments for enqueue
+    proxy.stop()                                 # finalize() does this
+
+Environment: ``MKNUMBA_TRANSPORT`` = ``sim`` | ``dma`` | ``verbs``, optionally ``:ordered`` or
+``:completion``; ``MKNUMBA_PACE_GBPS`` paces submissions to a NIC rate (e.g. 50);
+``MKNUMBA_PROXY_SLOTS`` ring capacity (power of two, default 1024).
+"""
+import os
+
+from . import transports
+from .proxy import Proxy
+from .ring import CMD_BYTES, CMD_WORDS, COMMAND_DTYPE, RingReader, host_enqueue, write_body
+
+
+def start(comm, transport=None, *, slots=None, max_batch=8, window_us=5.0, pace_gbps=None,
+          **transport_options):
+    """Collective: choose and connect the transport, start this rank's proxy thread.
+
+    transport: a spec such as ``"dma:completion"`` (see :mod:`.transports`), a constructed
+    Transport, or None to choose by MKNUMBA_TRANSPORT and the machine. Returns the Proxy.
+    """
+    if isinstance(transport, transports.Transport):
+        t = transport
+    else:
+        name, mode = transports.choose(comm, transport)
+        t = transports.make(comm, name, mode, **transport_options)
+    if pace_gbps is None and os.environ.get("MKNUMBA_PACE_GBPS"):
+        pace_gbps = float(os.environ["MKNUMBA_PACE_GBPS"])
+    slots = int(slots or os.environ.get("MKNUMBA_PROXY_SLOTS", 1024))
+    return Proxy(comm, t, slots=slots, max_batch=max_batch, window_us=window_us,
+                 pace_gbps=pace_gbps)
+
+
+__all__ = ["start", "Proxy", "transports", "CMD_BYTES", "CMD_WORDS", "COMMAND_DTYPE",
+           "RingReader", "host_enqueue", "write_body"]

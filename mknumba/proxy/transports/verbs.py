@@ -1,0 +1,207 @@
+"""Real nodes over RDMA through pyverbs: InfiniBand RC (ordered) and AWS EFA SRD (completion).
+
+- RC: one reliable connection per peer, set up over MPI; per command a data RDMA write, then a
+  4-byte flag write on the same queue pair (RC delivers in order; receive blocks poll the flag,
+  no receiving proxy).
+- SRD (EFA): unordered, so one RDMA write with immediate per command; the receiving proxy polls
+  its completion queue and publishes the flag named by the immediate (:mod:`..imm`).
+GPU memory is registered through dma-buf (cuMemGetHandleForAddressRange), so the NIC reads and
+writes it directly. pyverbs is imported lazily: without it (or without an RDMA device; with no
+kernel support ``get_device_list()`` raises) :func:`rdma_available` says why.
+The pure parts (work requests, connection info) are in :mod:`.verbs_plan` and tested without a NIC.
+Untested on hardware here: no RDMA device on our machines.
+"""
+import ctypes
+import os
+
+import numpy as np
+
+from ...errors import MkError
+from ..imm import FlagShadow
+from ..ring import MAX_WINDOWS
+from .base import COMPLETION, ORDERED, Transport
+from .verbs_plan import (IBV_WR_RDMA_WRITE_WITH_IMM, FlagSource, pack_conn_info,
+                         unpack_conn_info, work_requests)
+
+CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
+
+
+def rdma_available():
+    """(True, device name) or (False, the reason) — never raises."""
+    try:
+        import pyverbs.device as d
+    except Exception as e:        # noqa: BLE001
+        return False, f"pyverbs is not importable ({e}); install rdma-core's python3-pyverbs"
+    try:
+        devs = d.get_device_list()
+    except Exception as e:        # noqa: BLE001 - no kernel support raises rather than []
+        return False, f"get_device_list() failed: {e}"
+    if not devs:
+        return False, "no RDMA device found"
+    want = os.environ.get("MKNUMBA_RDMA_DEVICE")
+    names = [x.name.decode() for x in devs]
+    if want and want not in names:
+        return False, f"MKNUMBA_RDMA_DEVICE={want} not among {names}"
+    return True, want or names[0]
+
+
+class VerbsTransport(Transport):
+    name = "verbs"
+
+    def __init__(self, comm, completion=None, cq_depth=4096, max_outstanding=1024):
+        ok, dev = rdma_available()
+        if not ok:
+            raise MkError(f"verbs transport unavailable: {dev}")
+        from pyverbs import enums as e
+        from pyverbs.cq import CQ
+        from pyverbs.device import Context
+        from pyverbs.pd import PD
+        self.e = e
+        self.ctx = Context(name=dev)
+        self.efa = "efa" in dev
+        super().__init__(comm, completion or (COMPLETION if self.efa else ORDERED))
+        if self.efa and self.completion == ORDERED:
+            raise MkError("EFA SRD does not order writes: use completion mode")
+        self.pd = PD(self.ctx)
+        self.cq = CQ(self.ctx, cq_depth)
+        self.port = 1
+        self.local = np.zeros((MAX_WINDOWS, 2), np.uint64)      # (addr, lkey)
+        self.remote = {}                                       # peer -> uint64[windows, 2]
+        self._mrs = []
+        self.flag_source = FlagSource()
+        self._register_host(self.flag_source)
+        self.shadow = FlagShadow()
+        self.max_outstanding, self.outstanding = max_outstanding, 0
+        self.qps = self._connect()
+
+    # -- memory ------------------------------------------------------------------------------------
+    def _access(self):
+        e = self.e
+        return (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_READ)
+
+    def _register_host(self, src):
+        from pyverbs.mr import MR
+        mr = MR(self.pd, src.values.nbytes, self._access(), address=src.base)
+        self._mrs.append(mr)
+        src.lkey = mr.lkey
+
+    def _register_gpu(self, ptr, nbytes):
+        """dma-buf registration of GPU memory (peer-memory modules are not needed)."""
+        from pyverbs.mr import DmaBufMR
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        fd = ctypes.c_int(-1)
+        rc = libcuda.cuMemGetHandleForAddressRange(ctypes.byref(fd), ctypes.c_uint64(ptr),
+                                                   ctypes.c_size_t(nbytes),
+                                                   CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                                                   ctypes.c_ulonglong(0))
+        if rc != 0:
+            raise MkError(f"cuMemGetHandleForAddressRange failed ({rc}): no dma-buf support")
+        mr = DmaBufMR(self.pd, nbytes, self._access(), fd=fd.value, offset=0, iova=ptr)
+        self._mrs.append(mr)
+        return mr
+
+    def _register(self, w):
+        ptr = int(w.buf.local.__cuda_array_interface__["data"][0])
+        mr = self._register_gpu(ptr, w.nbytes)
+        self.local[w.id] = (ptr, mr.lkey)
+        rows = self.comm.mpi.allgather((ptr, mr.rkey))
+        for p in self.remote:
+            self.remote[p][w.id] = rows[p]
+        if w.is_flags:
+            self.shadow.add_window(w.id, w.nbytes // 4)
+
+    # -- connections -------------------------------------------------------------------------------
+    def _connect(self):
+        """Exchange connection info over MPI and bring one QP per peer (RC) or one SRD QP up."""
+        from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
+        from pyverbs.addr import AHAttr, GlobalRoute
+        e, comm = self.e, self.comm
+        gid = self.ctx.query_gid(self.port, 0)
+        lid = self.ctx.query_port(self.port).lid
+        peers = [p for p in range(comm.size) if p != comm.rank]
+        for p in peers:
+            self.remote[p] = np.zeros((MAX_WINDOWS, 2), np.uint64)
+        cap = QPCap(max_send_wr=self.max_outstanding * 2, max_recv_wr=self.max_outstanding,
+                    max_send_sge=1, max_recv_sge=1)
+        if self.efa:
+            from pyverbs.providers.efa.efadv import SRDQPEx  # noqa: F401  (EFA provider)
+            raise MkError("EFA SRD setup through efadv is written against rdma-core's "
+                          "pyverbs.providers.efa and needs an EFA device to validate")
+        qps = {p: QP(self.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq,
+                                         cap=cap)) for p in peers}
+        blobs = [pack_conn_info(lid, self.port, qps[p].qp_num if p in qps else 0, 0, 0,
+                                gid.gid if hasattr(gid, "gid") else bytes(16), [])
+                 for p in range(comm.size)]
+        got = comm.mpi.alltoall(blobs)
+        for p in peers:
+            info, _ = unpack_conn_info(got[p])
+            attr = QPAttr(qp_state=e.IBV_QPS_RTS, cur_qp_state=e.IBV_QPS_RESET)
+            attr.dest_qp_num, attr.path_mtu = info["qpn"], e.IBV_MTU_4096
+            attr.qp_access_flags = self._access()
+            attr.timeout, attr.retry_cnt, attr.rnr_retry = 14, 7, 7
+            attr.max_rd_atomic = attr.max_dest_rd_atomic = 16
+            attr.ah_attr = AHAttr(port_num=self.port, dlid=info["lid"], is_global=1,
+                                  gr=GlobalRoute(dgid=_gid(info["gid"]), sgid_index=0))
+            qps[p].to_rts(attr)
+        comm.mpi.Barrier()
+        return qps
+
+    # -- proxy thread ------------------------------------------------------------------------------
+    def submit(self, peer, batch):
+        from pyverbs.wr import SGE, SendWR
+        self.check_command(peer, batch)
+        while self.outstanding >= self.max_outstanding:
+            self.progress()
+        wrs = work_requests(batch, self.local, self.remote[peer], self.completion,
+                            self.flag_source)
+        head = None
+        for w in reversed(wrs):      # one chain, one doorbell
+            flags = self.e.IBV_SEND_SIGNALED if w.signaled else 0
+            wr = SendWR(wr_id=w.wr_id, opcode=w.opcode, num_sge=1,
+                        sg=[SGE(w.local_addr, w.length, w.lkey)], send_flags=flags,
+                        next_wr=head)
+            wr.set_wr_rdma(w.rkey, w.remote_addr)
+            if w.opcode == IBV_WR_RDMA_WRITE_WITH_IMM:
+                wr.imm_data = w.imm
+            head = wr
+        self.qps[peer].post_send(head)
+        self.outstanding += 1
+
+    def progress(self):
+        n, wcs = self.cq.poll(64)
+        done = 0
+        for wc in wcs[:n]:
+            if wc.status != self.e.IBV_WC_SUCCESS:
+                raise MkError(f"verbs completion error {wc.status} for command {wc.wr_id}")
+            if wc.opcode == self.e.IBV_WC_RECV_RDMA_WITH_IMM:
+                self._publish(wc.imm_data)
+            else:
+                self.outstanding -= 1
+            done += 1
+        return done
+
+    def _publish(self, imm):
+        raise MkError("SRD receive completions need the EFA path (see _connect)")
+
+    def flush(self, deadline_ns):
+        import time
+        while self.outstanding:
+            self.progress()
+            if time.monotonic_ns() > deadline_ns:
+                raise MkError("verbs transport: sends did not complete before the timeout")
+
+    def close(self):
+        for qp in getattr(self, "qps", {}).values():
+            qp.close()
+        for mr in self._mrs:
+            mr.close()
+        self.cq.close()
+        self.pd.close()
+        self.ctx.close()
+
+
+def _gid(raw):
+    from pyverbs.addr import GID
+    g = GID()
+    g.gid = ":".join(raw[i:i + 2].hex() for i in range(0, 16, 2))
+    return g

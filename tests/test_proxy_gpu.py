@@ -1,0 +1,21 @@
+"""GPU runs of the proxy (2 GPUs: two emulated nodes over the dma transport)."""
+import pytest
+
+from mpi_util import run_mpi
+
+pytestmark = pytest.mark.gpu
+
+
+def _two_gpus():
+    from numba import cuda
+    return len(cuda.gpus) >= 2
+
+
+@pytest.mark.parametrize("spec", ["dma:ordered", "dma:completion"])
+def test_dma_stress_10k_commands(spec):
+    if not _two_gpus():
+        pytest.skip("needs 2 GPUs")
+    out = run_mpi("proxy_stress.py", 2, spec, 10000, simulator=False, timeout=300,
+                  env={"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_PROXY_SLOTS": "16",
+                       "NCCL_NVLS_ENABLE": "0"})
+    assert "every byte and flag checked" in out
