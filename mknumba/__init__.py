@@ -9,9 +9,12 @@ from . import _compat  # noqa: F401  (must run before numba.cuda compiles anythi
 from .errors import MkError, MkTimeoutError, MkValueError
 from .kernels.allgather import AllGather
 from .kernels.gemm import Gemm, gemm
+from .kernels.gemm_ar import GemmAllReduce
+from .kernels.gemm_rs import GemmReduceScatter
 from .runtime import Comm, finalize, init
 from .topology import Topology, make_topology
 
 __version__ = "0.1.0"
-__all__ = ["init", "finalize", "Comm", "AllGather", "Gemm", "gemm", "Topology", "make_topology",
+__all__ = ["init", "finalize", "Comm", "AllGather", "Gemm", "gemm", "GemmReduceScatter",
+           "GemmAllReduce", "Topology", "make_topology",
            "MkError", "MkValueError", "MkTimeoutError"]

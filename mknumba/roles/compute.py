@@ -29,7 +29,7 @@ import numpy as np
 from numba import cuda, types
 
 from .._compat import SIMULATOR
-from ..primitives import data_ptr
+from ..primitives import data_ptr, fence_sys, st_release_sys
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
 
@@ -124,6 +124,32 @@ def gemm_tile_simt(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq):
     return cuda.threadIdx.x == 0
 
 
+def make_compute_role(tile_init, tile):
+    """The compute role of a fused kernel, around one tile implementation.
+
+    ``compute_role(smem, tmaps, a, b, c, order, flags, epoch, blk, blocks, tiles_n)``: compute
+    block ``blk`` of ``blocks`` computes tiles ``order[blk], order[blk + blocks], ...`` (linear
+    ids ``tile_m * tiles_n + tile_n``) into ``c`` and publishes ``flags[t] = epoch`` after each,
+    with a system-scope release: the consumers are other GPUs (NVLink peers) as well as this
+    GPU's communication blocks.
+    """
+    @cuda.jit(device=True)
+    def compute_role(smem, tmaps, a, b, c, order, flags, epoch, blk, blocks, tiles_n):
+        m, k = a.shape
+        n = b.shape[0]
+        tile_init(smem, tmaps)
+        cuda.syncthreads()
+        seq = 0
+        for i in range(blk, order.shape[0], blocks):
+            t = order[i]
+            tm = t // tiles_n
+            if tile(smem, tmaps, a, b, c, m, n, k, tm, t - tm * tiles_n, seq):
+                fence_sys()  # the tile's stores (gathered by its barrier) before the flag
+                st_release_sys(flags, t, epoch)
+            seq += 1
+    return compute_role
+
+
 def tile_shape(sm90):
     """(BM, BN) of the tile implementation that ``sm90`` selects."""
     return SM90_TILE if sm90 else SIMT_TILE
@@ -131,4 +157,5 @@ def tile_shape(sm90):
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_SMEM_BYTES", "SIMT_TILE", "SIMT_THREADS",
            "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "f32_to_bf16", "tile_shape",
+           "make_compute_role",
            "HELPER"] + ([] if SIMULATOR else ["gemm_init_sm90", "gemm_tile_sm90"])

@@ -1,0 +1,168 @@
+"""GEMM + ReduceScatter and GEMM + AllReduce (fused, one persistent kernel) against cuBLAS + NCCL.
+
+    mpirun -n 2 python benchmarks/bench_fused.py --out benchmarks/results/fused.json
+
+Two ranks, one per GPU; both topologies in one run: ``1x2`` (one node, NVLink) and ``2x1`` (two
+emulated nodes: the dma transport through the host proxy, paced to ``--pace-gbps`` per GPU).
+Shapes: M in {2048, 4096, 8192, 16384}, N = M, K_local in {M/16, M/4}; B is the row-major
+[N, K_local] weight handed over as its [K_local, N] view ``w.T`` (cuBLAS gets the same).
+
+Baselines in the same process: cuBLAS (torch.matmul) then NCCL reduce_scatter / all_reduce. In
+2x1 NCCL still runs over NVLink (it cannot be paced), so the baseline there is the model
+``T_cuBLAS + max(T_NCCL, network bytes / pace)``; the measured NCCL time is kept beside it.
+Floor: ``max(T_cuBLAS, bytes on the slowest link / its rate)`` with NVLink at 380 GB/s (measured
+copy rate, DESIGN.md §6) and the network at the pace. Every point: the fastest of a small sweep
+of comm SMs (all kept under "sweep"), a correctness check against an fp32 reference first.
+"""
+import os
+import sys
+
+import common
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import mknumba as mk  # noqa: E402
+from mknumba.kernels.gemm_ar import GemmAllReduce  # noqa: E402
+from mknumba.kernels.gemm_rs import GemmReduceScatter  # noqa: E402
+
+NVLINK_GBPS = 380.0
+SWEEP = {("gemm_reducescatter", "1x2"): (16, 32), ("gemm_allreduce", "1x2"): (32, 48),
+         ("gemm_reducescatter", "2x1"): (8, 16), ("gemm_allreduce", "2x1"): (8, 16)}
+
+
+def iters_for(ms_est):
+    return int(min(50, max(5, 150.0 / max(ms_est, 1e-3))))
+
+
+def bench_topology(comm, dist, args, records, log):
+    import torch
+    topo = f"{comm.nodes}x{comm.local_size}"
+    transport = "nvlink" if comm.nodes == 1 else f"dma:{args.mode}@{args.pace_gbps:g}GB/s"
+    W = comm.size
+    for m in args.sizes:
+        n = m
+        for k in (m // 16, m // 4):
+            torch.manual_seed(17 + comm.rank)
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            b = w.T                                            # [k, n] view, no copy
+            c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            t_gemm = common.time_ms(lambda: torch.matmul(a, b, out=c), 20, mpi=comm.mpi)
+            ref = None
+            for Op in (GemmReduceScatter, GemmAllReduce):
+                kern = Op.kernel_name
+                rows = m // W if Op is GemmReduceScatter else m
+                nccl_out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
+                if Op is GemmReduceScatter:
+                    coll = lambda: dist.reduce_scatter_tensor(nccl_out, c)  # noqa: E731
+                    link_bytes = (comm.local_size - 1) / comm.local_size * m * n * 2
+                    net_bytes = m * n * 2 / W * (comm.nodes - 1)
+                else:
+                    coll = lambda: dist.all_reduce(c)  # noqa: E731
+                    link_bytes = 2 * (comm.local_size - 1) / comm.local_size * m * n * 2
+                    net_bytes = m * n * 2 / comm.local_size * (comm.nodes - 1)
+                t_nccl = common.time_ms(coll, 20, mpi=comm.mpi)
+
+                def unfused():
+                    torch.matmul(a, b, out=c)
+                    coll()
+                t_unfused = common.time_ms(unfused, 20, mpi=comm.mpi)
+                t_net = net_bytes / (args.pace_gbps * 1e9) * 1e3
+                t_link = link_bytes / (NVLINK_GBPS * 1e9) * 1e3
+                if comm.nodes > 1:
+                    baseline_ms = t_gemm + max(t_nccl, t_net)
+                    baseline = f"cublas+nccl_{'reduce_scatter' if rows < m else 'all_reduce'}" \
+                               f"(network modelled at {args.pace_gbps:g} GB/s)"
+                else:
+                    baseline_ms = t_unfused
+                    baseline = f"cublas+nccl_{'reduce_scatter' if rows < m else 'all_reduce'}"
+                floor = max(t_gemm, t_link, t_net if comm.nodes > 1 else 0.0)
+                comm_share = (baseline_ms - t_gemm) / baseline_ms
+                # correctness once per point (fp32 reference of the summed bf16 products)
+                out = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                sweep = {}
+                err = None
+                sms_total = 132
+                for sms in SWEEP[(kern, topo)]:
+                    op = Op(comm, m, n, k, comm_sms=sms)
+                    sms_total = op.sms
+                    if err is None:
+                        if ref is None:
+                            ref = a.float() @ w.float().T
+                            dist.all_reduce(ref)
+                        want = ref[comm.rank * rows:(comm.rank + 1) * rows] if rows < m else ref
+                        op(a, b, out=out)
+                        op.synchronize()
+                        err = ((out.float() - want).norm() / want.norm()).item()
+                        ok = bool(torch.isfinite(out).all().item()) and err <= 1e-2
+                        err = comm.mpi.allreduce(err if ok else 1.0, op=_max())
+                        if err > 1e-2:
+                            log(f"WRONG {kern} {topo} m={m} k={k}: rel err {err}")
+                    est = min(sweep.values()) if sweep else baseline_ms
+                    sweep[sms] = common.time_ms(lambda: op(a, b, out=out), iters_for(est),
+                                                mpi=comm.mpi)
+                    op.synchronize()
+                    op.free()
+                best = min(sweep, key=sweep.get)
+                ours = sweep[best]
+                rec = common.record(
+                    kern, {"m": m, "n": n, "k": k}, dtype="bfloat16", world=W, topology=topo,
+                    transport=transport, ours_ms=ours, baseline=baseline,
+                    baseline_ms=baseline_ms, floor_ms=floor, sm_split=f"{sms_total - best}+{best}",
+                    sms_reserved=best, sweep={str(s): v for s, v in sweep.items()},
+                    cublas_ms=t_gemm, nccl_ms=t_nccl, unfused_measured_ms=t_unfused,
+                    network_ms=t_net if comm.nodes > 1 else None, nvlink_ms=t_link,
+                    comm_share=comm_share, rel_err=err, of_floor=floor / ours)
+                records.append(rec)
+                if comm.rank == 0:
+                    common.write(records, args.out)   # keep every point, even if cut short
+                log(f"{kern:19s} {topo} m={m:5d} k={k:5d} ours {ours:8.3f} ms (comm_sms {best:2d})"
+                    f"  base {baseline_ms:8.3f}  x{baseline_ms / ours:5.2f}  floor {floor:8.3f}"
+                    f" ({floor / ours:4.0%})  comm {comm_share:4.0%}  err {err:.1e}")
+            del ref
+            torch.cuda.empty_cache()
+
+
+def _max():
+    from mpi4py import MPI
+    return MPI.MAX
+
+
+def main():
+    args = common.parse_args(ranks=2, extra=[
+        (("--sizes",), dict(default="2048,4096,8192,16384")),
+        (("--topologies",), dict(default="1x2,2x1")),
+        (("--pace-gbps",), dict(type=float, default=50.0)),
+        (("--mode",), dict(default="ordered"))])
+    args.sizes = [int(s) for s in args.sizes.split(",")]
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29541")
+    dist.init_process_group("nccl", rank=rank, world_size=MPI.COMM_WORLD.Get_size(),
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    records = []
+
+    def log(msg):
+        if rank == 0:
+            print(msg, flush=True)
+    for topo in args.topologies.split(","):
+        nodes, gpn = (int(x) for x in topo.split("x"))
+        if nodes > 1:
+            os.environ["MKNUMBA_PACE_GBPS"] = f"{args.pace_gbps:g}"
+        comm = mk.init(gpus_per_node=gpn, transport=f"dma:{args.mode}" if nodes > 1 else None)
+        try:
+            bench_topology(comm, dist, args, records, log)
+        finally:
+            comm.finalize()
+            os.environ.pop("MKNUMBA_PACE_GBPS", None)
+        if rank == 0:
+            common.write(records, args.out)           # keep what we have after each topology
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""GEMM + AllReduce (paper §3.1, §4): ``out = sum over ranks of A_r @ B_r`` on every rank.
+
+    op = mk.GemmAllReduce(comm, m, n, k_local)
+    out = op(a, b)          # a: [m, k_local], b: [k_local, n] (bf16) -> out: [m, n]
+
+Hierarchical: tile row ``tm`` belongs to local GPU ``tm % G``. The owner pulls the node's G
+partial tiles over NVLink and sums them; with several nodes it sends that node sum to its rail
+peers (1/G of the output per GPU crosses the network, in chunks published by a per-chunk
+counter) and adds theirs; then it leaves the finished tile in its symmetric buffer and the other
+local GPUs pull it into their outputs. Roles and waits: :mod:`mknumba.kernels.gemm_reduce`.
+"""
+from .gemm_reduce import GemmReduce
+
+
+class GemmAllReduce(GemmReduce):
+    """See the module docstring and :class:`~mknumba.kernels.gemm_reduce.GemmReduce`."""
+    allreduce = True
+    name = "GemmAllReduce"
+    kernel_name = "gemm_allreduce"
+
+    def out_shape(self):
+        return (self.m, self.n)
+
+
+__all__ = ["GemmAllReduce"]

@@ -1,0 +1,501 @@
+"""GEMM + ReduceScatter and GEMM + AllReduce: one persistent kernel, hierarchical reduction.
+
+Every rank computes a partial product ``A_r @ B_r`` (A_r: [m, k_local], B_r: [k_local, n]); the
+result is the sum over all ranks, scattered by row blocks (ReduceScatter) or everywhere
+(AllReduce). Blocks take roles by index; a block waits only on lower-numbered blocks of its own
+GPU or on other ranks (DESIGN.md §3), so the stages below are in block order:
+
+  compute  [0, C)       for t in order[blk::C]:  part[slot][tile t] <- A @ B (bf16)
+                          publish tile_flags[t] = epoch                      (sys: peers read it)
+  reduce   [C, R)       for each tile t this GPU owns (sched.reduce):
+                          wait tile_flags[t] of every local GPU (peer_view)
+                          sum = sum over local GPUs of part[slot][tile t]    (NVLink loads, fp32)
+                          1 node, RS: out[t] <- sum          1 node, AR: out[t], part[t] <- sum;
+                                                                         publish final_flags[t]
+                          nodes > 1: stage[s] <- sum; publish red_flags[s];
+                                     chunk counter += 1, the last tile publishes chunk_ready
+  send     [R, S)       for each (chunk, rail peer) command: wait chunk_ready; enqueue it to the
+                          proxy (payload stage -> rail peer's recv, then its arrival flag)
+  receive  [S, V)       for each tile t this GPU finishes: wait the arrival flags of its chunk
+                          from every rail peer and red_flags of its own node's sum;
+                          out[t] <- stage + sum of recv (fp32); AR with G > 1: part[t] <- same,
+                          publish final_flags[t]
+  pull     [V, grid)    (AR, G > 1) for each tile t another local GPU owns: wait its
+                          final_flags[t]; out[t] <- owner's part[t] (NVLink loads)
+
+Per GPU only 1/G of the output crosses the network, to its rail peers. Epochs, not resets: flags
+take the call's epoch; ``slot = call & 1`` double-buffers ``part``, ``stage`` and ``recv``: a rank
+cannot start call e+2 before every peer it exchanges with has finished call e (call e+1 waits on
+that peer's call e+1 tiles, which follow its call e in stream order), so a slot is never
+rewritten while a peer still reads it.
+"""
+import threading
+
+import numpy as np
+from numba import cuda
+
+from .. import _compat  # noqa: F401  (numpy alias before numba compiles)
+from .. import primitives as prim
+from .._compat import SIMULATOR
+from ..errors import ROLE_INTRA, ROLE_RECV, ROLE_SEND, MkError, MkValueError
+from ..roles import compute
+from ..roles.blocks import publish, wait
+from ..roles.reduce import chunk_arrive, combine_remote, copy_tile_2d, reduce_peers
+from ..roles.send import enqueue
+from ..sched import split as sm_split
+from ..sched.reduce import ReducePlan, nonempty
+from ..sched.tiles import cdiv, default_group_m
+from . import gemm as _gemm
+
+# cfg: small integers of the launch, one int64 array (keeps the kernel signature readable).
+(C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES, C_OUT_ROW0, C_COMPUTE, C_REDUCE_END, C_SEND_END,
+ C_RECV_END, C_ALLREDUCE, C_STAGE_SLOTS, C_RECV_SLOTS, C_NFINAL, C_RECV_CHUNKS, C_CHUNK,
+ C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS) = range(24)
+
+_BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
+_MASK32 = 0xFFFFFFFF
+
+
+def _make_kernel(tile_init, tile, bm, bn, threads):
+    compute_role = compute.make_compute_role(tile_init, tile)
+    bw = bn // 4                      # words (4 bf16) per tile row
+    tile_words = bm * bw
+    tile_bytes = tile_words * 8
+    bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
+
+    @cuda.jit(**bounds)
+    def gemm_reduce_kernel(a, bt, tmaps, part_c, part, part_ptrs, tile_flags, tile_flag_ptrs,
+                           final_flags, final_flag_ptrs, out, cfg, order, red_tiles, red_slots,
+                           red_chunks, chunk_tiles, cmds, final_tiles, final_slots, pull_tiles,
+                           pull_owner, stage, recv, arrive, red_flags, chunk_count, chunk_ready,
+                           ring, head, tail, epoch, call, timeout_ns, err, rank):
+        """a [m, k], bt [n, k], part_c [2, m, n]: bf16 bits; part: the same memory as uint64
+        words [2 * m * n/4] (symmetric); out: uint64 words of the bf16 output; stage/recv:
+        tile-major uint64 [2 * slots * bm * bn/4]; flags uint32; tables int32 (sched.reduce)."""
+        smem = cuda.shared.array(0, dtype=_BYTE)
+        blk = cuda.blockIdx.x
+        slot = call & 1
+        tiles_n = cfg[C_TILES_N]
+        n_compute = cfg[C_COMPUTE]
+        if blk < n_compute:                                         # ---- compute
+            compute_role(smem, tmaps, a, bt, part_c[slot], order, tile_flags, epoch, blk,
+                         n_compute, tiles_n)
+            return
+        deadline = prim.globaltimer() + timeout_ns
+        m = cfg[C_M]
+        wn = cfg[C_N] // 4                                          # words per output row
+        me = cfg[C_ME]
+        G = cfg[C_G]
+        nodes = cfg[C_NODES]
+        allreduce = cfg[C_ALLREDUCE] != 0
+        part_base = slot * cfg[C_WORDS]
+        stage_base = slot * cfg[C_STAGE_SLOTS] * tile_words
+        recv_base = slot * cfg[C_RECV_SLOTS] * tile_words
+        reduce_end = cfg[C_REDUCE_END]
+        send_end = cfg[C_SEND_END]
+        recv_end = cfg[C_RECV_END]
+
+        if blk < reduce_end:                                        # ---- intra-node reduce
+            for i in range(blk - n_compute, cfg[C_NRED], reduce_end - n_compute):
+                t = red_tiles[i]
+                tm = t // tiles_n
+                r0 = tm * bm
+                c0 = (t - tm * tiles_n) * bw
+                rows = min(bm, m - r0)
+                wcols = min(bw, wn - c0)
+                src = part_base + r0 * wn + c0
+                for j in range(G):
+                    p = me + 1 + j
+                    if p >= G:
+                        p -= G
+                    if not wait(prim.peer_view(tile_flag_ptrs, p, tile_flags), t, epoch,
+                                deadline, err, rank, ROLE_INTRA):
+                        return
+                if nodes == 1:
+                    dst = (r0 - cfg[C_OUT_ROW0]) * wn + c0
+                    reduce_peers(part_ptrs, part, G, me, src, wn, out, dst, wn, part, src, wn,
+                                 allreduce, rows, wcols)
+                    if allreduce:
+                        publish(final_flags, t, epoch)
+                else:
+                    s = red_slots[i]
+                    reduce_peers(part_ptrs, part, G, me, src, wn, stage,
+                                 stage_base + s * tile_words, bw, stage, 0, 0, False, rows, wcols)
+                    publish(red_flags, s, epoch)
+                    q = red_chunks[i]
+                    if q >= 0:
+                        chunk_arrive(chunk_count, chunk_ready, q,
+                                     (np.int64(call) * chunk_tiles[q]) & _MASK32, epoch)
+        elif blk < send_end:                                        # ---- inter-node send
+            if cuda.threadIdx.x == 0:
+                for c in range(blk - reduce_end, cfg[C_NCMDS], send_end - reduce_end):
+                    q = cmds[c, 0]
+                    if not prim.wait_flag(chunk_ready, q, epoch, deadline, err, rank, ROLE_SEND):
+                        return
+                    if not enqueue(ring, head, tail, cmds[c, 1], cfg[C_WIN_STAGE],
+                                   (stage_base + cmds[c, 2] * tile_words) * 8, cfg[C_WIN_RECV],
+                                   (recv_base + cmds[c, 4] * tile_words) * 8,
+                                   cmds[c, 3] * tile_bytes, q, cfg[C_WIN_ARRIVE], cmds[c, 5],
+                                   epoch, deadline, err, rank):
+                        return
+        elif blk < recv_end:                                        # ---- inter-node receive
+            nsrc = nodes - 1
+            nfinal = cfg[C_NFINAL]
+            bcast = allreduce and G > 1
+            for i in range(blk - send_end, nfinal, recv_end - send_end):
+                for s in range(nsrc):
+                    if not wait(arrive, s * cfg[C_RECV_CHUNKS] + i // cfg[C_CHUNK], epoch,
+                                deadline, err, rank, ROLE_RECV):
+                        return
+                fs = final_slots[i]
+                if not wait(red_flags, fs, epoch, deadline, err, rank, ROLE_RECV):
+                    return
+                t = final_tiles[i]
+                tm = t // tiles_n
+                r0 = tm * bm
+                c0 = (t - tm * tiles_n) * bw
+                combine_remote(stage, stage_base + fs * tile_words, recv,
+                               recv_base + i * tile_words, nfinal * tile_words, nsrc,
+                               out, (r0 - cfg[C_OUT_ROW0]) * wn + c0, wn,
+                               part, part_base + r0 * wn + c0, wn, bcast,
+                               min(bm, m - r0), min(bw, wn - c0), bw)
+                if bcast:
+                    publish(final_flags, t, epoch)
+        else:                                                       # ---- pull (AllReduce)
+            for i in range(blk - recv_end, cfg[C_NPULL], cuda.gridDim.x - recv_end):
+                t = pull_tiles[i]
+                o = pull_owner[i]
+                if not wait(prim.peer_view(final_flag_ptrs, o, final_flags), t, epoch,
+                            deadline, err, rank, ROLE_INTRA):
+                    return
+                tm = t // tiles_n
+                r0 = tm * bm
+                c0 = (t - tm * tiles_n) * bw
+                copy_tile_2d(prim.peer_view(part_ptrs, o, part), part_base + r0 * wn + c0, wn,
+                             out, r0 * wn + c0, wn, min(bm, m - r0), min(bw, wn - c0))
+
+    return gemm_reduce_kernel
+
+
+SIMT_THREADS = 32 if SIMULATOR else compute.SIMT_THREADS   # the simulator runs threads in Python
+_KERNELS = {"simt": _make_kernel(compute.gemm_init_simt, compute.gemm_tile_simt,
+                                 *compute.SIMT_TILE, SIMT_THREADS)}
+_THREADS = {"simt": SIMT_THREADS, "sm90": compute.SM90_THREADS}
+_SMEM = {"simt": 0, "sm90": compute.SM90_SMEM_BYTES}
+_TILES = {"simt": compute.SIMT_TILE, "sm90": compute.SM90_TILE}
+if not SIMULATOR:
+    _KERNELS["sm90"] = _make_kernel(compute.gemm_init_sm90, compute.gemm_tile_sm90,
+                                    *compute.SM90_TILE, compute.SM90_THREADS)
+_SIM_SMS = 6              # the simulator's "device": compute, reduce, send, receive, pull
+_COMPILED = {}            # (kind, argtypes) -> (compiled kernel, blocks per SM)
+_COMPILE_LOCK = threading.Lock()
+
+
+def _compiled(kind, args):
+    import numba
+    key = (kind, tuple(numba.typeof(x) for x in args))
+    with _COMPILE_LOCK:
+        if key not in _COMPILED:
+            disp = _KERNELS[kind]
+            if SIMULATOR:
+                _COMPILED[key] = (disp, 1)
+            else:
+                kern = disp.compile(key[1])
+                cufunc = kern._codelibrary.get_cufunc()
+                ctx = cuda.current_context()
+                if _SMEM[kind] > 48 * 1024:
+                    _gemm._set_max_dynamic_smem(cufunc, _SMEM[kind], ctx.device.id)
+                bps = ctx.get_active_blocks_per_multiprocessor(cufunc, _THREADS[kind], _SMEM[kind])
+                _COMPILED[key] = (kern, max(1, int(bps)))
+        return _COMPILED[key]
+
+
+class _Prepared:
+    """One launch whose arguments were marshalled once; later calls only change epoch and call
+    (numba would re-marshal ~35 arguments on every launch: tens of microseconds of host time)."""
+
+    def __init__(self, kern, args, grid, threads, smem, stream, result, keep):
+        self.kern, self.grid, self.threads, self.smem = kern, grid, threads, smem
+        self.stream, self.result, self.keep = stream, result, keep
+        self.args = args
+        if SIMULATOR:
+            return
+        from cuda.core import LaunchConfig
+        self.kernelargs = []
+        retr = []
+        self._scalar = {}
+        for i, (ty, v) in enumerate(zip(kern.argument_types, args)):
+            before = len(self.kernelargs)
+            kern._prepare_args(ty, v, stream, retr, self.kernelargs)
+            self._scalar[i] = before
+        self.config = LaunchConfig(grid=grid, block=threads, shmem_size=smem)
+        self.cukernel = kern._codelibrary.get_cufunc().kernel
+
+    def run(self, epoch, call, epoch_at, call_at):
+        if SIMULATOR:
+            self.args[epoch_at] = np.uint32(epoch)
+            self.args[call_at] = np.uint32(call)
+            self.kern[self.grid, self.threads, self.stream, self.smem](*self.args)
+            return self.result
+        from cuda.core import launch
+        self.kernelargs[self._scalar[epoch_at]].value = epoch
+        self.kernelargs[self._scalar[call_at]].value = call
+        launch(self.stream, self.config, self.cukernel, *self.kernelargs)
+        return self.result
+
+
+class GemmReduce:
+    """Plan once, call many times (base of :class:`GemmReduceScatter` and :class:`GemmAllReduce`).
+
+    comm: the Comm; m, n, k: the full output [m, n] and this rank's inner dimension k (= k_local);
+    dtype: "bfloat16" (inputs, output; fp32 accumulation everywhere).
+    comm_sms: SMs held back from the GEMM for the communication roles (default: the recorded
+    sweep in ``sched.split``); chunk_bytes: network chunk size (rounded to whole tiles);
+    tile: "auto" | "sm90" | "simt". Calls are asynchronous on the stream of the inputs (the
+    current PyTorch stream for tensors, else ``stream``); :meth:`synchronize` waits and raises
+    any device-side timeout.
+    """
+
+    allreduce = False
+    name = "GemmReduce"
+
+    def __init__(self, comm, m, n, k, dtype="bfloat16", *, comm_sms=None, chunk_bytes=None,
+                 tile="auto", group_m=None):
+        if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
+            raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
+        m, n, k = int(m), int(n), int(k)
+        _gemm._check_shapes(m, n, k)
+        self.comm, self.m, self.n, self.k = comm, m, n, k
+        self.kind = _gemm.Gemm(tile=tile)._kind()
+        self.bm, self.bn = _TILES[self.kind]
+        if n % 4:
+            raise MkValueError(f"{self.name}: n={n} must be a multiple of 4")
+        G, nodes = comm.local_size, comm.nodes
+        self.world = comm.size
+        tiles_m, tiles_n = cdiv(m, self.bm), cdiv(n, self.bn)
+        sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        self.topology = f"{nodes}x{G}"
+        if comm_sms is None:
+            comm_sms = sm_split.choose(self.kernel_name, self.topology, m, n, k, sms)
+        self.comm_sms = int(comm_sms)
+        tile_bytes = self.bm * self.bn * 2
+        if chunk_bytes is None:
+            chunk_bytes = sm_split.default_chunk_bytes(self.topology)
+        self.chunk_tiles = max(1, int(chunk_bytes) // tile_bytes)
+        self.group_m = int(group_m or default_group_m(tiles_m, tiles_n, 128 if not SIMULATOR
+                                                      else 2))
+        self.plan = ReducePlan(self.allreduce, m, n, self.bm, self.bn, nodes, G, comm.node,
+                               comm.local_rank, self.chunk_tiles, self.group_m)
+        self.out_rows = m if self.allreduce else m // self.world
+        self._roles(sms, G, nodes)
+        self._allocate(G, nodes)
+        self.err = comm.new_error_record()
+        self.epoch = 0
+        self.calls = 0
+        self._tmaps = {}
+        self._prepared = {}
+        self._lock = threading.Lock()
+
+    kernel_name = "gemm_reduce"
+
+    # -- planning ---------------------------------------------------------------------------------
+    def _roles(self, sms, G, nodes):
+        """Split the held-back SMs between the communication roles (block index order)."""
+        s = self.comm_sms
+        need = 1 + (2 if nodes > 1 else 0) + (1 if self.allreduce and G > 1 else 0)
+        if not need <= s < sms:
+            raise MkValueError(f"{self.name}: comm_sms={s} must be in [{need}, {sms - 1}] "
+                               f"for topology {self.topology}")
+        send = 1 if nodes > 1 else 0
+        recv = max(1, s // 4) if nodes > 1 else 0
+        pull = max(1, (s - send - recv) // 2) if self.allreduce and G > 1 else 0
+        reduce = s - send - recv - pull
+        self.role_blocks = dict(compute=sms - s, reduce=reduce, send=send, recv=recv, pull=pull)
+        self.grid = sms
+        self.sms = sms
+
+    def _allocate(self, G, nodes):
+        comm, plan = self.comm, self.plan
+        self.words = self.m * self.n // 4
+        self.part = comm.alloc_symmetric((2 * self.words,), np.uint64)
+        self.tile_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n)
+        self.final_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n if self.allreduce else 1)
+        self._buffers = [self.part, self.tile_flags, self.final_flags]
+        tile_words = self.bm * self.bn // 4
+        # Symmetric buffers must have one size on every rank: take the world's largest.
+        from mpi4py import MPI
+        stage_slots = comm.mpi.allreduce(plan.stage_slots, op=MPI.MAX)
+        recv_slots = comm.mpi.allreduce(plan.recv_slots, op=MPI.MAX)
+        n_arrive = comm.mpi.allreduce((nodes - 1) * plan.recv_chunks, op=MPI.MAX)
+        n_chunks = comm.mpi.allreduce(plan.n_chunks, op=MPI.MAX)
+        self.stage_slots, self.recv_slots = stage_slots, recv_slots
+        wins = (0, 0, 0)
+        if nodes > 1:
+            if comm.proxy is None:
+                raise MkError(f"{self.name}: {nodes} nodes need the proxy (mknumba.proxy), "
+                              "which this Comm did not start")
+            self.stage = comm.alloc_symmetric((max(1, 2 * stage_slots * tile_words),), np.uint64)
+            self.recv = comm.alloc_symmetric((max(1, 2 * recv_slots * tile_words),), np.uint64)
+            self.arrive = comm.alloc_flags(max(1, n_arrive))
+            self.red_flags = comm.alloc_flags(max(1, stage_slots))
+            self.chunk_count = comm.alloc_flags(max(1, n_chunks))
+            self.chunk_ready = comm.alloc_flags(max(1, n_chunks))
+            self._buffers += [self.stage, self.recv, self.arrive, self.red_flags,
+                              self.chunk_count, self.chunk_ready]
+            wins = (comm.proxy.register(self.stage), comm.proxy.register(self.recv),
+                    comm.proxy.register(self.arrive))
+            ring, head, tail = comm.proxy.device_args()
+            dev = [x.local for x in (self.stage, self.recv, self.arrive, self.red_flags,
+                                     self.chunk_count, self.chunk_ready)]
+        else:
+            z64, z32 = np.zeros(1, np.uint64), np.zeros(1, np.uint32)
+            dev = [_to_device(z64), _to_device(z64)] + [_to_device(z32) for _ in range(4)]
+            ring, head, tail = (cuda.mapped_array(12, np.uint32), _to_device(z32),
+                                cuda.mapped_array(1, np.uint32))
+        rb = self.role_blocks
+        reduce_end = rb["compute"] + rb["reduce"]
+        send_end = reduce_end + rb["send"]
+        recv_end = send_end + rb["recv"]
+        cfg = np.zeros(24, np.int64)
+        cfg[[C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES]] = (self.m, self.n, plan.tiles_n,
+                                                          comm.local_rank, G, nodes)
+        cfg[C_OUT_ROW0] = 0 if self.allreduce else comm.rank * self.out_rows
+        cfg[[C_COMPUTE, C_REDUCE_END, C_SEND_END, C_RECV_END]] = (rb["compute"], reduce_end,
+                                                                  send_end, recv_end)
+        cfg[C_ALLREDUCE] = int(self.allreduce)
+        cfg[[C_STAGE_SLOTS, C_RECV_SLOTS, C_NFINAL, C_RECV_CHUNKS, C_CHUNK, C_NCMDS]] = (
+            stage_slots, recv_slots, plan.n_final, plan.recv_chunks, plan.chunk_tiles_max,
+            plan.n_cmds)
+        cfg[[C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE]] = wins
+        cfg[[C_NRED, C_NPULL, C_WORDS]] = (len(plan.red_tiles), len(plan.pull_tiles), self.words)
+        tables = [plan.order, plan.red_tiles, plan.red_slots, plan.red_chunks, plan.chunk_tiles,
+                  plan.cmds, plan.final_tiles, plan.final_slots, plan.pull_tiles, plan.pull_owner]
+        self._tables = [_to_device(cfg)] + [_to_device(nonempty(np.ascontiguousarray(t)))
+                                            for t in tables]
+        self._net = dev + [ring, head, tail]
+
+    # -- calls ------------------------------------------------------------------------------------
+    def out_shape(self):
+        return (self.out_rows, self.n)
+
+    def __call__(self, a, b, out=None, stream=None):
+        """a: [m, k] bf16, b: [k, n] bf16 (row-major, or a column-major view such as ``w.T``
+        of a row-major [n, k] ``w``: no copy) -> out [m / world, n] (ReduceScatter) or [m, n]
+        (AllReduce), bf16. PyTorch tensors in -> tensor out; numba/CuPy arrays of bf16 bits
+        (uint16/int16) in -> numba array out."""
+        self.comm.check(self.err, f"{self.name} (an earlier call)")
+        key = _key(a, b, out, stream)
+        prep = self._prepared.get(key) if key is not None else None
+        if prep is None:
+            prep = self._prepare(a, b, out, stream)
+            if key is not None:
+                if len(self._prepared) > 16:
+                    self._prepared.clear()
+                self._prepared[key] = prep
+        with self._lock:
+            self.epoch = self.epoch % _MASK32 + 1       # never 0: fresh flags hold 0
+            self.calls = (self.calls + 1) & _MASK32     # counters and slot parity follow it
+            res = prep.run(self.epoch, self.calls, _EPOCH_ARG, _CALL_ARG)
+        return out if out is not None else res
+
+    def _prepare(self, a, b, out, stream):
+        A, B = _gemm._Operand(a, "a"), _gemm._Operand(b, "b")
+        if (A.torch is None) != (B.torch is None):
+            raise MkValueError(f"{self.name}: a and b must both be PyTorch tensors or both be "
+                               "device arrays")
+        if A.shape != (self.m, self.k):
+            raise MkValueError(f"{self.name}: a has shape {A.shape}, planned [{self.m}, {self.k}]"
+                               " (A: [m, k_local])")
+        if B.shape != (self.k, self.n):
+            raise MkValueError(f"{self.name}: b has shape {B.shape}, planned [{self.k}, {self.n}]"
+                               " (B: [k_local, n])")
+        if not A.row_major:
+            raise MkValueError(f"{self.name}: a must be row-major and contiguous")
+        if A.torch is not None:
+            import torch
+            if A.device != self.comm.device_id or B.device != self.comm.device_id:
+                raise MkValueError(f"{self.name}: inputs must live on this rank's GPU "
+                                   f"cuda:{self.comm.device_id}")
+            s = cuda.external_stream(torch.cuda.current_stream(A.device).cuda_stream)
+        else:
+            s = stream if stream is not None else (0 if SIMULATOR else cuda.default_stream())
+        bt = _gemm.Gemm._b_as_nk(B, "kn", self.n, self.k, s)
+        res, out_words = self._output(A, out)
+        if self.kind == "sm90":
+            tk = (_gemm._ptr(A.arr), _gemm._ptr(bt))
+            if tk not in self._tmaps:
+                host = np.concatenate([
+                    _gemm._tensor_map(tk[0], self.m, self.k, compute.SM90_TILE[0]),
+                    _gemm._tensor_map(tk[1], self.n, self.k, compute.SM90_TILE[1])])
+                self._tmaps = {tk: cuda.to_device(host)}
+            tmaps = self._tmaps[tk]
+        else:
+            tmaps = _to_device(np.zeros(32, np.uint64))
+        part_c = self.part.local.view(np.uint16).reshape(2, self.m, self.n)
+        args = [A.arr, bt, tmaps, part_c, self.part.local, self.part.ptrs,
+                self.tile_flags.local, self.tile_flags.ptrs, self.final_flags.local,
+                self.final_flags.ptrs, out_words] + self._tables + self._net + [
+                np.uint32(0), np.uint32(0), np.uint64(self.comm.timeout_ns), self.err,
+                np.int64(self.comm.rank)]
+        kern, bps = _compiled(self.kind, args)
+        if bps < 1:
+            raise MkError(f"{self.name}: the kernel does not fit on an SM")
+        grid = self.sms  # one block per SM: the persistent grid is co-resident
+        keep = (a, b, bt, out)
+        return _Prepared(kern, args, grid, _THREADS[self.kind], _SMEM[self.kind], s, res, keep)
+
+    def _output(self, A, out):
+        shape = self.out_shape()
+        if out is None:
+            if A.torch is not None:
+                import torch
+                out = torch.empty(shape, dtype=torch.bfloat16, device=A.torch.device)
+            else:
+                out = cuda.device_array(shape, dtype=np.uint16)
+        O = _gemm._Operand(out, "out")
+        if O.shape != shape or not O.row_major:
+            raise MkValueError(f"{self.name}: out must be a contiguous row-major "
+                               f"[{shape[0]}, {shape[1]}] bf16 array, got {O.shape}")
+        if A.torch is not None and O.torch is None:
+            raise MkValueError(f"{self.name}: out must be a PyTorch tensor like the inputs")
+        return out, O.arr.reshape(shape[0] * shape[1]).view(np.uint64)
+
+    def synchronize(self, stream=None):
+        """Wait for this rank's calls; raise MkTimeoutError if a device wait expired."""
+        self.comm.synchronize(stream or 0)   # polls: the proxy thread needs the GIL meanwhile
+        self.comm.check(self.err, self.name)
+
+    def free(self):
+        """Collective: release the op's symmetric buffers."""
+        for buf in self._buffers:
+            self.comm.free(buf)
+        self._buffers = []
+        self._prepared.clear()
+
+
+_EPOCH_ARG, _CALL_ARG = 31, 32   # positions of epoch and call in the kernel's arguments
+
+
+def _to_device(x):
+    return cuda.to_device(x)
+
+
+def _key(a, b, out, stream):
+    """Reuse a prepared launch for the same tensors/arrays (pointers, shapes, strides, stream)."""
+    if out is None:
+        return None
+    def desc(x):
+        if type(x).__module__.split(".")[0] == "torch":
+            return (x.data_ptr(), tuple(x.shape), tuple(x.stride()), str(x.dtype), x.device.index)
+        cai = getattr(x, "__cuda_array_interface__", None)
+        if cai is None:
+            return None
+        return (cai["data"][0], tuple(cai["shape"]), cai.get("strides"), cai["typestr"])
+    ds = [desc(x) for x in (a, b, out)]
+    if any(d is None for d in ds) or SIMULATOR:
+        return None
+    torch_stream = None
+    if type(a).__module__.split(".")[0] == "torch":
+        import torch
+        torch_stream = torch.cuda.current_stream(a.device).cuda_stream
+    return (tuple(ds), torch_stream, id(stream))

@@ -1,0 +1,152 @@
+"""GemmReduceScatter / GemmAllReduce: schedule tables, sm_90a compile + link without a GPU,
+multi-rank runs under the simulator (1x2, 2x1 both completion modes, 2x2) and on GPUs."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from mpi_util import run_mpi
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import mknumba  # noqa: E402,F401
+from mknumba.sched.reduce import ReducePlan  # noqa: E402
+
+
+# ---- schedule (host tables) -------------------------------------------------------------------
+def _plans(allreduce, nodes, G, m=None, n=96, bm=32, bn=32, k=3):
+    W = nodes * G
+    m = m or W * 64
+    return {nd * G + l: ReducePlan(allreduce, m, n, bm, bn, nodes, G, nd, l, k, 2)
+            for nd in range(nodes) for l in range(G)}
+
+
+@pytest.mark.parametrize("allreduce", [False, True])
+@pytest.mark.parametrize("nodes,G", [(1, 2), (2, 1), (2, 2), (3, 2), (2, 4)])
+def test_plan_tables_agree_across_ranks(allreduce, nodes, G):
+    plans = _plans(allreduce, nodes, G)
+    tiles = plans[0].tiles_m * plans[0].tiles_n
+    for node in range(nodes):
+        ranks = [node * G + l for l in range(G)]
+        # every rank of a node computes every tile, in one order
+        for r in ranks:
+            assert sorted(plans[r].order.tolist()) == list(range(tiles))
+            assert (plans[r].order == plans[ranks[0]].order).all()
+        # each tile is reduced by exactly one GPU per node
+        red = np.concatenate([plans[r].red_tiles for r in ranks])
+        assert sorted(red.tolist()) == list(range(tiles))
+    for r, p in plans.items():
+        # the network needs go first: tiles another node needs precede the rest in compute order
+        if nodes > 1 and not allreduce:
+            dest = (p.order // p.tiles_n) // (p.tiles_m // p.world) // G
+            remote = dest != p.node
+            assert not (remote[1:] & ~remote[:-1]).any()
+        # every send command lands exactly the tiles its receiver expects, where it expects them
+        stage_tile = {int(s): int(t) for t, s in zip(p.red_tiles, p.red_slots)}
+        for q, dest, s0, nt, d0, flag in p.cmds[:p.n_cmds]:
+            rp = plans[int(dest)]
+            assert rp.local == p.local and rp.node != p.node          # rail peer
+            src, i0 = divmod(int(d0), rp.n_final)
+            for j in range(nt):
+                assert stage_tile[s0 + j] == rp.final_tiles[i0 + j]
+            assert flag == src * rp.recv_chunks + i0 // 3
+            assert p.chunk_tiles[q] == nt
+        # only 1/G of the output leaves each GPU, once per remote node that needs it
+        if nodes > 1:
+            sent = p.cmds[:p.n_cmds, 3].sum()
+            want = (tiles // G) * ((nodes - 1) if allreduce else (nodes - 1) / nodes)
+            assert abs(sent - want) <= G, (sent, want)
+
+
+def test_reduce_scatter_needs_whole_tile_row_blocks():
+    with pytest.raises(mknumba.MkValueError, match="row blocks"):
+        ReducePlan(False, 100, 64, 32, 32, 1, 2, 0, 0, 4, 2)
+
+
+# ---- sm_90a compile + link, no GPU ------------------------------------------------------------
+COMPILE_SCRIPT = textwrap.dedent("""
+    import numba.cuda.dispatcher as disp
+    disp.get_current_device = lambda: type("D", (), {"compute_capability": (9, 0)})()
+    from numba import types
+    from numba.cuda import compiler
+    import mknumba.kernels.gemm_reduce as K
+    from mknumba.roles.compute import SM90_THREADS
+
+    def arr(dt, nd=1):
+        return types.Array(dt, nd, "C")
+    u64, u32, i32 = arr(types.uint64), arr(types.uint32), arr(types.int32)
+    sig = (arr(types.int16, 2), arr(types.int16, 2), u64, arr(types.uint16, 3), u64, u64,
+           u32, u64, u32, u64, u64, arr(types.int64)) + (i32,) * 5 + (arr(types.int32, 2),) + \\
+          (i32,) * 4 + (u64, u64, u32, u32, u32, u32, u32, u32, u32, types.uint32, types.uint32,
+           types.uint64, arr(types.int64), types.int64)
+    lib, _ = compiler._compile_pyfunc_with_fixup(
+        K._KERNELS["sm90"].py_func, sig, device=False, cc=(9, 0, "a"),
+        launch_bounds=(SM90_THREADS, 1), lto=True, abi="numba")
+    lib._lto = True
+    cubin = lib.get_cubin(cc=(9, 0, "a"))
+    ptx = lib.get_lto_ptx(cc=(9, 0, "a")).replace("\\\\x00", "")
+    assert ptx.count("wgmma.mma_async") >= 4, "wgmma missing"
+    for instr in ("st.release.sys", "ld.acquire.sys", "atom.add.release.gpu", "fence.acq_rel.sys"):
+        assert instr in ptx, instr
+    assert "multimem" not in ptx                  # never NVLink multicast
+    print("linked", len(bytes(cubin.code)))
+""")
+
+
+def test_fused_kernel_compiles_for_sm90a():
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "linked" in r.stdout
+
+
+# ---- simulator, several ranks (tiny shapes: every thread is a Python thread) -------------------
+def _passes(out, n):
+    assert out.count("PASS") == n, out[-3000:]
+
+
+def test_sim_1x2_both_kernels():
+    _passes(run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2), 4)
+
+
+@pytest.mark.parametrize("mode", ["ordered", "completion"])
+def test_sim_2x1_both_kernels(mode):
+    env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": f"sim:{mode}"}
+    _passes(run_mpi("fused_checks.py", 2, "both", 128, 32, 8, 2, "numba", 1, env=env), 4)
+
+
+def test_sim_2x2_both_kernels():
+    env = {"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:completion"}
+    _passes(run_mpi("fused_checks.py", 4, "both", 128, 32, 8, 2, "numba", 1, env=env), 8)
+
+
+# ---- GPUs -------------------------------------------------------------------------------------
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0"}
+
+
+@pytest.mark.gpu
+def test_gpu_1x2_hundred_calls_torch():
+    out = run_mpi("fused_checks.py", 2, "both", 2048, 1536, 512, 100, "torch",
+                  simulator=False, env=GPU_ENV)
+    _passes(out, 4)
+
+
+@pytest.mark.gpu
+def test_gpu_1x2_ragged_numba():
+    # ragged last tile column and row (AllReduce takes any m), several calls, numba arrays
+    _passes(run_mpi("fused_checks.py", 2, "ar", 1000, 776, 264, 5, "numba", simulator=False,
+                    env=GPU_ENV), 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["ordered", "completion"])
+def test_gpu_2x1_dma(mode):
+    env = dict(GPU_ENV, MKNUMBA_GPUS_PER_NODE="1", MKNUMBA_TRANSPORT=f"dma:{mode}")
+    _passes(run_mpi("fused_checks.py", 2, "both", 2048, 1024, 256, 100, "torch", 2,
+                    simulator=False, env=env), 4)
