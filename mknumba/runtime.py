@@ -11,7 +11,9 @@ under MPS), ``MKNUMBA_TRANSPORT`` (inter-node transport, see ``mknumba.proxy``).
 """
 import os
 import socket
+import sys
 import time
+import traceback
 
 import numpy as np
 from numba import cuda
@@ -192,7 +194,13 @@ class Comm:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and self.size > 1:
+            # The other ranks may be inside a collective this rank will never join, so a
+            # collective teardown would hang: report the error and take the job down instead.
+            traceback.print_exception(exc_type, exc, tb)
+            sys.stderr.flush()
+            self.mpi.Abort(1)
         self.finalize()
 
     def __repr__(self):

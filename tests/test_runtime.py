@@ -59,3 +59,8 @@ def test_no_mpi_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "mpi4py", None)
     with pytest.raises(mk.MkError, match=r"pip install 'mknumba\[mpi\]'"):
         runtime._mpi()
+
+
+def test_exception_on_one_rank_aborts_instead_of_hanging():
+    out = run_mpi("runtime_checks.py", 2, "raise", timeout=120, expect_fail=True)
+    assert "rank 0 failed on purpose" in out, out[-3000:]

@@ -171,6 +171,10 @@ def main():
             check_timeout(comm)
         elif check == "validation":
             check_validation(comm)
+        elif check == "raise":           # rank 0 fails while the others wait in a collective
+            if comm.rank == 0:
+                raise RuntimeError("rank 0 failed on purpose")
+            comm.barrier()
         else:
             raise SystemExit(f"unknown check {check}")
         print(f"PASS {check} rank {comm.rank}", flush=True)
