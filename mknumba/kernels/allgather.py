@@ -30,7 +30,8 @@ from ..roles.blocks import copy_tile, publish, wait
 @cuda.jit
 def allgather_kernel(shard, out, stage, stage_ptrs, flags, flag_ptrs, epoch, me, members,
                      tile, n_send, timeout_ns, err, rank):
-    """shard: [n]; out: [members*n]; stage: symmetric [2*members*n]; flags: symmetric uint32
+    """shard: [n] raw words (any unsigned width); out: [members*n]; stage: symmetric
+    [2*members*n]; tile: words per tile; flags: symmetric uint32
     [members*tiles]; *_ptrs: peers' addresses of stage/flags; err: int64[8] error record."""
     deadline = prim.globaltimer() + timeout_ns
     n = shard.size

@@ -46,10 +46,8 @@ class Proxy:
                             else (200 if comm.simulator else 2000)) * 1000)
         self.stats = {"commands": 0, "batches": 0, "bytes": 0, "busy_ns": 0, "polls": 0}
         self._error = None
-        # The proxy thread needs the GIL. mpi4py's first pickle-based reduction on a
-        # communicator duplicates it while holding the GIL and spinning in MPI, which would
-        # starve the proxy (and deadlock a peer waiting for our chunks): do that first use now.
-        comm.mpi.allreduce(0)
+        # The proxy thread needs the GIL: Comm.__init__ has already made mpi4py's first
+        # pickle-based reduction on each communicator (it holds the GIL while it spins).
         self._stop = threading.Event()
         self._drained = threading.Event()    # own ring drained, own submissions delivered
         self._final = threading.Event()      # all ranks drained: publish the last arrivals
