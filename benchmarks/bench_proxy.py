@@ -179,6 +179,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--transport", default=os.environ.get("MKNUMBA_TRANSPORT", "dma:ordered"))
     ap.add_argument("--copy", default=None, help="dma copy mode: each | batch")
+    ap.add_argument("--batch", type=int, default=None, help="commands per submission (8)")
+    ap.add_argument("--streams", type=int, default=None, help="dma streams (1)")
     ap.add_argument("--commands", type=int, default=200_000)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "proxy.json"))
@@ -189,11 +191,17 @@ def main():
         return
     if args.copy:
         os.environ["MKNUMBA_DMA_COPY"] = args.copy
+    if args.batch:
+        os.environ["MKNUMBA_PROXY_BATCH"] = str(args.batch)
+    if args.streams:
+        os.environ["MKNUMBA_DMA_STREAMS"] = str(args.streams)
     b = Bench(args)
     comm, proxy = b.comm, b.proxy
     tname = f"{proxy.transport.name}:{proxy.transport.completion}"
     if hasattr(proxy.transport, "copy"):
-        tname += f":{proxy.transport.copy}"
+        tname += f":{proxy.transport.copy}:streams{len(proxy.transport.streams)}"
+    if proxy.max_batch != 8:
+        tname += f":batch{proxy.max_batch}"
     if os.environ.get("MKNUMBA_PACE_GBPS"):
         tname += f":paced{os.environ['MKNUMBA_PACE_GBPS']}"
     gpu = cuda.get_current_device().name

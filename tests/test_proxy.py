@@ -1,11 +1,14 @@
-"""Command ring, batching, immediates, transport choice, verbs planning; MPI stress tests."""
+"""Command ring, the compiled proxy loop (batching, credits, pacing), immediates, transport choice, verbs planning; MPI stress tests."""
+import time
+
 import numpy as np
 import pytest
 
 import mknumba  # noqa: F401
-from mknumba.proxy.batching import Batcher
+from mknumba.proxy import engine as eng
+from mknumba.proxy.clock import new_clock
 from mknumba.proxy.imm import FlagShadow, decode_imm, encode_imm, restore_epoch
-from mknumba.proxy.ring import (CMD_WORDS, COMMAND_DTYPE, RingReader, W_SEQ, host_enqueue,
+from mknumba.proxy.ring import (CMD_WORDS, COMMAND_DTYPE, MAX_WINDOWS, W_SEQ, host_enqueue,
                                 write_body)
 from mknumba.proxy.transports import parse_spec
 from mknumba.proxy.transports.verbs import rdma_available
@@ -31,68 +34,129 @@ def test_encoder_round_trip():
     assert r[W_SEQ] == 0   # the encoder never commits
 
 
-def test_reader_waits_for_header_and_keeps_order():
-    words, head, tail = ring(8)
-    rd = RingReader(words, tail)
+class LoopHarness:
+    """The proxy's compiled loop in outbox mode over a host ring, driven without a thread."""
+
+    def __init__(self, slots=8, size=4, max_batch=8, window_ns=10**9, pace_gbps=None):
+        self.words, self.head, self.tail = ring(slots)
+        self.recs = self.words.view(COMMAND_DTYPE)
+        self.q = eng.Queues(size, max_batch, 64)
+        self.st = np.zeros(eng.NSTATE, np.int64)
+        self.cfg = np.zeros(eng.NCFG, np.int64)
+        self.cfg[[eng.K_MAX_BATCH, eng.K_WINDOW_NS, eng.K_SPIN_NS, eng.K_SLICE_NS,
+                  eng.K_POLL_LIMIT, eng.K_ME, eng.K_NWIN, eng.K_OUTBOX,
+                  eng.K_PACE_FS_PER_BYTE]] = [max_batch, window_ns, 0, 10**9, 64, 0, 8, 1,
+                                              1e6 / pace_gbps if pace_gbps else 0]
+        self.win_bytes = np.full(MAX_WINDOWS, 1 << 50, np.uint64)
+        self.clock = new_clock()
+
+    def set_tail(self, t):
+        self.head[0] = self.tail[0] = t
+        self.st[eng.S_TAIL] = t
+
+    def enqueue(self, **kw):
+        return host_enqueue(self.words, self.head, self.tail, **dict(FIELDS, **kw))
+
+    def run(self, stop=False):
+        """One engine call -> (rc, [(peer, batch)] it deferred)."""
+        self.st[eng.S_STOP] = stop
+        self.st[eng.S_IDLE_SINCE] = 0          # idle at once: return instead of spinning
+        q = self.q
+        rc = eng.run(self.st, self.cfg, self.words, self.recs, self.tail, q.pending, q.count,
+                     q.oldest, self.win_bytes, eng.defer, eng.no_progress, q.outbox_ctx(),
+                     self.clock)
+        return rc, q.take_outbox()
+
+    def drain(self):
+        """Run with stop set until drained -> every deferred batch."""
+        out = []
+        while True:
+            rc, got = self.run(stop=True)
+            out += got
+            if rc == eng.RC_DRAINED:
+                return out
+            assert rc in (eng.RC_DEFERRED, eng.RC_IDLE), rc
+
+
+def chunks(batches):
+    return [int(c) for _, b in batches for c in b["chunk"]]
+
+
+def test_loop_waits_for_header_and_keeps_order():
+    h = LoopHarness(8)
     for j in range(5):
-        assert host_enqueue(words, head, tail, **dict(FIELDS, chunk=j))
-    words[2 * CMD_WORDS + W_SEQ] = 0          # ticket 2 not committed yet: stop before it
-    got = rd.poll()
-    assert list(got["chunk"]) == [0, 1]
-    words[2 * CMD_WORDS + W_SEQ] = 3
-    assert list(rd.poll()["chunk"]) == [2, 3, 4]
-    assert len(rd.poll()) == 0
+        assert h.enqueue(chunk=j)
+    h.words[2 * CMD_WORDS + W_SEQ] = 0          # ticket 2 not committed yet: stop before it
+    assert chunks(h.drain()) == [0, 1] and h.tail[0] == 2
+    h.words[2 * CMD_WORDS + W_SEQ] = 3
+    got = h.drain()
+    assert chunks(got) == [2, 3, 4] and {p for p, _ in got} == {3}
+    assert h.drain() == [] and h.st[eng.S_COMMANDS] == 5
 
 
 def test_full_ring_refuses_then_wraps_with_credits():
-    words, head, tail = ring(4)
-    rd = RingReader(words, tail)
+    h = LoopHarness(4)
     seen = []
     for j in range(4 * 1000 + 3):           # many laps; tickets keep their order
-        while not host_enqueue(words, head, tail, **dict(FIELDS, chunk=j)):
-            assert head[0] - tail[0] == 4      # full: refused, nothing overwritten
-            seen += list(rd.poll()["chunk"])
-            rd.release()
-    seen += list(rd.poll()["chunk"])
+        while not h.enqueue(chunk=j):
+            assert h.head[0] - h.tail[0] == 4      # full: refused, nothing overwritten
+            seen += chunks(h.drain())
+    seen += chunks(h.drain())
     assert seen == list(range(4 * 1000 + 3))
 
 
 def test_ticket_wraps_at_2_32():
-    words, head, tail = ring(4)
-    head[0] = tail[0] = 0xFFFFFFFE
-    rd = RingReader(words, tail)
+    h = LoopHarness(4)
+    h.set_tail(0xFFFFFFFE)
     for j in range(6):
-        assert host_enqueue(words, head, tail, **dict(FIELDS, chunk=j)) or j >= 4
-    assert list(rd.poll()["chunk"]) == [0, 1, 2, 3]
+        assert h.enqueue(chunk=j) or j >= 4
+    assert chunks(h.drain()) == [0, 1, 2, 3] and h.tail[0] == 2
 
 
-def cmds(peers, t0=0):
-    a = np.zeros(len(peers), COMMAND_DTYPE)
-    a["peer"] = peers
-    a["chunk"] = np.arange(t0, t0 + len(peers))
-    return a
+def test_full_batches_at_once_partial_after_window():
+    h = LoopHarness(64, max_batch=8, window_ns=20_000_000)
+    for j in range(22):
+        assert h.enqueue(peer=1 if j < 19 else 2, chunk=j)
+    rc, out = h.run()
+    assert rc == eng.RC_DEFERRED and [(p, len(b)) for p, b in out] == [(1, 8), (1, 8)]
+    assert h.run()[1] == []                   # the window has not passed
+    time.sleep(0.03)
+    rc, out = h.run()
+    assert sorted((p, len(b)) for p, b in out) == [(1, 3), (2, 3)]
+    assert h.drain() == [] and h.st[eng.S_BATCHES] == 4
 
 
-def test_batcher_full_batches_at_once_partial_after_window():
-    b = Batcher(max_batch=8, window_ns=1000)
-    b.add(cmds([1] * 19 + [2] * 3), now_ns=0)
-    out = b.take(now_ns=10)
-    assert [(p, len(x)) for p, x in out] == [(1, 8), (1, 8)]
-    assert b.take(now_ns=999) == []
-    out = b.take(now_ns=1000)
-    assert sorted((p, len(x)) for p, x in out) == [(1, 3), (2, 3)]
-    assert len(b) == 0
-
-
-def test_batcher_keeps_per_connection_order_and_flush():
-    b = Batcher(max_batch=4, window_ns=10**9)
+def test_keeps_per_connection_order_and_flushes_when_stopping():
+    h = LoopHarness(64, max_batch=4)
     peers = np.random.default_rng(0).integers(1, 4, 50)
-    b.add(cmds(peers), 0)
-    out = b.take(0) + b.take(0, flush=True)
+    for j, p in enumerate(peers):
+        assert h.enqueue(peer=int(p), chunk=j)
+    out = h.drain()
     for p in (1, 2, 3):
-        got = np.concatenate([x["chunk"] for q, x in out if q == p])
-        assert list(got) == list(np.flatnonzero(peers == p))
-        assert all(len(x) <= 4 for q, x in out)
+        got = [int(c) for q, b in out if q == p for c in b["chunk"]]
+        assert got == list(np.flatnonzero(peers == p))
+    assert all(len(b) <= 4 for _, b in out)
+
+
+def test_bad_commands_stop_the_loop_with_a_reason():
+    h = LoopHarness(8)
+    h.win_bytes[:] = 4096
+    assert h.enqueue(peer=1, src_off=0, dst_off=4000, nbytes=200)    # leaves its window
+    rc, out = h.run(stop=True)
+    assert rc == eng.RC_ERROR and out == []
+    assert (h.st[eng.S_ERR], h.st[eng.S_ERR_PEER], h.st[eng.S_ERR_CODE]) == (eng.E_COMMAND, 1, 1)
+    h = LoopHarness(8)
+    assert h.enqueue(peer=9)                                          # no such rank
+    assert h.run()[0] == eng.RC_ERROR and h.st[eng.S_ERR] == eng.E_PEER
+
+
+def test_pacing_holds_submissions_to_the_rate():
+    h = LoopHarness(64, max_batch=1, pace_gbps=1.0)
+    for j in range(20):
+        assert h.enqueue(peer=1, nbytes=1_000_000, chunk=j)
+    t0 = time.monotonic()
+    assert chunks(h.drain()) == list(range(20))
+    assert time.monotonic() - t0 > 0.018       # 20 MB at 1 GB/s, less the 50 us burst
 
 
 def test_imm_round_trip_and_epoch_restore():

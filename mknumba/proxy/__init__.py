@@ -12,16 +12,17 @@ arrival flag true on the peer (:func:`mknumba.roles.recv.wait_chunk` waits for i
 
 Environment: ``MKNUMBA_TRANSPORT`` = ``sim`` | ``dma`` | ``verbs``, optionally ``:ordered`` or
 ``:completion``; ``MKNUMBA_PACE_GBPS`` paces submissions to a NIC rate (e.g. 50);
-``MKNUMBA_PROXY_SLOTS`` ring capacity (power of two, default 1024).
+``MKNUMBA_PROXY_SLOTS`` ring capacity (power of two, default 1024); ``MKNUMBA_PROXY_BATCH``
+commands per submission and connection (default 8, the paper's; at most 256).
 """
 import os
 
 from . import transports
 from .proxy import Proxy
-from .ring import CMD_BYTES, CMD_WORDS, COMMAND_DTYPE, RingReader, host_enqueue, write_body
+from .ring import CMD_BYTES, CMD_WORDS, COMMAND_DTYPE, host_enqueue, write_body
 
 
-def start(comm, transport=None, *, slots=None, max_batch=8, window_us=5.0, pace_gbps=None,
+def start(comm, transport=None, *, slots=None, max_batch=None, window_us=5.0, pace_gbps=None,
           **transport_options):
     """Collective: choose and connect the transport, start this rank's proxy thread.
 
@@ -36,9 +37,10 @@ def start(comm, transport=None, *, slots=None, max_batch=8, window_us=5.0, pace_
     if pace_gbps is None and os.environ.get("MKNUMBA_PACE_GBPS"):
         pace_gbps = float(os.environ["MKNUMBA_PACE_GBPS"])
     slots = int(slots or os.environ.get("MKNUMBA_PROXY_SLOTS", 1024))
+    max_batch = int(max_batch or os.environ.get("MKNUMBA_PROXY_BATCH", 8))
     return Proxy(comm, t, slots=slots, max_batch=max_batch, window_us=window_us,
                  pace_gbps=pace_gbps)
 
 
 __all__ = ["start", "Proxy", "transports", "CMD_BYTES", "CMD_WORDS", "COMMAND_DTYPE",
-           "RingReader", "host_enqueue", "write_body"]
+           "host_enqueue", "write_body"]

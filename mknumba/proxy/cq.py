@@ -15,10 +15,50 @@ import time
 from multiprocessing import resource_tracker, shared_memory
 
 import numpy as np
+from numba import njit
 
 from ..errors import MkTimeoutError
 
 _PAGE = 4096
+
+
+@njit(nogil=True, inline="always")
+def entry_word(sender, seq, depth):
+    """Word index, within the receiver's segment, of ``sender``'s entry number ``seq``."""
+    return sender * depth + seq % depth
+
+
+@njit(nogil=True, inline="always")
+def entry_value(seq, imm):
+    """The entry word: (seq + 1) << 32 | imm (seq mod 2**32; 0 never names an entry)."""
+    return (np.uint64((seq + 1) & 0xFFFFFFFF) << np.uint64(32)) | np.uint64(imm)
+
+
+@njit(nogil=True)
+def take_entries(entries, consumed, taken, me, out):
+    """Receiver: move every ready entry (per sender, in order) into ``out`` as immediates and
+    give the entries back (``consumed``). Returns how many; stops when ``out`` is full.
+
+    entries: uint64[senders, depth]; consumed: uint64[senders] (shared: the senders read it);
+    taken: int64[senders] (private); out: uint32[>= 1].
+    """
+    depth = entries.shape[1]
+    n = 0
+    for s in range(entries.shape[0]):
+        if s == me:
+            continue
+        t = taken[s]
+        while n < out.shape[0]:
+            e = entries[s, t % depth]
+            if np.int64(e >> np.uint64(32)) != ((t + 1) & 0xFFFFFFFF):
+                break
+            out[n] = np.uint32(e & np.uint64(0xFFFFFFFF))
+            n += 1
+            t += 1
+        if t != taken[s]:
+            taken[s] = t
+            consumed[s] = t           # after the entries were read: the sender may reuse them
+    return n
 
 
 class CompletionQueues:
@@ -46,7 +86,6 @@ class CompletionQueues:
         self.consumed = mine[self.size * self.depth:]
         self.sent = np.zeros(self.size, np.int64)       # entries we reserved in each peer's row
         self.taken = np.zeros(self.size, np.int64)      # entries we took from each sender
-        self._ks = np.arange(self.depth, dtype=np.int64)
         comm.mpi.Barrier()   # every segment zeroed before anyone pushes
 
     def host_address(self, rank):
@@ -73,38 +112,15 @@ class CompletionQueues:
         self.sent[peer] += n
         return seq0
 
-    def word_index(self, seq0, n):
-        """Word offsets (within a peer's segment) of our entries seq0 .. seq0+n-1."""
-        return self.rank * self.depth + (seq0 + self._ks[:n]) % self.depth
-
-    @staticmethod
-    def entry_values(seq0, imms):
-        """uint64 entry words: (seq + 1) << 32 | imm, seq mod 2**32."""
-        seqs = (seq0 + 1 + np.arange(len(imms), dtype=np.int64)) & 0xFFFFFFFF
-        return ((seqs.astype(np.uint64) << np.uint64(32))
-                | np.asarray(imms, np.uint32).astype(np.uint64))
-
     def push(self, peer, seq0, imms):
         """Host-side delivery (simulator): write the entries into ``peer``'s segment."""
-        self.words[peer][self.word_index(seq0, len(imms))] = self.entry_values(seq0, imms)
+        _push(self.words[peer], self.rank, self.depth, seq0, np.asarray(imms, np.uint32))
 
     # -- receiver side --------------------------------------------------------------------------
     def poll(self, limit=256):
         """Take every ready entry from every sender -> uint32 immediates (per-sender order)."""
-        out = []
-        for s in range(self.size):
-            if s == self.rank:
-                continue
-            t = int(self.taken[s])
-            k = self._ks[:min(limit, self.depth)]
-            got = self.entries[s, (t + k) % self.depth]
-            ready = (got >> np.uint64(32)).astype(np.int64) == ((t + 1 + k) & 0xFFFFFFFF)
-            n = len(k) if ready.all() else int(np.argmin(ready))
-            if n:
-                out.append((got[:n] & np.uint64(0xFFFFFFFF)).astype(np.uint32))
-                self.taken[s] = t + n
-                self.consumed[s] = t + n          # give the sender its entries back
-        return np.concatenate(out) if out else np.zeros(0, np.uint32)
+        out = np.empty(limit, np.uint32)
+        return out[:take_entries(self.entries, self.consumed, self.taken, self.rank, out)]
 
     def close(self):
         self.words = self.entries = self.consumed = None
@@ -113,3 +129,9 @@ class CompletionQueues:
             if r == self.rank:
                 seg.unlink()
         self._segs = []
+
+
+@njit(nogil=True)
+def _push(words, sender, depth, seq0, imms):
+    for i in range(imms.shape[0]):
+        words[entry_word(sender, seq0 + i, depth)] = entry_value(seq0 + i, imms[i])

@@ -1,10 +1,12 @@
 """The host proxy: one thread per GPU that turns ring commands into transport submissions.
 
-Loop: poll the ring (copy committed commands out, return their slots as credits at once), batch
-them per connection (:class:`~.batching.Batcher`), optionally pace submissions to a NIC rate,
-submit, then let the transport advance completions. Any exception ends the loop and is kept;
-:meth:`Proxy.check` (and :meth:`Proxy.stop`) re-raise it in the calling program, while kernels
-waiting on the dead proxy leave their bounded waits with an error record instead of hanging.
+The thread runs the compiled loop of :mod:`.engine` (poll, batch per connection, pace, issue,
+progress) in slices without the GIL. Transports with a compiled path (``dma``) are driven from
+inside that loop; for the others (``sim``, ``verbs``) the loop defers batches to an outbox that
+this thread submits in Python, calling the transport's ``progress`` between slices. Any failure
+ends the thread and is kept: :meth:`Proxy.check` (and :meth:`Proxy.stop`) re-raise it in the
+calling program, while kernels waiting on the dead proxy leave their bounded waits with an error
+record instead of hanging.
 """
 import threading
 import time
@@ -12,10 +14,10 @@ import time
 import numpy as np
 from numba import cuda
 
-from ..errors import MkError, MkTimeoutError
-from .batching import Batcher
-from .ring import CMD_WORDS, RingReader
-
+from ..errors import MkError, MkTimeoutError, MkValueError
+from . import engine as eng
+from .clock import new_clock
+from .ring import CMD_WORDS, COMMAND_DTYPE
 
 class Proxy:
     """This rank's proxy (create with :func:`mknumba.proxy.start`).
@@ -27,10 +29,15 @@ class Proxy:
     """
 
     def __init__(self, comm, transport, slots=1024, max_batch=8, window_us=5.0, pace_gbps=None,
-                 spin_us=None, poll_limit=64):
+                 spin_us=None, poll_limit=64, slice_ms=20.0):
+        if slots & (slots - 1) or slots <= 0:
+            raise MkValueError(f"ring slots must be a power of two, got {slots}")
+        if not 1 <= max_batch <= 256:
+            raise MkValueError(f"max_batch must be in 1..256, got {max_batch}")
         self.comm = comm
         self.transport = transport
         self.rank = comm.rank
+        self.slots, self.max_batch = slots, max_batch
         # The ring and credits live in mapped host memory: the GPU writes commands over PCIe, the
         # proxy reads them without a copy; the ticket counter stays on the GPU (atomics there).
         self.ring = cuda.mapped_array(slots * CMD_WORDS, dtype=np.uint32)
@@ -38,19 +45,28 @@ class Proxy:
         np.asarray(self.ring)[:] = 0
         np.asarray(self.tail)[:] = 0
         self.head = cuda.to_device(np.zeros(1, np.uint32))
-        self.reader = RingReader(np.asarray(self.ring), np.asarray(self.tail))
-        self.batcher = Batcher(max_batch, int(window_us * 1000))
-        self.poll_limit = int(poll_limit)
-        self.pace_bps = None if not pace_gbps else float(pace_gbps) * 1e9
-        self.spin_ns = int((spin_us if spin_us is not None
-                            else (200 if comm.simulator else 2000)) * 1000)
-        self.stats = {"commands": 0, "batches": 0, "bytes": 0, "busy_ns": 0, "polls": 0}
+        self._words = np.asarray(self.ring)
+        self._recs = self._words.view(COMMAND_DTYPE)
+        self._tail = np.asarray(self.tail)
+        self.queues = eng.Queues(comm.size, max_batch, poll_limit)
+        self._st = np.zeros(eng.NSTATE, np.int64)
+        self._st[eng.S_IDLE_SINCE] = time.monotonic_ns()
+        self._cfg = np.zeros(eng.NCFG, np.int64)
+        cfg = self._cfg
+        cfg[eng.K_MAX_BATCH], cfg[eng.K_WINDOW_NS] = max_batch, int(window_us * 1000)
+        cfg[eng.K_SPIN_NS] = int((spin_us if spin_us is not None
+                                  else (200 if comm.simulator else 2000)) * 1000)
+        cfg[eng.K_POLL_LIMIT], cfg[eng.K_ME] = poll_limit, comm.rank
+        cfg[eng.K_PACE_FS_PER_BYTE] = int(round(1e6 / pace_gbps)) if pace_gbps else 0
+        compiled = transport.compiled() is not None
+        cfg[eng.K_OUTBOX] = not compiled
+        # outbox mode returns often so Python can progress; compiled transports run long slices
+        cfg[eng.K_SLICE_NS] = int((slice_ms if compiled else 0.2) * 1e6)
         self._error = None
-        # The proxy thread needs the GIL: Comm.__init__ has already made mpi4py's first
-        # pickle-based reduction on each communicator (it holds the GIL while it spins).
         self._stop = threading.Event()
         self._drained = threading.Event()    # own ring drained, own submissions delivered
         self._final = threading.Event()      # all ranks drained: publish the last arrivals
+        self._reg_lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name=f"mknumba-proxy-{self.rank}",
                                         daemon=True)
         self._thread.start()
@@ -59,7 +75,25 @@ class Proxy:
     def register(self, buf):
         """Collective: make a SymmetricBuffer a window commands can name; returns its id."""
         self.check()
-        return self.transport.register(buf)
+        with self._reg_lock:
+            win = self.transport.register(buf)
+            self._cfg[eng.K_NWIN] = len(self.transport.windows)
+            self._st[eng.S_YIELD] = 1        # the loop picks up the transport's new tables
+        deadline = time.monotonic() + self.comm.timeout_ns * 1e-9
+        while self._st[eng.S_YIELD] and self._thread is not None and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                raise MkTimeoutError(f"rank {self.rank}: the proxy did not take window {win}")
+            time.sleep(1e-5)
+        self.check()
+        return win
+
+    @property
+    def stats(self):
+        """Counters of this proxy: commands, batches, bytes submitted; busy_ns, polls."""
+        st = self._st
+        return {"commands": int(st[eng.S_COMMANDS]), "batches": int(st[eng.S_BATCHES]),
+                "bytes": int(st[eng.S_BYTES]), "busy_ns": int(st[eng.S_BUSY_NS]),
+                "polls": int(st[eng.S_POLLS])}
 
     def device_args(self):
         """(ring, head, tail): pass to kernels for ``roles.send.enqueue``."""
@@ -94,6 +128,7 @@ class Proxy:
         if self._thread is None:
             return self._error
         self._stop.set()                      # drain own ring and flush own submissions
+        self._st[eng.S_STOP] = 1
         deadline = time.monotonic() + self.comm.timeout_ns * 1e-9
         while not self._drained.is_set() and self._thread.is_alive():
             if time.monotonic() > deadline:
@@ -127,40 +162,38 @@ class Proxy:
             self._drained.set()
 
     def _loop(self):
-        reader, batcher, stats, transport = self.reader, self.batcher, self.stats, self.transport
-        idle_since = time.monotonic_ns()
-        next_ns = 0
+        q, st, transport, clock = self.queues, self._st, self.transport, new_clock()
         while True:
-            stopping = self._stop.is_set()
-            t0 = time.monotonic_ns()
-            cmds = reader.poll(self.poll_limit)
-            if len(cmds):
-                reader.release()               # copied out: the slots are credits again
-                batcher.add(cmds, t0)
-            batches = batcher.take(t0, flush=stopping and not len(cmds))
-            for peer, batch in batches:
-                if self.pace_bps:
-                    next_ns = self._pace(next_ns, int(batch["nbytes"].sum()))
-                transport.submit(peer, batch)
-                stats["batches"] += 1
-                stats["commands"] += len(batch)
-                stats["bytes"] += int(batch["nbytes"].sum())
-            worked = transport.progress() + len(cmds)
-            if worked or batches:
-                t1 = time.monotonic_ns()
-                stats["busy_ns"] += t1 - t0
-                idle_since = t1
-            elif stopping and not len(batcher):
-                return
-            elif t0 - idle_since > self.spin_ns:
-                time.sleep(20e-6)              # nap: let other Python threads (and cores) run
-            stats["polls"] += 1
+            st[eng.S_YIELD] = 0               # a table built after this sees every register()
+            compiled = transport.compiled()
+            issue, progress, ctx = compiled if compiled else (eng.defer, eng.no_progress,
+                                                              q.outbox_ctx())
+            while True:
+                rc = eng.run(st, self._cfg, self._words, self._recs, self._tail, q.pending,
+                             q.count, q.oldest, transport.win_bytes, issue, progress, ctx, clock)
+                if not compiled:
+                    for peer, batch in q.take_outbox():
+                        transport.submit(peer, batch)
+                    transport.progress()
+                if rc == eng.RC_ERROR:
+                    self._raise_engine_error()
+                if rc == eng.RC_DRAINED:
+                    return
+                if rc == eng.RC_IDLE:
+                    time.sleep(20e-6)         # nap: let other Python threads (and cores) run
+                if rc == eng.RC_YIELD or st[eng.S_YIELD]:
+                    break
 
-    def _pace(self, next_ns, nbytes):
-        """Token bucket at pace_bps: returns when ``nbytes`` may go; allows a 50 µs burst."""
-        now = time.monotonic_ns()
-        next_ns = max(next_ns, now - 50_000)
-        while now < next_ns:
-            self.transport.progress()
-            now = time.monotonic_ns()
-        return next_ns + int(nbytes * 1e9 / self.pace_bps)
+    def _raise_engine_error(self):
+        st, t = self._st, self.transport
+        kind, peer, code = (int(st[k]) for k in (eng.S_ERR, eng.S_ERR_PEER, eng.S_ERR_CODE))
+        if kind == eng.E_PEER:
+            raise MkValueError(f"rank {self.rank}: a command names peer {peer}, but the world "
+                               f"has {self.comm.size} ranks")
+        if kind == eng.E_COMMAND:
+            t.check_command(peer, self.queues.pending[peer, :code].copy())   # raises its message
+            raise MkValueError(f"rank {self.rank}: a bad command for peer {peer}")
+        if kind == eng.E_ISSUE:
+            raise MkError(f"{t.name} transport: submitting to rank {peer} failed: "
+                          f"{t.describe_error(code)}")
+        raise MkError(f"{t.name} transport: progress failed: {t.describe_error(code)}")

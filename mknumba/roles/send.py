@@ -16,6 +16,7 @@ from ..errors import ROLE_SEND
 from ..primitives import atomic_add_relaxed, st_release_sys, wait_flag
 from ..proxy.ring import CMD_WORDS, W_SEQ, slot_base, write_body
 
+CREDIT_PAUSE_NS = 4096
 _write_body = cuda.jit(device=True, inline=True)(write_body)
 _slot_base = cuda.jit(device=True, inline=True)(slot_base)
 
@@ -35,8 +36,10 @@ def enqueue(ring, head, tail, peer, src_win, src_off, dst_win, dst_off, nbytes, 
     slots = ring.shape[0] // CMD_WORDS
     ticket = atomic_add_relaxed(head, 0, 1)
     # Credit: the slot is free once the proxy's consumed count reaches ticket + 1 - slots
-    # (wrap-safe, so the same bounded flag wait serves as the credit wait).
-    if not wait_flag(tail, 0, np.int64(ticket) + 1 - slots, deadline, err, rank, ROLE_SEND):
+    # (wrap-safe, so the same bounded flag wait serves as the credit wait). ``tail`` is host
+    # memory: back off up to 4 µs between polls, leaving PCIe to the GPU's command fetches.
+    if not wait_flag(tail, 0, np.int64(ticket) + 1 - slots, deadline, err, rank, ROLE_SEND,
+                     CREDIT_PAUSE_NS):
         return False
     base = _slot_base(ticket, slots)
     _write_body(ring, base, peer, src_win, src_off, dst_win, dst_off, nbytes, chunk,

@@ -23,6 +23,8 @@ def _put(addr, value):
 
 
 def _memops(stream, n, params, flags):
+    if not 0 < n < 256:
+        return 1          # CUDA_ERROR_INVALID_VALUE, as the driver answers
     p = np.ctypeslib.as_array((ctypes.c_uint64 * (n * _cudrv.MEMOP_WORDS)).from_address(params))
     for i in range(n):
         op, addr, val = (int(x) for x in p[i * 6:i * 6 + 3])

@@ -134,7 +134,9 @@ def main():
             nb, so, do, sl = plan(rnd, s, me, per_peer)
             src = source(rnd, s)
             for n, a, b in zip(nb, so, do):
-                assert (got[b:b + n] == src[a:a + n]).all(), (rnd, s, n, a, b)
+                assert (got[b:b + n] == src[a:a + n]).all(), (
+                    rnd, s, n, a, b, np.flatnonzero(got[b:b + n] != src[a:a + n])[:8],
+                    got[b:b + 8], src[a:a + 8], source(3 - rnd, s)[a:a + 8])
         assert (flags.local.copy_to_host()[slots] == rnd).all()
     # Hold no GIL-keeping call (MPI object collectives) while our proxy still has commands.
     proxy.wait_submitted(2 * len(cmds))
@@ -142,7 +144,7 @@ def main():
         full = -1   # the GPU rounds have no host producer to count full-ring refusals
     stats = dict(proxy.stats)
     sent = comm.mpi.allreduce(stats["commands"])
-    slots_n = proxy.reader.slots
+    slots_n = proxy.slots
     comm.finalize()
     if me == 0:
         print(f"proxy_stress {spec}: {sent} commands through {slots_n}-slot rings on {size} "

@@ -1,21 +1,26 @@
 """The CUDA driver entry points the dma transport calls, and its compiled submission loop.
 
 Why compiled: from Python one driver call costs about 5 µs (DESIGN.md §6), too slow for 200,000
-commands/s. ``issue`` runs in ``@njit(nogil=True)`` and calls the driver through ctypes function
-pointers from ``libcuda.so.1``: per batch, one ``cuMemcpyDtoDAsync`` per command (or one
-``cuMemcpyBatchAsync`` for the whole batch) and one ``cuStreamBatchMemOp`` carrying every
-command's completion write (arrival flag, or completion-queue entry), in stream order after the
-copies, each write preceded by the driver's memory fence.
+commands/s. :func:`dma_issue` and :func:`dma_progress` run inside the proxy's compiled loop
+(:mod:`..engine`) and call the driver through ctypes function pointers from ``libcuda.so.1``: per
+batch, one ``cuMemcpyDtoDAsync`` per command (or one ``cuMemcpyBatchAsync`` for the whole batch)
+and one ``cuStreamBatchMemOp`` carrying every command's completion write (arrival flag, or
+completion-queue entry), in stream order after the copies, each write preceded by the driver's
+memory fence.
 
 The symbol names are the versioned ones cuda.h maps the API names to (CUDA 13 headers):
 cuMemcpyDtoDAsync_v2, cuStreamBatchMemOp_v2, cuMemcpyBatchAsync_v2 (no failIdx argument), ...
 """
 import ctypes
+from collections import namedtuple
 
 import numpy as np
 from numba import njit
 
 from ...errors import MkError
+from ..clock import now_ns
+from ..cq import entry_value, entry_word, take_entries
+from ..imm import imm_of, shadow_publish
 
 U64, U32, INT = ctypes.c_uint64, ctypes.c_uint32, ctypes.c_int
 CU_STREAM_NON_BLOCKING = 1
@@ -90,60 +95,105 @@ def batch_attrs():
     return a
 
 
-@njit(nogil=True)
-def issue(batch, peer, src_base, dst_base, write_addr, write_val, wide, copy_mode, fn_copy,
-          fn_memops, fn_copy_batch, stream, params, dsts, srcs, sizes, attrs, attr_idx):
-    """Copy each command's payload, then one batched memop with every completion write.
+# knobs: uint64 settings of a DmaCtx
+(N_FLAG_STREAM, N_COPY_MODE, N_COMPLETION, N_ME, N_DEPTH, N_TIMEOUT_NS) = range(6)
+MEMOP_MAX = 128          # cuStreamBatchMemOp takes fewer than 256 operations per call
+ERR_COPY, ERR_MEMOPS, ERR_CQ_FULL = 1_000_000, 2_000_000, 3_000_000
 
-    batch: COMMAND_DTYPE[n]; src_base: uint64[windows] (this rank's window addresses);
-    dst_base: uint64[windows, ranks]; write_addr/write_val: uint64[n] completion writes (flag
-    words, or completion-queue entries when ``wide``); params: uint64[>= n * MEMOP_WORDS] and
-    dsts/srcs/sizes: uint64[>= n], attrs/attr_idx: scratch for cuMemcpyBatchAsync.
-    Returns 0 or (the failing call's CUDA error code) + 1_000_000 * (1 copy, 2 memops).
-    """
+#: Everything the compiled issue/progress use, rebuilt by DmaTransport.compiled().
+DmaCtx = namedtuple("DmaCtx", [
+    "fn_copy", "fn_memops", "fn_copy_batch", "clock", "knobs",
+    "streams", "turn",                                     # batches go round-robin over streams
+    "src_base", "dst_base",                                # window addresses (this rank; all)
+    "dsts", "srcs", "sizes", "write_addr", "write_val", "params", "attrs", "attr_idx",
+    "cq_dev", "cq_sent", "peer_consumed",                  # sender side of completion queues
+    "entries", "consumed", "taken", "shadow", "shadow_off",  # receiver side
+    "imms", "flag_addr", "flag_val", "fparams"])
+
+
+@njit(nogil=True)
+def dma_issue(ctx, peer, batch):
+    """Copy each command's payload, then one batched memop with every completion write: the
+    arrival flags (ordered) or completion-queue entries (completion), in stream order after
+    the copies of the batch. batch: COMMAND_DTYPE[n <= MEMOP_MAX]. Returns 0 or an error code (ERR_* +
+    the CUDA error)."""
     n = batch.shape[0]
+    kn = ctx.knobs
+    me = np.int64(kn[N_ME])
+    if kn[N_COMPLETION]:
+        depth = np.int64(kn[N_DEPTH])
+        sent = ctx.cq_sent[peer]
+        deadline = now_ns(ctx.clock) + np.int64(kn[N_TIMEOUT_NS])
+        while sent + n - np.int64(ctx.peer_consumed[peer][me]) > depth:   # peer's queue full
+            if dma_progress(ctx) < 0 or now_ns(ctx.clock) > deadline:
+                return ERR_CQ_FULL
+        for i in range(n):
+            c = batch[i]
+            ctx.write_addr[i] = ctx.cq_dev[peer] + np.uint64(8 * entry_word(me, sent + i, depth))
+            ctx.write_val[i] = entry_value(sent + i, imm_of(c.flag_win, c.flag_slot, c.epoch))
+        ctx.cq_sent[peer] = sent + n
+    else:
+        for i in range(n):
+            c = batch[i]
+            ctx.write_addr[i] = ctx.dst_base[c.flag_win, peer] + np.uint64(4) * np.uint64(c.flag_slot)
+            ctx.write_val[i] = c.epoch
+    # Each batch is whole on one stream (copies, then their completion writes); batches take
+    # the streams in turn, so several copy engines work at once.
+    t = ctx.turn[0]
+    ctx.turn[0] = t + 1
+    stream = ctx.streams[t % ctx.streams.shape[0]]
     for i in range(n):
         c = batch[i]
-        dsts[i] = dst_base[c.dst_win, peer] + c.dst_off
-        srcs[i] = src_base[c.src_win] + c.src_off
-        sizes[i] = c.nbytes
-        if copy_mode == COPY_EACH:
-            rc = fn_copy(dsts[i], srcs[i], sizes[i], stream)
+        ctx.dsts[i] = ctx.dst_base[c.dst_win, peer] + c.dst_off
+        ctx.srcs[i] = ctx.src_base[c.src_win] + c.src_off
+        ctx.sizes[i] = c.nbytes
+        if kn[N_COPY_MODE] == COPY_EACH:
+            rc = ctx.fn_copy(ctx.dsts[i], ctx.srcs[i], ctx.sizes[i], stream)
             if rc != 0:
-                return rc + 1_000_000
-    if copy_mode == COPY_BATCH:
-        rc = fn_copy_batch(dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n,
-                           attrs.ctypes.data, attr_idx.ctypes.data, 1, stream)
+                return ERR_COPY + rc
+    if kn[N_COPY_MODE] == COPY_BATCH:
+        rc = ctx.fn_copy_batch(ctx.dsts.ctypes.data, ctx.srcs.ctypes.data, ctx.sizes.ctypes.data,
+                               n, ctx.attrs.ctypes.data, ctx.attr_idx.ctypes.data, 1, stream)
         if rc != 0:
-            return rc + 1_000_000
-    return write_values(fn_memops, stream, write_addr, write_val, n, wide, params)
+            return ERR_COPY + rc
+    return write_values(ctx.fn_memops, stream, ctx.write_addr, ctx.write_val, n,
+                        kn[N_COMPLETION] != 0, ctx.params)
+
+
+@njit(nogil=True)
+def dma_progress(ctx):
+    """Receiver (completion mode): publish the arrival flag of every completion-queue entry
+    that has landed, on the flag stream. Returns how many, or -(error code)."""
+    kn = ctx.knobs
+    if not kn[N_COMPLETION]:
+        return 0
+    me = np.int64(kn[N_ME])
+    n = take_entries(ctx.entries, ctx.consumed, ctx.taken, me, ctx.imms)
+    for i in range(n):
+        win, slot, e = shadow_publish(ctx.shadow, ctx.shadow_off, ctx.imms[i])
+        ctx.flag_addr[i] = ctx.dst_base[win, me] + np.uint64(4 * slot)
+        ctx.flag_val[i] = e
+    rc = write_values(ctx.fn_memops, kn[N_FLAG_STREAM], ctx.flag_addr, ctx.flag_val, n, False,
+                      ctx.fparams)
+    return -rc if rc else n
 
 
 @njit(nogil=True)
 def write_values(fn_memops, stream, addr, val, n, wide, params):
-    """One cuStreamBatchMemOp writing val[i] (32- or 64-bit) to device address addr[i], i < n.
-    Returns 0 or the CUDA error code + 2_000_000."""
+    """cuStreamBatchMemOp calls (MEMOP_MAX operations each) writing val[i] (32- or 64-bit) to
+    device address addr[i], i < n. Returns 0 or ERR_MEMOPS + the CUDA error code."""
     op = CU_STREAM_MEM_OP_WRITE_VALUE_64 if wide else CU_STREAM_MEM_OP_WRITE_VALUE_32
-    for i in range(n):
-        b = i * MEMOP_WORDS
-        params[b] = op
-        params[b + 1] = addr[i]
-        params[b + 2] = val[i]
-        params[b + 3] = 0      # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write
-        params[b + 4] = 0
-        params[b + 5] = 0
-    if n == 0:
-        return 0
-    rc = fn_memops(stream, n, params.ctypes.data, 0)
-    if rc != 0:
-        return rc + 2_000_000
+    for first in range(0, n, MEMOP_MAX):
+        m = min(MEMOP_MAX, n - first)
+        for j in range(m):
+            b = j * MEMOP_WORDS
+            params[b] = op
+            params[b + 1] = addr[first + j]
+            params[b + 2] = val[first + j]
+            params[b + 3] = 0   # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write
+            params[b + 4] = 0
+            params[b + 5] = 0
+        rc = fn_memops(stream, m, params.ctypes.data, 0)
+        if rc != 0:
+            return ERR_MEMOPS + rc
     return 0
-
-
-@njit(nogil=True)
-def flag_writes(batch, peer, flag_base, out_addr, out_val):
-    """Arrival-flag writes of an ordered batch: address of flags[flag_slot] on peer, epoch."""
-    for i in range(batch.shape[0]):
-        c = batch[i]
-        out_addr[i] = flag_base[c.flag_win, peer] + np.uint64(4) * np.uint64(c.flag_slot)
-        out_val[i] = c.epoch

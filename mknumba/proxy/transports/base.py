@@ -7,6 +7,7 @@ import numpy as np
 from numba import njit
 
 from ...errors import MkValueError
+from ..imm import FlagShadow
 from ..ring import MAX_WINDOWS
 
 ORDERED, COMPLETION = "ordered", "completion"
@@ -44,6 +45,7 @@ class Transport:
         self.completion = completion
         self.windows = []
         self.win_bytes = np.zeros(MAX_WINDOWS, np.uint64)   # bytes per rank of each window
+        self.shadow = FlagShadow()   # completion mode: the flags this rank's proxy publishes
 
     def register(self, buf):
         """Collective: register a SymmetricBuffer; returns its window id."""
@@ -51,6 +53,11 @@ class Transport:
         if win >= MAX_WINDOWS:
             raise MkValueError(f"at most {MAX_WINDOWS} windows can be registered")
         w = Window(win, buf)
+        if w.is_flags and self.completion == COMPLETION:
+            try:
+                self.shadow.add_window(win, w.nbytes // 4)
+            except ValueError as e:
+                raise MkValueError(str(e)) from None
         self._register(w)
         self.win_bytes[win] = w.nbytes
         self.windows.append(w)
@@ -58,6 +65,16 @@ class Transport:
 
     def _register(self, window):
         raise NotImplementedError
+
+    def compiled(self):
+        """(issue, progress, ctx) for the proxy's compiled loop (:mod:`..engine`), or None to
+        have batches handed to :meth:`submit` in Python. Called in the proxy thread, again
+        after every :meth:`register`."""
+        return None
+
+    def describe_error(self, code):
+        """Text for an error code returned by the compiled issue/progress."""
+        return f"error code {code}"
 
     def thread_init(self):
         """Called in the proxy thread before its loop (e.g. make the CUDA context current)."""

@@ -6,18 +6,18 @@ Peer buffers are reached through CUDA IPC. Modes:
 - completion (like EFA SRD write-with-immediate): after the copy the stream writes the chunk's
   immediate into the receiver's completion queue (shared host memory, device-mapped); the
   receiving proxy polls it and publishes the flag on its own stream.
-Submission runs compiled (:mod:`._cudrv`): the proxy thread calls one ``nogil`` function per
-batch, which makes the driver calls without the interpreter.
+Submission and flag publishing run compiled (:mod:`._cudrv`) inside the proxy's compiled loop,
+so the driver calls never wait for the interpreter.
 Environment: ``MKNUMBA_DMA_COPY`` = ``each`` (one cuMemcpyDtoDAsync per command, default) or
-``batch`` (one cuMemcpyBatchAsync per batch, CUDA 12.8+ drivers).
+``batch`` (one cuMemcpyBatchAsync per batch, CUDA 12.8+ drivers); ``MKNUMBA_DMA_STREAMS``
+streams the batches take in turn (default 1; more did not help in our runs).
 """
 import os
-import time
 
 import numpy as np
 
 from ...errors import MkError, MkValueError
-from ..imm import FlagShadow, encode_imm
+from ..clock import new_clock
 from ..ring import MAX_WINDOWS
 from . import _cudrv as drv_mod
 from .base import COMPLETION, Transport
@@ -36,7 +36,7 @@ class DmaTransport(Transport):
     name = "dma"
 
     def __init__(self, comm, completion="ordered", copy=None, cq_depth=4096, driver=None,
-                 max_batch=256):
+                 streams=None):
         super().__init__(comm, completion)
         self.drv = driver or drv_mod.Driver()
         copy = (copy or os.environ.get("MKNUMBA_DMA_COPY", "each")).lower()
@@ -45,25 +45,31 @@ class DmaTransport(Transport):
         if copy == "batch" and self.drv.copy_batch is None:
             copy = "each"     # the driver predates cuMemcpyBatchAsync
         self.copy = copy
-        self._copy_mode = drv_mod.COPY_BATCH if copy == "batch" else drv_mod.COPY_EACH
         # Comm bound this thread to the GPU's primary context; the proxy thread adopts it.
         self.ctx = self.drv.out("ctx_get")
-        self.stream = self.drv.out("stream_create", drv_mod.CU_STREAM_NON_BLOCKING)
+        nstreams = int(streams or os.environ.get("MKNUMBA_DMA_STREAMS", 1))
+        if not 1 <= nstreams <= 64:
+            raise MkValueError(f"MKNUMBA_DMA_STREAMS must be in 1..64, not {nstreams}")
+        self.streams = np.array([self.drv.out("stream_create", drv_mod.CU_STREAM_NON_BLOCKING)
+                                 for _ in range(nstreams)], np.uint64)
+        self.stream = int(self.streams[0])
         self.flag_stream = self.drv.out("stream_create", drv_mod.CU_STREAM_NON_BLOCKING)
         size = comm.size
         self.src_base = np.zeros(MAX_WINDOWS, np.uint64)
         self.dst_base = np.zeros((MAX_WINDOWS, size), np.uint64)
         self._ipc = []
-        n = max_batch
-        self._params = np.zeros(n * drv_mod.MEMOP_WORDS, np.uint64)
-        self._dsts, self._srcs, self._sizes = (np.zeros(n, np.uint64) for _ in range(3))
-        self._wa, self._wv = np.zeros(n, np.uint64), np.zeros(n, np.uint64)
-        self._attrs, self._attr_idx = drv_mod.batch_attrs(), np.zeros(1, np.uint64)
-        self._fparams = np.zeros(4096 * drv_mod.MEMOP_WORDS, np.uint64)
-        self.shadow = FlagShadow()
-        self.cq = None
-        self._cq_dev = np.zeros(size, np.uint64)
         self._registered_host = []
+        n, m = 256, drv_mod.MEMOP_MAX      # a batch (engine: max_batch <= 256); a flag round
+        self._scratch = dict(
+            dsts=np.zeros(n, np.uint64), srcs=np.zeros(n, np.uint64), sizes=np.zeros(n, np.uint64),
+            write_addr=np.zeros(n, np.uint64), write_val=np.zeros(n, np.uint64),
+            params=np.zeros(m * drv_mod.MEMOP_WORDS, np.uint64), attrs=drv_mod.batch_attrs(),
+            attr_idx=np.zeros(1, np.uint64), imms=np.zeros(m, np.uint32),
+            flag_addr=np.zeros(m, np.uint64), flag_val=np.zeros(m, np.uint64),
+            fparams=np.zeros(m * drv_mod.MEMOP_WORDS, np.uint64),
+            cq_dev=np.zeros(size, np.uint64), cq_sent=np.zeros(size, np.int64),
+            streams=self.streams, turn=np.zeros(1, np.int64))
+        self.cq = None
         if completion == COMPLETION:
             from ..cq import CompletionQueues
             self.cq = CompletionQueues(comm, cq_depth)
@@ -74,8 +80,14 @@ class DmaTransport(Transport):
                 host = self.cq.host_address(r)
                 self.drv.call("host_register", host, self.cq.nbytes, flags)
                 self._registered_host.append(host)
-                self._cq_dev[r] = self.drv.out("host_devptr", host, 0)
-        self.timeout_ns = comm.timeout_ns
+                self._scratch["cq_dev"][r] = self.drv.out("host_devptr", host, 0)
+        self.knobs = np.zeros(8, np.uint64)
+        self.knobs[[drv_mod.N_FLAG_STREAM, drv_mod.N_COPY_MODE, drv_mod.N_COMPLETION,
+                    drv_mod.N_ME, drv_mod.N_DEPTH, drv_mod.N_TIMEOUT_NS]] = [
+            self.flag_stream,
+            drv_mod.COPY_BATCH if copy == "batch" else drv_mod.COPY_EACH,
+            self.cq is not None, comm.rank, cq_depth, comm.timeout_ns]
+        self._clock = new_clock()
 
     # -- windows -----------------------------------------------------------------------------------
     def _register(self, w):
@@ -99,58 +111,56 @@ class DmaTransport(Transport):
                 arr = DeviceNDArray(gpu_data=ipc.open_direct(ctx), **handles[r]._array_desc)
                 self._ipc.append(ipc)
             self.dst_base[w.id, r] = _address(arr)
-        if w.is_flags:
-            self.shadow.add_window(w.id, w.nbytes // 4)
 
     # -- proxy thread ------------------------------------------------------------------------------
     def thread_init(self):
         self.drv.call("ctx_set", self.ctx)
 
-    def submit(self, peer, batch):
-        self.check_command(peer, batch)
-        n = len(batch)
-        if self.cq is None:
-            drv_mod.flag_writes(batch, peer, self.dst_base, self._wa, self._wv)
-            wide = False
+    def compiled(self):
+        d, sc, cq = self.drv, self._scratch, self.cq
+        if cq is None:    # placeholders of the same types: the receiver side stays unused
+            dummy = np.zeros(1, np.uint64)
+            peer_consumed = tuple(dummy for _ in range(self.comm.size))
+            entries, consumed, taken = np.zeros((1, 1), np.uint64), dummy, np.zeros(1, np.int64)
         else:
-            seq0 = self.cq.reserve(peer, n, time.monotonic_ns() + self.timeout_ns, self.progress)
-            imms = encode_imm(batch["flag_win"], batch["flag_slot"], batch["epoch"])
-            self._wa[:n] = self._cq_dev[peer] + np.uint64(8) * self.cq.word_index(seq0, n).astype(
-                np.uint64)
-            self._wv[:n] = self.cq.entry_values(seq0, imms)
-            wide = True
-        d = self.drv
-        rc = drv_mod.issue(batch, peer, self.src_base, self.dst_base, self._wa, self._wv, wide,
-                           self._copy_mode, d.copy, d.memops, d.copy_batch_fn, self.stream,
-                           self._params, self._dsts, self._srcs, self._sizes, self._attrs,
-                           self._attr_idx)
+            peer_consumed = tuple(w[cq.size * cq.depth:] for w in cq.words)
+            entries, consumed, taken = cq.entries, cq.consumed, cq.taken
+        ctx = drv_mod.DmaCtx(
+            fn_copy=d.copy, fn_memops=d.memops, fn_copy_batch=d.copy_batch_fn, clock=self._clock,
+            knobs=self.knobs, src_base=self.src_base, dst_base=self.dst_base,
+            peer_consumed=peer_consumed, entries=entries, consumed=consumed, taken=taken,
+            shadow=self.shadow.values, shadow_off=self.shadow.offsets, **sc)
+        return drv_mod.dma_issue, drv_mod.dma_progress, ctx
+
+    def describe_error(self, code):
+        kind, rc = divmod(int(code), 1_000_000)
+        if kind * 1_000_000 == drv_mod.ERR_CQ_FULL:
+            return ("the peer's completion queue stayed full until the timeout (its proxy "
+                    "stopped consuming?)")
+        what = {1: "cuMemcpy", 2: "cuStreamBatchMemOp"}.get(kind, "driver call")
+        return f"{what}: {self.drv.error_text(rc)} ({rc})"
+
+    def submit(self, peer, batch):
+        """Issue one batch from Python (tests; the proxy issues from its compiled loop)."""
+        self.check_command(peer, batch)
+        rc = drv_mod.dma_issue(self.compiled()[2], peer, batch)
         if rc:
-            what = "cuMemcpy" if rc < 2_000_000 else "cuStreamBatchMemOp"
-            raise MkError(f"dma transport: {what} for rank {peer} failed: "
-                          f"{d.error_text(rc % 1_000_000)} ({rc % 1_000_000})")
+            raise MkError(f"dma transport: submitting to rank {peer} failed: "
+                          f"{self.describe_error(rc)}")
 
     def progress(self):
-        if self.cq is None:
-            return 0
-        imms = self.cq.poll(limit=len(self._fparams) // drv_mod.MEMOP_WORDS)
-        if len(imms) == 0:
-            return 0
-        wins, slots, epochs = self.shadow.publish(imms)
-        addr = self.dst_base[wins, self.comm.rank] + np.uint64(4) * slots.astype(np.uint64)
-        rc = drv_mod.write_values(self.drv.memops, self.flag_stream, addr,
-                                  epochs.astype(np.uint64), len(imms), False, self._fparams)
-        if rc:
-            raise MkError(f"dma transport: publishing {len(imms)} flags failed: "
-                          f"{self.drv.error_text(rc % 1_000_000)}")
-        return len(imms)
+        n = drv_mod.dma_progress(self.compiled()[2])
+        if n < 0:
+            raise MkError(f"dma transport: publishing flags failed: {self.describe_error(-n)}")
+        return n
 
     def flush(self, deadline_ns):
-        self.drv.call("stream_sync", self.stream)
-        self.drv.call("stream_sync", self.flag_stream)
+        for st in [*self.streams, self.flag_stream]:
+            self.drv.call("stream_sync", int(st))
 
     def close(self):
-        for s in (self.stream, self.flag_stream):
-            self.drv.stream_destroy(s)
+        for st in [*self.streams, self.flag_stream]:
+            self.drv.stream_destroy(int(st))
         for h in self._registered_host:
             self.drv.host_unregister(h)
         self._registered_host = []

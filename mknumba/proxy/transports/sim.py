@@ -12,7 +12,7 @@ import numpy as np
 
 from ...errors import MkValueError
 from ..cq import CompletionQueues
-from ..imm import FlagShadow, encode_imm
+from ..imm import encode_imm
 from .base import COMPLETION, Transport
 
 
@@ -48,15 +48,12 @@ class SimTransport(Transport):
         self._bytes = []     # per window: per world rank uint8 view
         self._extra = []
         self.cq = CompletionQueues(comm, cq_depth) if completion == COMPLETION else None
-        self.shadow = FlagShadow()
         self.timeout_ns = comm.timeout_ns
 
     def _register(self, w):
         views, extra = world_peer_arrays(self.comm, w.buf)
         self._bytes.append(views)
         self._extra += extra
-        if w.is_flags:
-            self.shadow.add_window(w.id, w.nbytes // 4)
 
     def submit(self, peer, batch):
         self.check_command(peer, batch)

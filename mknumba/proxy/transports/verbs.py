@@ -17,7 +17,6 @@ import os
 import numpy as np
 
 from ...errors import MkError
-from ..imm import FlagShadow
 from ..ring import MAX_WINDOWS
 from .base import COMPLETION, ORDERED, Transport
 from .verbs_plan import (IBV_WR_RDMA_WRITE_WITH_IMM, FlagSource, pack_conn_info,
@@ -70,7 +69,6 @@ class VerbsTransport(Transport):
         self._mrs = []
         self.flag_source = FlagSource()
         self._register_host(self.flag_source)
-        self.shadow = FlagShadow()
         self.max_outstanding, self.outstanding = max_outstanding, 0
         self.qps = self._connect()
 
@@ -107,8 +105,6 @@ class VerbsTransport(Transport):
         rows = self.comm.mpi.allgather((ptr, mr.rkey))
         for p in self.remote:
             self.remote[p][w.id] = rows[p]
-        if w.is_flags:
-            self.shadow.add_window(w.id, w.nbytes // 4)
 
     # -- connections -------------------------------------------------------------------------------
     def _connect(self):
