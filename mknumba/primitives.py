@@ -235,6 +235,6 @@ def wait_flag(flags, idx, epoch, deadline, err, rank, role, max_pause_ns=100):
             return False
         nanosleep(pause)
         if pause < max_pause_ns:
-            pause *= 2
+            pause = min(pause * 2, max_pause_ns)
         seen = ld_acquire_sys(flags, idx)
     return True

@@ -67,9 +67,23 @@ class Proxy:
         self._drained = threading.Event()    # own ring drained, own submissions delivered
         self._final = threading.Event()      # all ranks drained: publish the last arrivals
         self._reg_lock = threading.Lock()
+        self._compile()
         self._thread = threading.Thread(target=self._main, name=f"mknumba-proxy-{self.rank}",
                                         daemon=True)
         self._thread.start()
+
+    def _compile(self):
+        """Compile the loop for this transport here, on an empty ring with stop set, so the
+        proxy thread starts at full speed and compile time never eats a kernel's timeout."""
+        st = np.zeros(eng.NSTATE, np.int64)
+        st[eng.S_STOP], st[eng.S_TAIL] = 1, self._st[eng.S_TAIL]
+        q = eng.Queues(self.comm.size, self.max_batch, int(self._cfg[eng.K_POLL_LIMIT]))
+        compiled = self.transport.compiled()
+        issue, progress, ctx = compiled or (eng.defer, eng.no_progress, q.outbox_ctx())
+        rc = eng.run(st, self._cfg, self._words, self._recs, np.zeros(1, np.uint32), q.pending,
+                     q.count, q.oldest, self.transport.win_bytes, issue, progress, ctx,
+                     new_clock())
+        assert rc == eng.RC_DRAINED, rc
 
     # -- main-thread API ---------------------------------------------------------------------------
     def register(self, buf):
@@ -79,7 +93,8 @@ class Proxy:
             win = self.transport.register(buf)
             self._cfg[eng.K_NWIN] = len(self.transport.windows)
             self._st[eng.S_YIELD] = 1        # the loop picks up the transport's new tables
-        deadline = time.monotonic() + self.comm.timeout_ns * 1e-9
+        # bounded, but not by the kernel timeout: the thread's first slice compiles the loop
+        deadline = time.monotonic() + max(self.comm.timeout_ns * 1e-9, 300.0)
         while self._st[eng.S_YIELD] and self._thread is not None and self._thread.is_alive():
             if time.monotonic() > deadline:
                 raise MkTimeoutError(f"rank {self.rank}: the proxy did not take window {win}")
