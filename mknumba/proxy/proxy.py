@@ -19,6 +19,7 @@ from . import engine as eng
 from .clock import new_clock
 from .ring import CMD_WORDS, COMMAND_DTYPE
 
+
 class Proxy:
     """This rank's proxy (create with :func:`mknumba.proxy.start`).
 
@@ -63,7 +64,6 @@ class Proxy:
         # outbox mode returns often so Python can progress; compiled transports run long slices
         cfg[eng.K_SLICE_NS] = int((slice_ms if compiled else 0.2) * 1e6)
         self._error = None
-        self._stop = threading.Event()
         self._drained = threading.Event()    # own ring drained, own submissions delivered
         self._final = threading.Event()      # all ranks drained: publish the last arrivals
         self._reg_lock = threading.Lock()
@@ -78,12 +78,17 @@ class Proxy:
         st = np.zeros(eng.NSTATE, np.int64)
         st[eng.S_STOP], st[eng.S_TAIL] = 1, self._st[eng.S_TAIL]
         q = eng.Queues(self.comm.size, self.max_batch, int(self._cfg[eng.K_POLL_LIMIT]))
-        compiled = self.transport.compiled()
-        issue, progress, ctx = compiled or (eng.defer, eng.no_progress, q.outbox_ctx())
-        rc = eng.run(st, self._cfg, self._words, self._recs, np.zeros(1, np.uint32), q.pending,
-                     q.count, q.oldest, self.transport.win_bytes, issue, progress, ctx,
-                     new_clock())
+        rc = self._run(st, np.zeros(1, np.uint32), q, self._loop_parts(q), new_clock())
         assert rc == eng.RC_DRAINED, rc
+
+    def _loop_parts(self, q):
+        """(issue, progress, ctx): the transport's compiled path, or the outbox of ``q``."""
+        return self.transport.compiled() or (eng.defer, eng.no_progress, q.outbox_ctx())
+
+    def _run(self, st, tail, q, parts, clock):
+        issue, progress, ctx = parts
+        return eng.run(st, self._cfg, self._words, self._recs, tail, q.pending, q.count,
+                       q.oldest, self.transport.win_bytes, issue, progress, ctx, clock)
 
     # -- main-thread API ---------------------------------------------------------------------------
     def register(self, buf):
@@ -142,8 +147,7 @@ class Proxy:
         """
         if self._thread is None:
             return self._error
-        self._stop.set()                      # drain own ring and flush own submissions
-        self._st[eng.S_STOP] = 1
+        self._st[eng.S_STOP] = 1              # drain own ring and flush own submissions
         deadline = time.monotonic() + self.comm.timeout_ns * 1e-9
         while not self._drained.is_set() and self._thread.is_alive():
             if time.monotonic() > deadline:
@@ -178,15 +182,13 @@ class Proxy:
 
     def _loop(self):
         q, st, transport, clock = self.queues, self._st, self.transport, new_clock()
+        outbox = bool(self._cfg[eng.K_OUTBOX])
         while True:
             st[eng.S_YIELD] = 0               # a table built after this sees every register()
-            compiled = transport.compiled()
-            issue, progress, ctx = compiled if compiled else (eng.defer, eng.no_progress,
-                                                              q.outbox_ctx())
+            parts = self._loop_parts(q)
             while True:
-                rc = eng.run(st, self._cfg, self._words, self._recs, self._tail, q.pending,
-                             q.count, q.oldest, transport.win_bytes, issue, progress, ctx, clock)
-                if not compiled:
+                rc = self._run(st, self._tail, q, parts, clock)
+                if outbox:
                     for peer, batch in q.take_outbox():
                         transport.submit(peer, batch)
                     transport.progress()

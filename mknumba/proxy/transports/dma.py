@@ -133,11 +133,13 @@ class DmaTransport(Transport):
         return drv_mod.dma_issue, drv_mod.dma_progress, ctx
 
     def describe_error(self, code):
-        kind, rc = divmod(int(code), 1_000_000)
-        if kind * 1_000_000 == drv_mod.ERR_CQ_FULL:
+        kind, rc = divmod(int(code), drv_mod.ERR_COPY)
+        kind *= drv_mod.ERR_COPY
+        if kind == drv_mod.ERR_CQ_FULL:
             return ("the peer's completion queue stayed full until the timeout (its proxy "
                     "stopped consuming?)")
-        what = {1: "cuMemcpy", 2: "cuStreamBatchMemOp"}.get(kind, "driver call")
+        what = {drv_mod.ERR_COPY: "cuMemcpy", drv_mod.ERR_MEMOPS: "cuStreamBatchMemOp"}.get(
+            kind, "driver call")
         return f"{what}: {self.drv.error_text(rc)} ({rc})"
 
     def submit(self, peer, batch):
