@@ -26,8 +26,8 @@ from mknumba.kernels.gemm_ar import GemmAllReduce  # noqa: E402
 from mknumba.kernels.gemm_rs import GemmReduceScatter  # noqa: E402
 
 NVLINK_GBPS = 380.0
-SWEEP = {("gemm_reducescatter", "1x2"): (16, 32), ("gemm_allreduce", "1x2"): (32, 48),
-         ("gemm_reducescatter", "2x1"): (8, 16), ("gemm_allreduce", "2x1"): (8, 16)}
+SWEEP = {("gemm_reducescatter", "1x2"): (16, 32, 48), ("gemm_allreduce", "1x2"): (32, 48, 64),
+         ("gemm_reducescatter", "2x1"): (16, 32, 48), ("gemm_allreduce", "2x1"): (16, 32, 48)}
 
 
 def iters_for(ms_est):

@@ -125,7 +125,10 @@ class Comm:
         return self.alloc_symmetric((int(n),), np.uint32, scope)
 
     def free(self, buf):
-        """Collective over the buffer's group: release a symmetric buffer early."""
+        """Collective over the buffer's group: release a symmetric buffer early (and its proxy
+        window, if it has one: then collective over the world)."""
+        if self.proxy is not None:
+            self.proxy.unregister(buf)
         buf.free()
         self._buffers.remove(buf)
 

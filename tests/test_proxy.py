@@ -247,6 +247,12 @@ def test_dma_compiled_path_over_host_memory(spec):
     assert "every byte and flag checked" in out
 
 
+@pytest.mark.parametrize("spec", ["sim:completion", "dma-host:ordered"])
+def test_windows_are_released_and_reused(spec):
+    out = run_mpi("proxy_windows.py", 2, spec, 20, env=ENV, timeout=300)
+    assert "reused; stale command refused" in out
+
+
 def test_proxy_failure_surfaces():
     out = run_mpi("proxy_errors.py", 2, env=dict(ENV, MKNUMBA_TIMEOUT_S="2"), timeout=120)
     assert "proxy error surfaced" in out and "credit wait timed out" in out

@@ -39,7 +39,7 @@ from .. import primitives as prim
 from .._compat import SIMULATOR
 from ..errors import ROLE_INTRA, ROLE_RECV, ROLE_SEND, MkError, MkValueError
 from ..roles import compute
-from ..roles.blocks import publish, wait
+from ..roles.blocks import publish, stamp, wait
 from ..roles.reduce import chunk_arrive, combine_remote, copy_tile_2d, reduce_peers
 from ..roles.send import enqueue
 from ..sched import split as sm_split
@@ -50,7 +50,13 @@ from . import gemm as _gemm
 # cfg: small integers of the launch, one int64 array (keeps the kernel signature readable).
 (C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES, C_OUT_ROW0, C_COMPUTE, C_REDUCE_END, C_SEND_END,
  C_RECV_END, C_ALLREDUCE, C_STAGE_SLOTS, C_RECV_SLOTS, C_NFINAL, C_RECV_CHUNKS, C_CHUNK,
- C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS) = range(24)
+ C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS, C_TRACE) = range(25)
+
+# trace rows (``trace=True``): globaltimer stamps, one row per event, indexed by the role's item
+(T_BLOCK_START, T_BLOCK_END, T_RED_READY, T_RED_DONE, T_SEND_READY, T_SEND_ENQUEUED,
+ T_RECV_ARRIVED, T_RECV_DONE, T_PULL_DONE) = range(9)
+TRACE_EVENTS = ("block_start", "block_end", "reduce_ready", "reduce_done", "send_ready",
+                "send_enqueued", "recv_arrived", "recv_done", "pull_done")
 
 _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 _MASK32 = 0xFFFFFFFF
@@ -68,18 +74,22 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                            final_flags, final_flag_ptrs, out, cfg, order, red_tiles, red_slots,
                            red_chunks, chunk_tiles, cmds, final_tiles, final_slots, pull_tiles,
                            pull_owner, stage, recv, arrive, red_flags, chunk_count, chunk_ready,
-                           ring, head, tail, epoch, call, timeout_ns, err, rank):
+                           ring, head, tail, epoch, call, timeout_ns, err, rank, trace):
         """a [m, k], bt [n, k], part_c [2, m, n]: bf16 bits; part: the same memory as uint64
         words [2 * m * n/4] (symmetric); out: uint64 words of the bf16 output; stage/recv:
-        tile-major uint64 [2 * slots * bm * bn/4]; flags uint32; tables int32 (sched.reduce)."""
+        tile-major uint64 [2 * slots * bm * bn/4]; flags uint32; tables int32 (sched.reduce);
+        trace int64 [TRACE_EVENTS, items] (written only when cfg[C_TRACE])."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         blk = cuda.blockIdx.x
         slot = call & 1
         tiles_n = cfg[C_TILES_N]
         n_compute = cfg[C_COMPUTE]
+        tr = cfg[C_TRACE] != 0
+        stamp(tr, trace, T_BLOCK_START, blk)
         if blk < n_compute:                                         # ---- compute
             compute_role(smem, tmaps, a, bt, part_c[slot], order, tile_flags, epoch, blk,
                          n_compute, tiles_n)
+            stamp(tr, trace, T_BLOCK_END, blk)
             return
         deadline = prim.globaltimer() + timeout_ns
         m = cfg[C_M]
@@ -111,6 +121,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                     if not wait(prim.peer_view(tile_flag_ptrs, p, tile_flags), t, epoch,
                                 deadline, err, rank, ROLE_INTRA):
                         return
+                stamp(tr, trace, T_RED_READY, i)
                 if nodes == 1:
                     dst = (r0 - cfg[C_OUT_ROW0]) * wn + c0
                     reduce_peers(part_ptrs, part, G, me, src, wn, out, dst, wn, part, src, wn,
@@ -126,18 +137,21 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                     if q >= 0:
                         chunk_arrive(chunk_count, chunk_ready, q,
                                      (np.int64(call) * chunk_tiles[q]) & _MASK32, epoch)
+                stamp(tr, trace, T_RED_DONE, i)
         elif blk < send_end:                                        # ---- inter-node send
             if cuda.threadIdx.x == 0:
                 for c in range(blk - reduce_end, cfg[C_NCMDS], send_end - reduce_end):
                     q = cmds[c, 0]
                     if not prim.wait_flag(chunk_ready, q, epoch, deadline, err, rank, ROLE_SEND):
                         return
+                    stamp(tr, trace, T_SEND_READY, c)
                     if not enqueue(ring, head, tail, cmds[c, 1], cfg[C_WIN_STAGE],
                                    (stage_base + cmds[c, 2] * tile_words) * 8, cfg[C_WIN_RECV],
                                    (recv_base + cmds[c, 4] * tile_words) * 8,
                                    cmds[c, 3] * tile_bytes, q, cfg[C_WIN_ARRIVE], cmds[c, 5],
                                    epoch, deadline, err, rank):
                         return
+                    stamp(tr, trace, T_SEND_ENQUEUED, c)
         elif blk < recv_end:                                        # ---- inter-node receive
             nsrc = nodes - 1
             nfinal = cfg[C_NFINAL]
@@ -147,6 +161,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                     if not wait(arrive, s * cfg[C_RECV_CHUNKS] + i // cfg[C_CHUNK], epoch,
                                 deadline, err, rank, ROLE_RECV):
                         return
+                stamp(tr, trace, T_RECV_ARRIVED, i)
                 fs = final_slots[i]
                 if not wait(red_flags, fs, epoch, deadline, err, rank, ROLE_RECV):
                     return
@@ -161,6 +176,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                                min(bm, m - r0), min(bw, wn - c0), bw)
                 if bcast:
                     publish(final_flags, t, epoch)
+                stamp(tr, trace, T_RECV_DONE, i)
         else:                                                       # ---- pull (AllReduce)
             for i in range(blk - recv_end, cfg[C_NPULL], cuda.gridDim.x - recv_end):
                 t = pull_tiles[i]
@@ -173,6 +189,8 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                 c0 = (t - tm * tiles_n) * bw
                 copy_tile_2d(prim.peer_view(part_ptrs, o, part), part_base + r0 * wn + c0, wn,
                              out, r0 * wn + c0, wn, min(bm, m - r0), min(bw, wn - c0))
+                stamp(tr, trace, T_PULL_DONE, i)
+        stamp(tr, trace, T_BLOCK_END, blk)
 
     return gemm_reduce_kernel
 
@@ -251,7 +269,8 @@ class GemmReduce:
     dtype: "bfloat16" (inputs, output; fp32 accumulation everywhere).
     comm_sms: SMs held back from the GEMM for the communication roles (default: the recorded
     sweep in ``sched.split``); chunk_bytes: network chunk size (rounded to whole tiles);
-    tile: "auto" | "sm90" | "simt". Calls are asynchronous on the stream of the inputs (the
+    tile: "auto" | "sm90" | "simt"; trace: stamp every role's steps with the GPU clock (read
+    them with :meth:`trace_events` after :meth:`synchronize`). Calls are asynchronous on the stream of the inputs (the
     current PyTorch stream for tensors, else ``stream``); :meth:`synchronize` waits and raises
     any device-side timeout.
     """
@@ -260,7 +279,7 @@ class GemmReduce:
     name = "GemmReduce"
 
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, comm_sms=None, chunk_bytes=None,
-                 tile="auto", group_m=None):
+                 tile="auto", group_m=None, trace=False):
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
         m, n, k = int(m), int(n), int(k)
@@ -288,6 +307,7 @@ class GemmReduce:
                                comm.local_rank, self.chunk_tiles, self.group_m)
         self.out_rows = m if self.allreduce else m // self.world
         self._roles(sms, G, nodes)
+        self.tracing = bool(trace)
         self._allocate(G, nodes)
         self.err = comm.new_error_record()
         self.epoch = 0
@@ -307,8 +327,13 @@ class GemmReduce:
             raise MkValueError(f"{self.name}: comm_sms={s} must be in [{need}, {sms - 1}] "
                                f"for topology {self.topology}")
         send = 1 if nodes > 1 else 0
-        recv = max(1, s // 4) if nodes > 1 else 0
-        pull = max(1, (s - send - recv) // 2) if self.allreduce and G > 1 else 0
+        pull = max(1, (s - send) // (2 if nodes == 1 else 4)) if self.allreduce and G > 1 else 0
+        recv = 0
+        if nodes > 1:   # reduce and receive split by words moved: G reads + 1 write per reduced
+            p = self.plan            # tile, one read per node + 1-2 writes per finished tile
+            red = len(p.red_tiles) * (G + 1)
+            fin = p.n_final * (nodes + 1 + (1 if self.allreduce and G > 1 else 0))
+            recv = min(s - send - pull - 1, max(1, round((s - send - pull) * fin / (red + fin))))
         reduce = s - send - recv - pull
         self.role_blocks = dict(compute=sms - s, reduce=reduce, send=send, recv=recv, pull=pull)
         self.grid = sms
@@ -356,7 +381,7 @@ class GemmReduce:
         reduce_end = rb["compute"] + rb["reduce"]
         send_end = reduce_end + rb["send"]
         recv_end = send_end + rb["recv"]
-        cfg = np.zeros(24, np.int64)
+        cfg = np.zeros(25, np.int64)
         cfg[[C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES]] = (self.m, self.n, plan.tiles_n,
                                                           comm.local_rank, G, nodes)
         cfg[C_OUT_ROW0] = 0 if self.allreduce else comm.rank * self.out_rows
@@ -368,6 +393,10 @@ class GemmReduce:
             plan.n_cmds)
         cfg[[C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE]] = wins
         cfg[[C_NRED, C_NPULL, C_WORDS]] = (len(plan.red_tiles), len(plan.pull_tiles), self.words)
+        cfg[C_TRACE] = int(self.tracing)
+        items = max(self.grid, len(plan.red_tiles), plan.n_cmds, plan.n_final,
+                    len(plan.pull_tiles)) if self.tracing else 1
+        self._trace = _to_device(np.zeros((len(TRACE_EVENTS), items), np.int64))
         tables = [plan.order, plan.red_tiles, plan.red_slots, plan.red_chunks, plan.chunk_tiles,
                   plan.cmds, plan.final_tiles, plan.final_slots, plan.pull_tiles, plan.pull_owner]
         self._tables = [_to_device(cfg)] + [_to_device(nonempty(np.ascontiguousarray(t)))
@@ -436,7 +465,7 @@ class GemmReduce:
                 self.tile_flags.local, self.tile_flags.ptrs, self.final_flags.local,
                 self.final_flags.ptrs, out_words] + self._tables + self._net + [
                 np.uint32(0), np.uint32(0), np.uint64(self.comm.timeout_ns), self.err,
-                np.int64(self.comm.rank)]
+                np.int64(self.comm.rank), self._trace]
         kern, bps = _compiled(self.kind, args)
         if bps < 1:
             raise MkError(f"{self.name}: the kernel does not fit on an SM")
@@ -464,6 +493,16 @@ class GemmReduce:
         """Wait for this rank's calls; raise MkTimeoutError if a device wait expired."""
         self.comm.synchronize(stream or 0)   # polls: the proxy thread needs the GIL meanwhile
         self.comm.check(self.err, self.name)
+
+    def trace_events(self):
+        """The last traced call's stamps: {event: int64 ns array by item (0: not reached)} plus
+        ``role_blocks``. Block events index blocks (in role order: compute, reduce, send,
+        receive, pull); the others index each role's items (reduced tiles, send commands,
+        finished tiles, pulled tiles). Call after :meth:`synchronize`."""
+        if not self.tracing:
+            raise MkValueError(f"{self.name}: built without trace=True")
+        rows = self._trace.copy_to_host()
+        return dict(zip(TRACE_EVENTS, rows), role_blocks=dict(self.role_blocks))
 
     def free(self):
         """Collective: release the op's symmetric buffers."""

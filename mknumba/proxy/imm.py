@@ -99,6 +99,9 @@ class FlagShadow:
         self.offsets[win] = len(self.values)
         self.values = np.concatenate([self.values, np.zeros(n, np.int64)])
 
+    def remove_window(self, win):
+        self.offsets[win] = -1   # its values stay behind (a few bytes; ids are reused)
+
     def publish(self, imms):
         """Decode immediates in arrival order -> (flag_win, flag_slot, epoch) int64 arrays."""
         imms = np.ascontiguousarray(imms, np.uint32)

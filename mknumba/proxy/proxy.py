@@ -96,16 +96,29 @@ class Proxy:
         self.check()
         with self._reg_lock:
             win = self.transport.register(buf)
-            self._cfg[eng.K_NWIN] = len(self.transport.windows)
-            self._st[eng.S_YIELD] = 1        # the loop picks up the transport's new tables
-        # bounded, but not by the kernel timeout: the thread's first slice compiles the loop
+            self._retable(f"window {win}")
+        return win
+
+    def unregister(self, buf):
+        """Collective: forget the window of ``buf`` (no-op if it has none). Call it before the
+        buffer is freed, after every kernel that names it has finished."""
+        with self._reg_lock:
+            win = self.transport.window_of(buf)
+            if win is None:
+                return
+            self.transport.unregister(win)
+            self._retable(f"the removal of window {win}")
+
+    def _retable(self, what):
+        """Have the loop pick up the transport's new tables; wait (bounded) until it has."""
+        self._cfg[eng.K_NWIN] = len(self.transport.windows)
+        self._st[eng.S_YIELD] = 1
         deadline = time.monotonic() + max(self.comm.timeout_ns * 1e-9, 300.0)
         while self._st[eng.S_YIELD] and self._thread is not None and self._thread.is_alive():
             if time.monotonic() > deadline:
-                raise MkTimeoutError(f"rank {self.rank}: the proxy did not take window {win}")
+                raise MkTimeoutError(f"rank {self.rank}: the proxy did not take {what}")
             time.sleep(1e-5)
         self.check()
-        return win
 
     @property
     def stats(self):

@@ -47,3 +47,13 @@ def wait(flags, idx, epoch, deadline, err, rank, role):
     result = ok[0] != 0
     cuda.syncthreads()  # nobody may overwrite ok[0] in a later wait before all have read it
     return result
+
+
+@cuda.jit(device=True)
+def stamp(on, trace, event, item):
+    """Tracing: ``trace[event, item] = globaltimer`` (ns) from thread 0, when ``on``.
+
+    Costs one predictable branch when off; the host turns rows into a role timeline.
+    """
+    if on and cuda.threadIdx.x == 0 and item < trace.shape[1]:
+        trace[event, item] = prim.globaltimer()

@@ -32,11 +32,55 @@ def pack4(x0, x1, x2, x3):
             | (np.uint64(f32_to_bf16(x2)) << _S32) | (np.uint64(f32_to_bf16(x3)) << _S48))
 
 
+#: Words each thread keeps in flight per source: ``ROWS`` tile rows x 2 columns 32 words apart.
+#: The loads are latency-bound (HBM ~0.7 us, NVLink more), so bytes in flight set the rate:
+#: 288 threads x 8 words = 18 KiB per block and source.
+ROWS = 4
+WORDS = 2 * ROWS
+LANES = 4 * WORDS      # fp32 accumulators per thread
+
+
 @cuda.jit(device=True, inline=True)
 def _warp_rows():
     """Warp-per-row mapping: (first row, row step, lane). A warp walks whole tile rows, each lane
     two words 32 apart, so a warp's loads are 256-byte coalesced runs and no thread divides."""
     return cuda.threadIdx.x // 32, cuda.blockDim.x // 32, cuda.threadIdx.x % 32
+
+
+@cuda.jit(device=True, inline=True)
+def _at(r, c, u, rstep):
+    """Row and column of word ``u`` (0..WORDS-1) of the thread's group at (r, c)."""
+    return r + (u >> 1) * rstep, c + (u & 1) * 32
+
+
+@cuda.jit(device=True, inline=True)
+def _load(src, off, stride, r, c, rstep, rows, wcols, w):
+    """w[u] <- the group's words of a tile (0 outside it); all loads issue before any use."""
+    for u in range(WORDS):
+        rr, cc = _at(r, c, u, rstep)
+        w[u] = src[off + rr * stride + cc] if rr < rows and cc < wcols else np.uint64(0)
+
+
+@cuda.jit(device=True, inline=True)
+def _zero(acc):
+    for i in range(LANES):
+        acc[i] = np.float32(0.0)
+
+
+@cuda.jit(device=True, inline=True)
+def _accumulate(acc, w):
+    for u in range(WORDS):
+        for i in range(4):
+            acc[4 * u + i] += lane(w[u], i)
+
+
+@cuda.jit(device=True, inline=True)
+def _store(acc, dst, off, stride, r, c, rstep, rows, wcols):
+    for u in range(WORDS):
+        rr, cc = _at(r, c, u, rstep)
+        if rr < rows and cc < wcols:
+            dst[off + rr * stride + cc] = pack4(acc[4 * u], acc[4 * u + 1], acc[4 * u + 2],
+                                                acc[4 * u + 3])
 
 
 @cuda.jit(device=True)
@@ -47,57 +91,24 @@ def reduce_peers(ptrs, template, members, me, src_off, src_stride,
     ptrs: the symmetric buffer's address table (``SymmetricBuffer.ptrs``); template: this rank's
     buffer (``peer_view`` takes shape and dtype from it). Peers are read starting with the next
     one (``me + 1``), so the G owners reading at one moment spread over different links.
-    Accumulates in fp32, rounds once. Each thread keeps four words (two rows x two columns) in
-    flight per peer: NVLink loads are latency-bound, so bytes in flight set the rate.
+    Accumulates in fp32, rounds once; ``WORDS`` loads per thread in flight per peer.
     """
     r0, rstep, ln = _warp_rows()
-    for r in range(r0, rows, 2 * rstep):
-        r2 = r + rstep
+    acc = cuda.local.array(LANES, np.float32)
+    w = cuda.local.array(WORDS, np.uint64)
+    for r in range(r0, rows, ROWS * rstep):
         for c in range(ln, wcols, 64):
-            c2 = c + 32
-            ok01 = c2 < wcols
-            ok10 = r2 < rows
-            ok11 = ok01 and ok10
-            s00 = src_off + r * src_stride + c
-            s10 = s00 + rstep * src_stride
-            a = cuda.local.array(16, np.float32)
-            for i in range(16):
-                a[i] = np.float32(0.0)
+            _zero(acc)
             for j in range(members):
                 p = me + 1 + j
                 if p >= members:
                     p -= members
-                v = prim.peer_view(ptrs, p, template)
-                w00 = v[s00]
-                w01 = v[s00 + 32] if ok01 else np.uint64(0)
-                w10 = v[s10] if ok10 else np.uint64(0)
-                w11 = v[s10 + 32] if ok11 else np.uint64(0)
-                for i in range(4):
-                    a[i] += lane(w00, i)
-                    a[4 + i] += lane(w01, i)
-                    a[8 + i] += lane(w10, i)
-                    a[12 + i] += lane(w11, i)
-            d = dst_off + r * dst_stride + c
-            e = dst2_off + r * dst2_stride + c
-            out = pack4(a[0], a[1], a[2], a[3])
-            dst[d] = out
-            if both:
-                dst2[e] = out
-            if ok01:
-                out = pack4(a[4], a[5], a[6], a[7])
-                dst[d + 32] = out
-                if both:
-                    dst2[e + 32] = out
-            if ok10:
-                out = pack4(a[8], a[9], a[10], a[11])
-                dst[d + rstep * dst_stride] = out
-                if both:
-                    dst2[e + rstep * dst2_stride] = out
-            if ok11:
-                out = pack4(a[12], a[13], a[14], a[15])
-                dst[d + rstep * dst_stride + 32] = out
-                if both:
-                    dst2[e + rstep * dst2_stride + 32] = out
+                _load(prim.peer_view(ptrs, p, template), src_off, src_stride, r, c, rstep,
+                      rows, wcols, w)
+                _accumulate(acc, w)
+            _store(acc, dst, dst_off, dst_stride, r, c, rstep, rows, wcols)
+            if both:   # AllReduce: the owner's symmetric copy that local peers pull
+                _store(acc, dst2, dst2_off, dst2_stride, r, c, rstep, rows, wcols)
 
 
 @cuda.jit(device=True)
@@ -109,51 +120,38 @@ def combine_remote(own, own_off, recv, recv_off, recv_step, nsrc,
     tile starts at ``recv_off + s * recv_step``. All reads are local memory.
     """
     r0, rstep, ln = _warp_rows()
-    for r in range(r0, rows, rstep):
-        for c in range(ln, wcols, 32):
-            t = r * bwords + c
-            w = own[own_off + t]
-            a0 = lane(w, 0)
-            a1 = lane(w, 1)
-            a2 = lane(w, 2)
-            a3 = lane(w, 3)
+    acc = cuda.local.array(LANES, np.float32)
+    w = cuda.local.array(WORDS, np.uint64)
+    x = cuda.local.array(WORDS, np.uint64)
+    for r in range(r0, rows, ROWS * rstep):
+        for c in range(ln, wcols, 64):
+            _zero(acc)
+            _load(own, own_off, bwords, r, c, rstep, rows, wcols, w)
             for s in range(nsrc):
-                w = recv[recv_off + s * recv_step + t]
-                a0 += lane(w, 0)
-                a1 += lane(w, 1)
-                a2 += lane(w, 2)
-                a3 += lane(w, 3)
-            out = pack4(a0, a1, a2, a3)
-            dst[dst_off + r * dst_stride + c] = out
-            if both:
-                dst2[dst2_off + r * dst2_stride + c] = out
+                _load(recv, recv_off + s * recv_step, bwords, r, c, rstep, rows, wcols, x)
+                if s == 0:
+                    _accumulate(acc, w)     # after the first source's loads are in flight
+                _accumulate(acc, x)
+            if nsrc == 0:
+                _accumulate(acc, w)
+            _store(acc, dst, dst_off, dst_stride, r, c, rstep, rows, wcols)
+            if both:   # AllReduce: the owner's symmetric copy that local peers pull
+                _store(acc, dst2, dst2_off, dst2_stride, r, c, rstep, rows, wcols)
 
 
 @cuda.jit(device=True)
 def copy_tile_2d(src, src_off, src_stride, dst, dst_off, dst_stride, rows, wcols):
-    """dst tile <- src tile, ``rows x wcols`` words (src may be a peer's buffer); each thread
-    issues four loads before its stores (bytes in flight, as in ``reduce_peers``)."""
+    """dst tile <- src tile, ``rows x wcols`` words (src may be a peer's buffer); ``WORDS``
+    loads per thread in flight before its stores."""
     r0, rstep, ln = _warp_rows()
-    for r in range(r0, rows, 2 * rstep):
-        r2 = r + rstep
+    w = cuda.local.array(WORDS, np.uint64)
+    for r in range(r0, rows, ROWS * rstep):
         for c in range(ln, wcols, 64):
-            ok01 = c + 32 < wcols
-            ok10 = r2 < rows
-            s = src_off + r * src_stride + c
-            s2 = s + rstep * src_stride
-            w00 = src[s]
-            w01 = src[s + 32] if ok01 else np.uint64(0)
-            w10 = src[s2] if ok10 else np.uint64(0)
-            w11 = src[s2 + 32] if ok01 and ok10 else np.uint64(0)
-            d = dst_off + r * dst_stride + c
-            d2 = d + rstep * dst_stride
-            dst[d] = w00
-            if ok01:
-                dst[d + 32] = w01
-            if ok10:
-                dst[d2] = w10
-                if ok01:
-                    dst[d2 + 32] = w11
+            _load(src, src_off, src_stride, r, c, rstep, rows, wcols, w)
+            for u in range(WORDS):
+                rr, cc = _at(r, c, u, rstep)
+                if rr < rows and cc < wcols:
+                    dst[dst_off + rr * dst_stride + cc] = w[u]
 
 
 @cuda.jit(device=True)

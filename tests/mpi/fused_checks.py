@@ -37,7 +37,8 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles):
         op0 = _TILES[kind or ("sm90" if cuda.get_current_device().compute_capability == (9, 0)
                               else "simt")]
         chunk = chunk_tiles * op0[0] * op0[1] * 2
-    op = Op(comm, m, n, k, chunk_bytes=chunk)
+    traced = iterations <= 3        # short runs also check the role trace of the last call
+    op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced)
     rows = op.out_shape()[0]
     sent, outs = [], []
     for it in range(iterations):
@@ -54,6 +55,8 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles):
             out = cuda.to_device(np.full((rows, n), 0x7FC0, np.uint16))   # NaN bits
             outs.append(op(cuda.to_device(a), cuda.to_device(b), out=out))
     op.synchronize()
+    if traced:
+        check_trace(op)
     worst = 0.0
     for it, ((a, b), out) in enumerate(zip(sent, outs)):
         parts = comm.mpi.allgather((a, b))
@@ -72,6 +75,21 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles):
         worst = max(worst, err)
     op.free()
     return worst
+
+
+def check_trace(op):
+    """Every block started and ended; every role item was stamped, after what it waited for."""
+    ev = op.trace_events()
+    grid = sum(ev["role_blocks"].values())
+    for e in ("block_start", "block_end"):
+        assert (ev[e][:grid] > 0).all(), f"{op.name}: a block has no {e} stamp"
+    assert (ev["block_end"][:grid] >= ev["block_start"][:grid]).all()
+    p = op.plan
+    for before, after, n in (("reduce_ready", "reduce_done", len(p.red_tiles)),
+                             ("send_ready", "send_enqueued", p.n_cmds if op.comm.nodes > 1 else 0),
+                             ("recv_arrived", "recv_done", p.n_final if op.comm.nodes > 1 else 0)):
+        b, a = ev[before][:n], ev[after][:n]
+        assert (b > 0).all() and (a >= b).all(), f"{op.name}: {before} -> {after} stamps wrong"
 
 
 def main():

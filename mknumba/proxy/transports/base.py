@@ -2,6 +2,8 @@
 
 A *window* is a symmetric buffer registered with the proxy (collectively, in the same order on
 every rank, so ids agree); commands name their source, destination and flag windows by id.
+Unregistering (also collective, when the buffer is freed) releases the transport's mappings of
+it and frees its id for the next registration.
 """
 import numpy as np
 from numba import njit
@@ -48,8 +50,8 @@ class Transport:
         self.shadow = FlagShadow()   # completion mode: the flags this rank's proxy publishes
 
     def register(self, buf):
-        """Collective: register a SymmetricBuffer; returns its window id."""
-        win = len(self.windows)
+        """Collective: register a SymmetricBuffer; returns its window id (the lowest free one)."""
+        win = next((i for i, w in enumerate(self.windows) if w is None), len(self.windows))
         if win >= MAX_WINDOWS:
             raise MkValueError(f"at most {MAX_WINDOWS} windows can be registered")
         w = Window(win, buf)
@@ -60,11 +62,33 @@ class Transport:
                 raise MkValueError(str(e)) from None
         self._register(w)
         self.win_bytes[win] = w.nbytes
-        self.windows.append(w)
+        if win == len(self.windows):
+            self.windows.append(w)
+        else:
+            self.windows[win] = w
         return win
+
+    def unregister(self, win):
+        """Collective: forget window ``win`` (no command naming it may be in flight). Commands
+        that still name it fail the bounds check; its id goes to the next registration."""
+        w = self.windows[win]
+        self.win_bytes[win] = 0
+        if w.is_flags and self.completion == COMPLETION:
+            self.shadow.remove_window(win)
+        self._unregister(w)
+        self.windows[win] = None
+        while self.windows and self.windows[-1] is None:
+            self.windows.pop()
+
+    def window_of(self, buf):
+        """The id of the window registered for ``buf``, or None."""
+        return next((w.id for w in self.windows if w is not None and w.buf is buf), None)
 
     def _register(self, window):
         raise NotImplementedError
+
+    def _unregister(self, window):
+        """Release what :meth:`_register` mapped for ``window``."""
 
     def compiled(self):
         """(issue, progress, ctx) for the proxy's compiled loop (:mod:`..engine`), or None to
@@ -105,7 +129,7 @@ class Transport:
             if (batch[f] >= nw).any():
                 raise MkValueError(f"command names {f} {int(batch[f].max())}, but only {nw} "
                                    "windows are registered")
-        nb = np.array([w.nbytes for w in self.windows], np.int64)
+        nb = np.array([w.nbytes if w is not None else 0 for w in self.windows], np.int64)
         end_src = batch["src_off"].astype(np.int64) + batch["nbytes"]
         end_dst = batch["dst_off"].astype(np.int64) + batch["nbytes"]
         bad = ((end_src > nb[batch["src_win"]]) | (end_dst > nb[batch["dst_win"]])

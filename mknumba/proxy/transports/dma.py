@@ -57,7 +57,7 @@ class DmaTransport(Transport):
         size = comm.size
         self.src_base = np.zeros(MAX_WINDOWS, np.uint64)
         self.dst_base = np.zeros((MAX_WINDOWS, size), np.uint64)
-        self._ipc = []
+        self._ipc = {}             # window id -> IPC mappings opened for it
         self._registered_host = []
         n, m = 256, drv_mod.MEMOP_MAX      # a batch (engine: max_batch <= 256); a flag round
         self._scratch = dict(
@@ -94,6 +94,7 @@ class DmaTransport(Transport):
         comm, buf = self.comm, w.buf
         self.src_base[w.id] = _address(buf.local)
         known = {r: buf.peers[i] for i, r in enumerate(buf.scope_ranks or ())}
+        opened = self._ipc.setdefault(w.id, [])
         if len(known) < comm.size:   # the same on every rank: buffers of one scope
             from numba import cuda
             from numba.cuda.cudadrv.devicearray import DeviceNDArray
@@ -109,8 +110,18 @@ class DmaTransport(Transport):
                 if not ipc.can_access_peer(ctx):
                     raise MkError(f"dma transport: rank {r}'s GPU is not peer-accessible")
                 arr = DeviceNDArray(gpu_data=ipc.open_direct(ctx), **handles[r]._array_desc)
-                self._ipc.append(ipc)
+                opened.append(ipc)
             self.dst_base[w.id, r] = _address(arr)
+
+    def _unregister(self, w):
+        # Copies naming the window may still be queued behind the flags the kernels saw (the
+        # completion-mode imm write): drain them before the mapping goes.
+        for st in self.streams:
+            self.drv.call("stream_sync", int(st))
+        for ipc in self._ipc.pop(w.id, []):
+            ipc.close()
+        self.src_base[w.id] = 0
+        self.dst_base[w.id] = 0
 
     # -- proxy thread ------------------------------------------------------------------------------
     def thread_init(self):
@@ -168,6 +179,7 @@ class DmaTransport(Transport):
         self._registered_host = []
         if self.cq is not None:
             self.cq.close()
-        for ipc in self._ipc:
-            ipc.close()
-        self._ipc = []
+        for opened in self._ipc.values():
+            for ipc in opened:
+                ipc.close()
+        self._ipc = {}

@@ -45,15 +45,18 @@ class SimTransport(Transport):
 
     def __init__(self, comm, completion="ordered", cq_depth=1024):
         super().__init__(comm, completion)
-        self._bytes = []     # per window: per world rank uint8 view
-        self._extra = []
+        self._bytes = {}     # window id -> per world rank uint8 view
+        self._extra = {}     # window id -> segments attached for it
         self.cq = CompletionQueues(comm, cq_depth) if completion == COMPLETION else None
         self.timeout_ns = comm.timeout_ns
 
     def _register(self, w):
-        views, extra = world_peer_arrays(self.comm, w.buf)
-        self._bytes.append(views)
-        self._extra += extra
+        self._bytes[w.id], self._extra[w.id] = world_peer_arrays(self.comm, w.buf)
+
+    def _unregister(self, w):
+        del self._bytes[w.id]
+        for seg in self._extra.pop(w.id):
+            seg.close()
 
     def submit(self, peer, batch):
         self.check_command(peer, batch)
@@ -86,6 +89,8 @@ class SimTransport(Transport):
     def close(self):
         if self.cq is not None:
             self.cq.close()
-        self._bytes = []
-        for s in self._extra:
-            s.close()
+        self._bytes = {}
+        for segs in self._extra.values():
+            for s in segs:
+                s.close()
+        self._extra = {}

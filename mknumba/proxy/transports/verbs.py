@@ -67,6 +67,7 @@ class VerbsTransport(Transport):
         self.local = np.zeros((MAX_WINDOWS, 2), np.uint64)      # (addr, lkey)
         self.remote = {}                                       # peer -> uint64[windows, 2]
         self._mrs = []
+        self._win_mrs = {}                                     # window id -> its MR
         self.flag_source = FlagSource()
         self._register_host(self.flag_source)
         self.max_outstanding, self.outstanding = max_outstanding, 0
@@ -100,11 +101,19 @@ class VerbsTransport(Transport):
 
     def _register(self, w):
         ptr = int(w.buf.local.__cuda_array_interface__["data"][0])
-        mr = self._register_gpu(ptr, w.nbytes)
+        mr = self._win_mrs[w.id] = self._register_gpu(ptr, w.nbytes)
         self.local[w.id] = (ptr, mr.lkey)
         rows = self.comm.mpi.allgather((ptr, mr.rkey))
         for p in self.remote:
             self.remote[p][w.id] = rows[p]
+
+    def _unregister(self, w):
+        mr = self._win_mrs.pop(w.id)
+        self._mrs.remove(mr)
+        mr.close()
+        self.local[w.id] = 0
+        for p in self.remote:
+            self.remote[p][w.id] = 0
 
     # -- connections -------------------------------------------------------------------------------
     def _connect(self):

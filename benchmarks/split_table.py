@@ -1,0 +1,37 @@
+"""The SM-split table of ``mknumba/sched/split.py`` from a fused benchmark's sweep.
+
+    python benchmarks/split_table.py [benchmarks/results/fused.json]
+
+Prints ``RECORDED = {...}``: per (kernel, topology), rows ``(m, k_local, comm_sms)`` with the
+fastest comm_sms of each point's sweep. Paste it into split.py; ``tests/test_fused.py`` checks
+that the two agree.
+"""
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def table(records):
+    out = {}
+    for r in records:
+        if not r.get("sweep"):
+            continue
+        best = min(r["sweep"], key=r["sweep"].get)
+        out.setdefault((r["kernel"], r["topology"]), []).append(
+            (r["shape"]["m"], r["shape"]["k"], int(best)))
+    return {key: sorted(rows) for key, rows in sorted(out.items())}
+
+
+def main(path):
+    with open(path) as f:
+        t = table(json.load(f))
+    print("RECORDED = {")
+    for key, rows in t.items():
+        print(f"    {key!r}: {rows!r},")
+    print("}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else os.path.join(HERE, "results", "fused.json"))

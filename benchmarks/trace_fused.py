@@ -1,0 +1,113 @@
+"""Where a fused GEMM + ReduceScatter / AllReduce call spends its time: a role timeline.
+
+    mpirun -n 2 python benchmarks/trace_fused.py --topology 2x1 --configs rs:4096:256:16 \
+        --out trace.json
+
+Each config ``kernel:m:k_local:comm_sms[:chunk_kib]`` builds the op with ``trace=True``, warms
+up, times 10 untraced-looking calls (the stamps cost a branch and a store per item), then
+reads the stamps of one more call. Per rank it prints, in microseconds from the first block's
+start: when the compute blocks finished, the first and last tile the reduce role could start
+and its last finished tile, when the send role saw the first and last chunk ready and put the
+last one in the ring, when the first and last chunk arrived and the last tile was finished,
+plus the proxy's counters for that call. The JSON keeps every stamp.
+"""
+import os
+import sys
+import time
+
+import numpy as np
+
+import common
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import mknumba as mk  # noqa: E402
+from mknumba.kernels.gemm_ar import GemmAllReduce  # noqa: E402
+from mknumba.kernels.gemm_rs import GemmReduceScatter  # noqa: E402
+
+OPS = {"rs": GemmReduceScatter, "ar": GemmAllReduce}
+
+
+def summarize(ev, rb):
+    """Microseconds from the first block start to each milestone of the call."""
+    t0 = ev["block_start"][ev["block_start"] > 0].min()
+    us = lambda x: round((float(x) - t0) / 1e3, 1)    # noqa: E731
+    nc = rb["compute"]
+
+    def span(name):
+        v = ev[name][ev[name] > 0]
+        return (us(v.min()), us(v.max())) if len(v) else (None, None)
+    s = {"total": us(ev["block_end"].max()), "compute_end": us(ev["block_end"][:nc].max()),
+         "reduce_ready": span("reduce_ready"), "reduce_done": span("reduce_done"),
+         "send_ready": span("send_ready"), "send_enqueued": span("send_enqueued"),
+         "recv_arrived": span("recv_arrived"), "recv_done": span("recv_done"),
+         "pull_done": span("pull_done")}
+    ready, enq = ev["send_ready"], ev["send_enqueued"]
+    n = int((enq > 0).sum())
+    s["enqueue_lag_max_us"] = round(float((enq[:n] - ready[:n]).max()) / 1e3, 1) if n else None
+    return s
+
+
+def main():
+    args = common.parse_args(ranks=2, extra=[
+        (("--topology",), dict(default="2x1")),
+        (("--configs",), dict(default="rs:4096:256:16,ar:4096:256:16")),
+        (("--pace-gbps",), dict(type=float, default=50.0)),
+        (("--mode",), dict(default="ordered"))])
+    import torch
+    nodes, gpn = (int(x) for x in args.topology.split("x"))
+    if nodes > 1 and args.pace_gbps > 0:
+        os.environ["MKNUMBA_PACE_GBPS"] = f"{args.pace_gbps:g}"
+    comm = mk.init(gpus_per_node=gpn, transport=f"dma:{args.mode}" if nodes > 1 else None)
+    torch.cuda.set_device(comm.device_id)
+    records = []
+    try:
+        for spec in args.configs.split(","):
+            kern, m, k, sms, *chunk = spec.split(":")
+            m, k, sms = int(m), int(k), int(sms)
+            chunk = int(chunk[0]) * 1024 if chunk else None
+            torch.manual_seed(comm.rank)
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).T
+            op = OPS[kern](comm, m, m, k, comm_sms=sms, chunk_bytes=chunk, trace=True)
+            out = torch.empty(op.out_shape(), device="cuda", dtype=torch.bfloat16)
+            for _ in range(3):
+                op(a, b, out=out)
+            op.synchronize()
+            ms = common.time_ms(lambda: op(a, b, out=out), 10, mpi=comm.mpi)
+            op.synchronize()
+            before = comm.proxy.stats if comm.proxy else {}
+            comm.barrier()
+            t = time.perf_counter()
+            op(a, b, out=out)
+            op.synchronize()
+            wall = (time.perf_counter() - t) * 1e3
+            after = comm.proxy.stats if comm.proxy else {}
+            ev = op.trace_events()
+            rb = ev.pop("role_blocks")
+            s = summarize(ev, rb)
+            s["proxy"] = {key: after[key] - before[key] for key in after}
+            all_s = comm.mpi.gather(s, root=0)
+            all_ev = comm.mpi.gather({key: v.tolist() for key, v in ev.items()}, root=0)
+            if comm.rank == 0:
+                print(f"== {kern} {args.topology} m={m} k={k} comm_sms={sms} chunk={chunk} "
+                      f"pace={args.pace_gbps:g}: {ms:.3f} ms per call (timed), traced call "
+                      f"{wall:.3f} ms wall; roles {rb}", flush=True)
+                for r, x in enumerate(all_s):
+                    print(f"  rank {r}: " + "  ".join(f"{key}={v}" for key, v in x.items()),
+                          flush=True)
+                records.append(common.record(
+                    f"trace_{op.kernel_name}", {"m": m, "n": m, "k": k}, dtype="bfloat16",
+                    world=comm.size, topology=args.topology, ours_ms=ms, baseline=None,
+                    baseline_ms=None, floor_ms=None, comm_sms=sms,
+                    transport=f"dma:{args.mode}" if nodes > 1 else "nvlink",
+                    chunk_bytes=chunk, pace_gbps=args.pace_gbps, role_blocks=rb,
+                    summary=all_s, events=all_ev))
+                common.write(records, args.out)
+            op.free()
+    finally:
+        comm.finalize()
+
+
+if __name__ == "__main__":
+    main()
