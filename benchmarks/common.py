@@ -24,6 +24,20 @@ def parse_args(ranks, extra=None):
     return a
 
 
+def init_nccl(port=29541):
+    """torch.distributed over NCCL on the MPI world, one GPU per rank; returns the module."""
+    import torch
+    import torch.distributed as dist
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(port))
+    dist.init_process_group("nccl", rank=rank, world_size=MPI.COMM_WORLD.Get_size(),
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    return dist
+
+
 def command_line():
     launcher = os.environ.get("MKNUMBA_LAUNCHER", "")
     return " ".join(filter(None, [launcher, "python", *map(shlex.quote, sys.argv)]))
@@ -34,23 +48,35 @@ def gpu_name():
     return torch.cuda.get_device_name()
 
 
-def time_ms(fn, iters, warmup=3, mpi=None):
+def time_ms(fn, iters, warmup=3, mpi=None, median=False):
     """Mean ms per call of ``fn`` over ``iters`` back-to-back calls (one sync at the end),
-    after ``warmup`` calls; with ``mpi``, ranks start together and the slowest rank counts."""
+    after ``warmup`` calls; with ``mpi``, ranks start together and the slowest rank counts.
+
+    median: also return the median of the calls' own times on the stream (events between
+    calls), i.e. the steady state without occasional host-side stalls: ``(mean, median)``.
+    """
     import torch
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     if mpi is not None:
         mpi.Barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1 if median else 2)]
+    marks[0].record()
+    for i in range(iters):
         fn()
-    end.record()
+        if median:
+            marks[i + 1].record()
+    marks[-1].record()
     torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / iters
-    return mpi.allreduce(ms, op=_max()) if mpi is not None else ms
+    ms = marks[0].elapsed_time(marks[-1]) / iters
+    if mpi is not None:
+        ms = mpi.allreduce(ms, op=_max())
+    if not median:
+        return ms
+    per = sorted(marks[i].elapsed_time(marks[i + 1]) for i in range(iters))
+    med = per[len(per) // 2]
+    return ms, (mpi.allreduce(med, op=_max()) if mpi is not None else med)
 
 
 def _max():

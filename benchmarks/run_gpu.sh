@@ -18,7 +18,7 @@ NGPU=$(nvidia-smi -L | wc -l)
 $PY -m pytest -q -m gpu -rs ${1:+-k "$1"} tests 2>&1 | tee "$OUT/tests.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
 
-MPIRUN="mpirun --allow-run-as-root --oversubscribe -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x PYTHONPATH"
+MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x PYTHONPATH"
 : > "$OUT/bench.log"
 for b in benchmarks/bench_*.py; do
   name=$(basename "$b" .py); name=${name#bench_}

@@ -11,22 +11,14 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
 
-
-def table(records):
-    out = {}
-    for r in records:
-        if not r.get("sweep"):
-            continue
-        best = min(r["sweep"], key=r["sweep"].get)
-        out.setdefault((r["kernel"], r["topology"]), []).append(
-            (r["shape"]["m"], r["shape"]["k"], int(best)))
-    return {key: sorted(rows) for key, rows in sorted(out.items())}
+from mknumba.sched.split import from_sweep  # noqa: E402
 
 
 def main(path):
     with open(path) as f:
-        t = table(json.load(f))
+        t = from_sweep(json.load(f))
     print("RECORDED = {")
     for key, rows in t.items():
         print(f"    {key!r}: {rows!r},")

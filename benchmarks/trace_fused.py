@@ -1,21 +1,23 @@
 """Where a fused GEMM + ReduceScatter / AllReduce call spends its time: a role timeline.
 
-    mpirun -n 2 python benchmarks/trace_fused.py --topology 2x1 --configs rs:4096:256:16 \
-        --out trace.json
+    mpirun --bind-to none -n 2 python benchmarks/trace_fused.py --topology 2x1 \
+        --configs rs:4096:256:48 --calls 20 --out trace.json
 
 Each config ``kernel:m:k_local:comm_sms[:chunk_kib]`` builds the op with ``trace=True``, warms
-up, times 10 untraced-looking calls (the stamps cost a branch and a store per item), then
-reads the stamps of one more call. Per rank it prints, in microseconds from the first block's
-start: when the compute blocks finished, the first and last tile the reduce role could start
-and its last finished tile, when the send role saw the first and last chunk ready and put the
-last one in the ring, when the first and last chunk arrived and the last tile was finished,
-plus the proxy's counters for that call. The JSON keeps every stamp.
+up, times 10 calls (skip with ``--no-timed``; the stamps cost a branch and a store per item),
+then runs ``--calls`` more back to back, timing each on the stream and on the host, and reads
+the stamps of the last one. Per rank it prints, in microseconds from the first block's start:
+when the compute blocks finished, the first and last tile the reduce role could start and its
+last finished tile, when the send role saw the first and last chunk ready and put the last one
+in the ring, when the first and last chunk arrived and the last tile was finished; then the
+proxy's counters over the burst, each call's host launch time and stream time. ``--nccl``
+brings up a NCCL communicator first (as bench_fused does), ``--gc`` controls the collector.
+The JSON keeps every stamp.
 """
+import gc
 import os
 import sys
 import time
-
-import numpy as np
 
 import common
 
@@ -53,9 +55,19 @@ def main():
         (("--topology",), dict(default="2x1")),
         (("--configs",), dict(default="rs:4096:256:16,ar:4096:256:16")),
         (("--pace-gbps",), dict(type=float, default=50.0)),
-        (("--mode",), dict(default="ordered"))])
+        (("--mode",), dict(default="ordered")),
+        (("--calls",), dict(type=int, default=1)),
+        (("--no-timed",), dict(dest="timed", action="store_false")),
+        (("--nccl",), dict(action="store_true")),
+        (("--gc",), dict(default="on", choices=("on", "off", "freeze")))])
     import torch
     nodes, gpn = (int(x) for x in args.topology.split("x"))
+    if args.nccl:      # as bench_fused does: a NCCL communicator up before mknumba starts
+        dist = common.init_nccl(29542)
+        x = torch.ones(1 << 20, device="cuda")
+        dist.all_reduce(x)
+        torch.cuda.synchronize()
+    print(f"rank cpus {len(os.sched_getaffinity(0))}", flush=True)
     if nodes > 1 and args.pace_gbps > 0:
         os.environ["MKNUMBA_PACE_GBPS"] = f"{args.pace_gbps:g}"
     comm = mk.init(gpus_per_node=gpn, transport=f"dma:{args.mode}" if nodes > 1 else None)
@@ -70,23 +82,44 @@ def main():
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             b = torch.randn(m, k, device="cuda", dtype=torch.bfloat16).T
             op = OPS[kern](comm, m, m, k, comm_sms=sms, chunk_bytes=chunk, trace=True)
+            if args.gc == "off":            # host pauses of the collector, for comparison
+                gc.disable()
+            elif args.gc == "freeze":
+                gc.collect()
+                gc.freeze()
             out = torch.empty(op.out_shape(), device="cuda", dtype=torch.bfloat16)
             for _ in range(3):
                 op(a, b, out=out)
             op.synchronize()
-            ms = common.time_ms(lambda: op(a, b, out=out), 10, mpi=comm.mpi)
+            ms = (common.time_ms(lambda: op(a, b, out=out), 10, mpi=comm.mpi) if args.timed
+                  else float("nan"))
             op.synchronize()
             before = comm.proxy.stats if comm.proxy else {}
+            if comm.proxy:
+                comm.proxy.reset_max()
             comm.barrier()
             t = time.perf_counter()
-            op(a, b, out=out)
+            # args.calls back to back; events between them give each call's time on the
+            # stream, the stamps are those of the last call
+            marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.calls + 1)]
+            marks[0].record()
+            launch_us = []
+            for i in range(args.calls):
+                t1 = time.perf_counter()
+                op(a, b, out=out)
+                marks[i + 1].record()
+                launch_us.append(round((time.perf_counter() - t1) * 1e6))
             op.synchronize()
             wall = (time.perf_counter() - t) * 1e3
+            per_call = [round(marks[i].elapsed_time(marks[i + 1]), 3) for i in range(args.calls)]
             after = comm.proxy.stats if comm.proxy else {}
             ev = op.trace_events()
             rb = ev.pop("role_blocks")
             s = summarize(ev, rb)
-            s["proxy"] = {key: after[key] - before[key] for key in after}
+            s["proxy"] = {key: after[key] - (0 if key.startswith("max") else before[key])
+                          for key in after}
+            s["launch_us"] = launch_us
+            s["per_call_ms"] = per_call
             all_s = comm.mpi.gather(s, root=0)
             all_ev = comm.mpi.gather({key: v.tolist() for key, v in ev.items()}, root=0)
             if comm.rank == 0:

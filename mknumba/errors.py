@@ -18,6 +18,10 @@ class MkTimeoutError(MkError, TimeoutError):
     """A bounded device-side wait expired: names the rank, role and flag it was waiting on."""
 
 
+class MkPerformanceWarning(RuntimeWarning):
+    """The run will work, but a setting will cost time (e.g. the proxy has no core of its own)."""
+
+
 # Role codes carried in error records; names appear in messages.
 ROLE_COMPUTE, ROLE_INTRA, ROLE_SEND, ROLE_RECV, ROLE_CONTROLLER, ROLE_PROXY, ROLE_TEST = range(1, 8)
 ROLE_NAMES = {ROLE_COMPUTE: "compute", ROLE_INTRA: "intra-node comm", ROLE_SEND: "inter-node send",

@@ -22,7 +22,8 @@ from numba import cuda
 
 __all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "atomic_add_release",
            "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys", "nanosleep",
-           "globaltimer", "peer_view", "data_ptr", "epoch_reached", "wait_flag", "record_timeout"]
+           "globaltimer", "peer_view", "data_ptr", "epoch_reached", "wait_flag", "record_timeout",
+           "acquire", "release"]
 
 if not SIMULATOR:
     from llvmlite import ir
@@ -217,18 +218,43 @@ def record_timeout(err, rank, role, flag_idx, expected, seen):
         fence_sys()
 
 
+@cuda.jit(device=True, inline=True)
+def acquire(flags, idx, system):
+    """Acquire-load ``flags[idx]`` at system scope (written by a peer GPU, the host or a copy
+    engine) or GPU scope (written by another block of this GPU: cheaper)."""
+    return ld_acquire_sys(flags, idx) if system else ld_acquire(flags, idx)
+
+
+@cuda.jit(device=True, inline=True)
+def release(flags, idx, value, system):
+    """Fence, then release-store ``flags[idx] = value`` at system or GPU scope (as ``acquire``).
+
+    A system-scope fence waits until this thread's (and, after a barrier, its block's) writes
+    are visible to other GPUs and the host: microseconds when writes are in flight, so flags
+    only this GPU reads take GPU scope. A later system-scope release (the send role's ring
+    commit) still covers writes ordered before a GPU-scope one: release is cumulative.
+    """
+    if system:
+        fence_sys()
+        st_release_sys(flags, idx, value)
+    else:
+        fence_gpu()
+        st_release(flags, idx, value)
+
+
 @cuda.jit(device=True)
-def wait_flag(flags, idx, epoch, deadline, err, rank, role, max_pause_ns=100):
+def wait_flag(flags, idx, epoch, deadline, err, rank, role, max_pause_ns=100, system=True):
     """Spin until ``flags[idx]`` reaches ``epoch``; False (and an error record) past ``deadline``.
 
-    flags: uint32 array written by a peer GPU, the proxy or another block (acquire, sys scope).
+    flags: uint32 array written by a peer GPU, the proxy or another block (acquire at system
+    scope, or GPU scope when ``system`` is False: see :func:`acquire`).
     deadline: a ``globaltimer()`` value. The caller returns on False so the kernel can finish.
     max_pause_ns: the pause between polls doubles from 100 ns up to this. Flags in host memory
     want a few µs: each poll is a PCIe read, and many threads polling slow the GPU's own fetch of
     stream work (measured: 256 threads polling made copy-engine commands ~10x slower).
     """
     pause = 100
-    seen = ld_acquire_sys(flags, idx)
+    seen = acquire(flags, idx, system)
     while not epoch_reached(seen, epoch):
         if globaltimer() > deadline:
             record_timeout(err, rank, role, idx, epoch, seen)
@@ -236,5 +262,5 @@ def wait_flag(flags, idx, epoch, deadline, err, rank, role, max_pause_ns=100):
         nanosleep(pause)
         if pause < max_pause_ns:
             pause = min(pause * 2, max_pause_ns)
-        seen = ld_acquire_sys(flags, idx)
+        seen = acquire(flags, idx, system)
     return True

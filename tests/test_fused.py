@@ -150,3 +150,12 @@ def test_gpu_2x1_dma(mode):
     env = dict(GPU_ENV, MKNUMBA_GPUS_PER_NODE="1", MKNUMBA_TRANSPORT=f"dma:{mode}")
     _passes(run_mpi("fused_checks.py", 2, "both", 2048, 1024, 256, 100, "torch", 2,
                     simulator=False, env=env), 4)
+
+
+def test_split_table_is_the_recorded_sweep():
+    """sched/split.py's RECORDED is what benchmarks/results/fused.json measured."""
+    import json
+    from mknumba.sched import split
+    with open(os.path.join(ROOT, "benchmarks", "results", "fused.json")) as f:
+        assert split.RECORDED == split.from_sweep(json.load(f))
+    assert split.choose("gemm_reducescatter", "2x1", 4096, 4096, 1024, 132) == 64

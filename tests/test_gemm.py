@@ -112,7 +112,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
 
     A = types.Array(types.int16, 2, "C")
     sig = (A, A, A, types.Array(types.uint64, 1, "C"), types.Array(types.uint32, 1, "C"),
-           types.uint32, types.int64, types.int64)
+           types.uint32, types.Array(types.int32, 1, "C"), types.int64)
     lib, _ = compiler._compile_pyfunc_with_fixup(
         G._KERNELS["sm90"].py_func, sig, device=False, cc=(9, 0, "a"),
         launch_bounds=(SM90_THREADS, 1), lto=True, abi="numba")

@@ -256,3 +256,17 @@ def test_windows_are_released_and_reused(spec):
 def test_proxy_failure_surfaces():
     out = run_mpi("proxy_errors.py", 2, env=dict(ENV, MKNUMBA_TIMEOUT_S="2"), timeout=120)
     assert "proxy error surfaced" in out and "credit wait timed out" in out
+
+
+def test_warns_when_the_proxy_would_share_one_cpu(monkeypatch):
+    from types import SimpleNamespace
+    import mknumba.proxy as proxy_mod
+    comm = SimpleNamespace(rank=3, simulator=False)
+    monkeypatch.setattr(proxy_mod.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    with pytest.warns(mknumba.MkPerformanceWarning, match="rank 3 may run on 1 CPU.*bind-to none"):
+        proxy_mod._warn_if_one_cpu(comm)
+    monkeypatch.setattr(proxy_mod.os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        proxy_mod._warn_if_one_cpu(comm)      # two CPUs: silent

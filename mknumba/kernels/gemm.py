@@ -1,10 +1,11 @@
 """Persistent GEMM on one GPU: ``mknumba.gemm(a, b)`` = a @ b, bf16 in and out, fp32 accumulation.
 
-The kernel is the compute role on its own: a persistent grid (``sched.plan_grid``) whose first
-``compute_blocks`` blocks walk the output tiles in grouped raster order (``sched.tile_coords``),
-computing each with the role's tile function (``roles.compute``) and publishing each finished tile
-with ``st_release(tile_flags, t, epoch)``. The blocks held back (``reserved_sms``) return at once
-here; in the fused kernels they run the communication roles and consume those flags.
+The kernel is the compute role on its own (``roles.compute.make_compute_role``, the same role
+the fused kernels run): a persistent grid (``sched.plan_grid``) whose first ``compute_blocks``
+blocks walk the output tiles in grouped raster order (``sched.grouped_order``), computing each
+with the role's tile function and publishing each finished tile ``t = tile_m * tiles_n + tile_n``
+with ``tile_flags[t] = epoch``. The blocks held back (``reserved_sms``) return at once here; in
+the fused kernels they run the communication roles and consume those flags.
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles) or ``"simt"`` (the generic
 twin: the CUDA simulator and GPUs without sm_90a).
@@ -16,9 +17,8 @@ import numpy as np
 from .. import _compat  # noqa: F401  (numpy alias before numba compiles anything)
 from .._compat import SIMULATOR
 from ..errors import MkValueError
-from ..primitives import fence_gpu, st_release
 from ..roles import compute
-from ..sched.tiles import cdiv, default_group_m, plan_grid, tile_coords
+from ..sched.tiles import cdiv, default_group_m, grouped_order, plan_grid
 from numba import cuda
 
 __all__ = ["gemm", "Gemm"]
@@ -31,27 +31,17 @@ _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 def _make_kernel(tile_init, tile, bm, bn, threads):
     """The persistent kernel around one tile implementation."""
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
+    compute_role = compute.make_compute_role(tile_init, tile)
 
     @cuda.jit(**bounds)
-    def gemm_kernel(a, b, c, tmaps, tile_flags, epoch, group_m, compute_blocks):
-        """a [m, k], b [n, k], c [m, n]: bf16 bits; tile_flags uint32[tiles] := epoch when done."""
+    def gemm_kernel(a, b, c, tmaps, tile_flags, epoch, order, compute_blocks):
+        """a [m, k], b [n, k], c [m, n]: bf16 bits; order int32[tiles] (sched.grouped_order);
+        tile_flags uint32[tiles] := epoch when done."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         if cuda.blockIdx.x >= compute_blocks:
             return  # held back for other roles; nothing else runs in a plain GEMM
-        m, k = a.shape
-        n = b.shape[0]
-        tiles_m = (m + bm - 1) // bm
-        tiles_n = (n + bn - 1) // bn
-
-        tile_init(smem, tmaps)
-        cuda.syncthreads()
-        seq = 0
-        for t in range(cuda.blockIdx.x, tiles_m * tiles_n, compute_blocks):
-            tm, tn = tile_coords(t, tiles_m, tiles_n, group_m)
-            if tile(smem, tmaps, a, b, c, m, n, k, tm, tn, seq):
-                fence_gpu()  # the block's stores (ordered by the tile's barrier) before the flag
-                st_release(tile_flags, t, epoch)
-            seq += 1
+        compute_role(smem, tmaps, a, b, c, order, tile_flags, epoch, cuda.blockIdx.x,
+                     compute_blocks, (b.shape[0] + bn - 1) // bn, False)   # read on this GPU
 
     return gemm_kernel
 
@@ -184,8 +174,8 @@ class Gemm:
     """C = A @ B on one GPU, with a per-tile completion flag other roles can wait on.
 
     ``Gemm(tile="auto", reserved_sms=0, group_m=None)`` plans once; each call is one persistent
-    launch. After a call, ``tile_flags[t] == epoch`` for every output tile ``t`` (linear index in
-    ``sched.tile_coords`` order) that the kernel finished. Repeated calls on the same PyTorch
+    launch. After a call, ``tile_flags[t] == epoch`` for every output tile
+    ``t = tile_m * tiles_n + tile_n`` that the kernel finished. Repeated calls on the same PyTorch
     tensors with ``out=`` reuse the prepared launch (a few tens of microseconds of host time).
     """
 
@@ -198,6 +188,7 @@ class Gemm:
         self._lock = threading.Lock()
         self._compiled = {}   # (kind, argtypes) -> (dispatcher, compiled kernel, blocks_per_sm)
         self._tmaps = {}      # (ptr_a, ptr_b, m, n, k) -> device uint64[32]
+        self._orders = {}     # (tiles_m, tiles_n, group_m) -> device int32 tile order
         self._launches = {}   # torch call signature -> prepared _Launch
 
     # -- public entry ---------------------------------------------------------------------------
@@ -256,15 +247,17 @@ class Gemm:
                                                  stream=stream)
         tmaps = (self._tensor_maps(A.arr, bt, m, n, k, stream) if kind == "sm90"
                  else cuda.to_device(np.zeros(32, np.uint64), stream=stream))
-        args = [A.arr, bt, c_arr, tmaps, self.tile_flags, np.uint32(1), np.int64(0), np.int64(0)]
+        order = self._order(1, 1, 1, stream)      # the argument types; replaced below
+        args = [A.arr, bt, c_arr, tmaps, self.tile_flags, np.uint32(1), order, np.int64(0)]
         kernel, bps = self._kernel(kind, args)
         sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         try:
             plan = plan_grid(sms, bps, self.reserved_sms)
         except ValueError as e:
             raise MkValueError(str(e)) from None
-        args[6] = np.int64(self.group_m or default_group_m(cdiv(m, bm), cdiv(n, bn),
-                                                           plan.compute_blocks))
+        tiles_m, tiles_n = cdiv(m, bm), cdiv(n, bn)
+        group_m = self.group_m or default_group_m(tiles_m, tiles_n, plan.compute_blocks)
+        args[6] = self._order(tiles_m, tiles_n, group_m, stream)
         args[7] = np.int64(plan.compute_blocks)
         return _Launch(kernel, plan.grid, _THREADS[kind], _SMEM[kind], stream, args, c,
                        device=A.device, cacheable=out is not None and not copy_b)
@@ -299,6 +292,14 @@ class Gemm:
                 bps = ctx.get_active_blocks_per_multiprocessor(cufunc, _THREADS[kind], _SMEM[kind])
                 self._compiled[key] = (kern, max(1, int(bps)))
         return self._compiled[key]
+
+    def _order(self, tiles_m, tiles_n, group_m, stream):
+        key = (tiles_m, tiles_n, int(group_m))
+        if key not in self._orders:
+            if len(self._orders) > 32:
+                self._orders.clear()
+            self._orders[key] = cuda.to_device(grouped_order(*key), stream=stream)
+        return self._orders[key]
 
     def _tensor_maps(self, a, bt, m, n, k, stream):
         key = (_ptr(a), _ptr(bt), m, n, k)

@@ -6,7 +6,7 @@ result is the sum over all ranks, scattered by row blocks (ReduceScatter) or eve
 GPU or on other ranks (DESIGN.md §3), so the stages below are in block order:
 
   compute  [0, C)       for t in order[blk::C]:  part[slot][tile t] <- A @ B (bf16)
-                          publish tile_flags[t] = epoch                      (sys: peers read it)
+                          publish tile_flags[t] = epoch         (sys scope if G > 1: peers read it)
   reduce   [C, R)       for each tile t this GPU owns (sched.reduce):
                           wait tile_flags[t] of every local GPU (peer_view)
                           sum = sum over local GPUs of part[slot][tile t]    (NVLink loads, fp32)
@@ -14,6 +14,7 @@ GPU or on other ranks (DESIGN.md §3), so the stages below are in block order:
                                                                          publish final_flags[t]
                           nodes > 1: stage[s] <- sum; publish red_flags[s];
                                      chunk counter += 1, the last tile publishes chunk_ready
+                                     (both GPU scope: only this GPU's roles read them)
   send     [R, S)       for each (chunk, rail peer) command: wait chunk_ready; enqueue it to the
                           proxy (payload stage -> rail peer's recv, then its arrival flag)
   receive  [S, V)       for each tile t this GPU finishes: wait the arrival flags of its chunk
@@ -88,7 +89,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
         stamp(tr, trace, T_BLOCK_START, blk)
         if blk < n_compute:                                         # ---- compute
             compute_role(smem, tmaps, a, bt, part_c[slot], order, tile_flags, epoch, blk,
-                         n_compute, tiles_n)
+                         n_compute, tiles_n, cfg[C_G] > 1)   # local peers read the flags
             stamp(tr, trace, T_BLOCK_END, blk)
             return
         deadline = prim.globaltimer() + timeout_ns
@@ -119,7 +120,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                     if p >= G:
                         p -= G
                     if not wait(prim.peer_view(tile_flag_ptrs, p, tile_flags), t, epoch,
-                                deadline, err, rank, ROLE_INTRA):
+                                deadline, err, rank, ROLE_INTRA, G > 1):
                         return
                 stamp(tr, trace, T_RED_READY, i)
                 if nodes == 1:
@@ -132,7 +133,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                     s = red_slots[i]
                     reduce_peers(part_ptrs, part, G, me, src, wn, stage,
                                  stage_base + s * tile_words, bw, stage, 0, 0, False, rows, wcols)
-                    publish(red_flags, s, epoch)
+                    publish(red_flags, s, epoch, False)       # read by this GPU's receive
                     q = red_chunks[i]
                     if q >= 0:
                         chunk_arrive(chunk_count, chunk_ready, q,
@@ -142,7 +143,8 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
             if cuda.threadIdx.x == 0:
                 for c in range(blk - reduce_end, cfg[C_NCMDS], send_end - reduce_end):
                     q = cmds[c, 0]
-                    if not prim.wait_flag(chunk_ready, q, epoch, deadline, err, rank, ROLE_SEND):
+                    if not prim.wait_flag(chunk_ready, q, epoch, deadline, err, rank, ROLE_SEND,
+                                          100, False):
                         return
                     stamp(tr, trace, T_SEND_READY, c)
                     if not enqueue(ring, head, tail, cmds[c, 1], cfg[C_WIN_STAGE],
@@ -163,7 +165,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                         return
                 stamp(tr, trace, T_RECV_ARRIVED, i)
                 fs = final_slots[i]
-                if not wait(red_flags, fs, epoch, deadline, err, rank, ROLE_RECV):
+                if not wait(red_flags, fs, epoch, deadline, err, rank, ROLE_RECV, False):
                     return
                 t = final_tiles[i]
                 tm = t // tiles_n

@@ -36,10 +36,26 @@ def start(comm, transport=None, *, slots=None, max_batch=None, window_us=5.0, pa
         t = transports.make(comm, name, mode, **transport_options)
     if pace_gbps is None and os.environ.get("MKNUMBA_PACE_GBPS"):
         pace_gbps = float(os.environ["MKNUMBA_PACE_GBPS"])
+    _warn_if_one_cpu(comm)
     slots = int(slots or os.environ.get("MKNUMBA_PROXY_SLOTS", 1024))
     max_batch = int(max_batch or os.environ.get("MKNUMBA_PROXY_BATCH", 8))
     return Proxy(comm, t, slots=slots, max_batch=max_batch, window_us=window_us,
                  pace_gbps=pace_gbps)
+
+
+def _warn_if_one_cpu(comm):
+    """The proxy thread polls without pause while kernels run; sharing one CPU with the calling
+    thread, the OS time-slices them and calls stall by milliseconds (measured: a fused op at
+    2-3x its steady time under OpenMPI's default one-core binding, at the network floor with
+    ``--bind-to none``)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    if cpus is not None and cpus < 2 and not comm.simulator:
+        import warnings
+        from ..errors import MkPerformanceWarning
+        warnings.warn(f"rank {comm.rank} may run on 1 CPU, which its proxy thread would share "
+                      "with the calling thread: launch with `mpirun --bind-to none` (or map "
+                      "each rank to 2+ cores, e.g. `--map-by slot:PE=2`)", MkPerformanceWarning,
+                      stacklevel=3)
 
 
 __all__ = ["start", "Proxy", "transports", "CMD_BYTES", "CMD_WORDS", "COMMAND_DTYPE",

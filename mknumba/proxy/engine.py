@@ -28,7 +28,7 @@ from .transports.base import _first_bad
 
 # st: int64 state shared with the Python side (stats are read there, STOP/YIELD written there)
 (S_TAIL, S_STOP, S_YIELD, S_PACE_NEXT, S_IDLE_SINCE, S_COMMANDS, S_BATCHES, S_BYTES, S_BUSY_NS,
- S_POLLS, S_ERR, S_ERR_PEER, S_ERR_CODE) = range(13)
+ S_POLLS, S_ERR, S_ERR_PEER, S_ERR_CODE, S_MAX_ISSUE_NS, S_MAX_GAP_NS, S_LAST_ROUND) = range(16)
 NSTATE = 16
 # cfg: int64 settings
 (K_MAX_BATCH, K_WINDOW_NS, K_SPIN_NS, K_SLICE_NS, K_POLL_LIMIT, K_ME, K_NWIN, K_OUTBOX,
@@ -139,7 +139,9 @@ def _submit(st, cfg, p, k, pending, count, win_bytes, issue, progress, ctx, cloc
                 return _fail(st, E_PROGRESS, p, 0)
             now = now_ns(clock)
         st[S_PACE_NEXT] = nxt + nbytes * cfg[K_PACE_FS_PER_BYTE] // 1_000_000   # fs -> ns
+    t = now_ns(clock)
     rc = issue(ctx, p, batch)
+    st[S_MAX_ISSUE_NS] = max(st[S_MAX_ISSUE_NS], now_ns(clock) - t)
     if rc != 0:
         return _fail(st, E_ISSUE, p, rc)
     st[S_COMMANDS] += k
@@ -167,6 +169,8 @@ def run(st, cfg, words, recs, tail, pending, count, oldest, win_bytes, issue, pr
     outbox = cfg[K_OUTBOX] != 0
     while True:
         t0 = now_ns(clock)
+        if st[S_LAST_ROUND] > 0:    # the longest the ring went unwatched (naps excluded)
+            st[S_MAX_GAP_NS] = max(st[S_MAX_GAP_NS], t0 - st[S_LAST_ROUND])
         stopping = st[S_STOP] != 0
         n = _poll(st, cfg, words, recs, tail, pending, count, oldest, clock)
         if n < 0:
@@ -203,8 +207,11 @@ def run(st, cfg, words, recs, tail, pending, count, oldest, win_bytes, issue, pr
         elif stopping and queued == 0:
             return RC_DRAINED
         elif t1 - st[S_IDLE_SINCE] > cfg[K_SPIN_NS]:
+            st[S_LAST_ROUND] = 0
             if outbox:
                 return RC_IDLE
             nap_us(NAP_US)
+            t1 = now_ns(clock)
+        st[S_LAST_ROUND] = t1
         if t1 - start >= cfg[K_SLICE_NS]:
             return RC_SLICE

@@ -30,7 +30,7 @@ class Proxy:
     """
 
     def __init__(self, comm, transport, slots=1024, max_batch=8, window_us=5.0, pace_gbps=None,
-                 spin_us=None, poll_limit=64, slice_ms=20.0):
+                 spin_us=None, poll_limit=64, slice_ms=1000.0):
         if slots & (slots - 1) or slots <= 0:
             raise MkValueError(f"ring slots must be a power of two, got {slots}")
         if not 1 <= max_batch <= 256:
@@ -61,7 +61,9 @@ class Proxy:
         cfg[eng.K_PACE_FS_PER_BYTE] = int(round(1e6 / pace_gbps)) if pace_gbps else 0
         compiled = transport.compiled() is not None
         cfg[eng.K_OUTBOX] = not compiled
-        # outbox mode returns often so Python can progress; compiled transports run long slices
+        # outbox mode returns often so Python can progress; compiled transports run long slices:
+        # stop and yield requests reach the loop through st, and each return to Python costs
+        # ~0.1 ms with the GIL (measured as the loop's max_gap_ns)
         cfg[eng.K_SLICE_NS] = int((slice_ms if compiled else 0.2) * 1e6)
         self._error = None
         self._drained = threading.Event()    # own ring drained, own submissions delivered
@@ -122,11 +124,17 @@ class Proxy:
 
     @property
     def stats(self):
-        """Counters of this proxy: commands, batches, bytes submitted; busy_ns, polls."""
+        """Counters of this proxy: commands, batches, bytes submitted; busy_ns, polls; and
+        since :meth:`reset_max`, the longest issue call and the longest the ring went unwatched
+        while busy (max_issue_ns, max_gap_ns: a descheduled thread, a slice boundary)."""
         st = self._st
         return {"commands": int(st[eng.S_COMMANDS]), "batches": int(st[eng.S_BATCHES]),
                 "bytes": int(st[eng.S_BYTES]), "busy_ns": int(st[eng.S_BUSY_NS]),
-                "polls": int(st[eng.S_POLLS])}
+                "polls": int(st[eng.S_POLLS]), "max_issue_ns": int(st[eng.S_MAX_ISSUE_NS]),
+                "max_gap_ns": int(st[eng.S_MAX_GAP_NS])}
+
+    def reset_max(self):
+        self._st[eng.S_MAX_ISSUE_NS] = self._st[eng.S_MAX_GAP_NS] = 0
 
     def device_args(self):
         """(ring, head, tail): pass to kernels for ``roles.send.enqueue``."""

@@ -21,28 +21,29 @@ def copy_tile(src, src_off, dst, dst_off, n):
 
 
 @cuda.jit(device=True)
-def publish(flags, idx, epoch):
-    """Make the block's earlier stores visible system-wide, then set ``flags[idx] = epoch``.
+def publish(flags, idx, epoch, system=True):
+    """Make the block's earlier stores visible, then set ``flags[idx] = epoch``.
 
-    Data before flag: the barrier gathers every thread's stores under thread 0, whose
-    system-scope fence orders them before its release store of the flag (sys scope, since the
-    reader may be a peer GPU or the proxy).
+    Data before flag: the barrier gathers every thread's stores under thread 0, whose fence
+    orders them before its release store of the flag. ``system``: the reader may be a peer GPU
+    or the host; False when only blocks of this GPU read the flag (``primitives.release``).
     """
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
-        prim.fence_sys()
-        prim.st_release_sys(flags, idx, epoch)
+        prim.release(flags, idx, epoch, system)
 
 
 @cuda.jit(device=True)
-def wait(flags, idx, epoch, deadline, err, rank, role):
+def wait(flags, idx, epoch, deadline, err, rank, role, system=True):
     """Block-wide bounded wait for ``flags[idx]`` to reach ``epoch``; False on timeout.
 
-    Every thread gets the same answer, so the whole block can return together.
+    Every thread gets the same answer, so the whole block can return together. ``system``:
+    as in :func:`publish`, the scope of the writer.
     """
     ok = cuda.shared.array(1, np.int32)
     if cuda.threadIdx.x == 0:
-        ok[0] = 1 if prim.wait_flag(flags, idx, epoch, deadline, err, rank, role) else 0
+        ok[0] = 1 if prim.wait_flag(flags, idx, epoch, deadline, err, rank, role, 100,
+                                    system) else 0
     cuda.syncthreads()
     result = ok[0] != 0
     cuda.syncthreads()  # nobody may overwrite ok[0] in a later wait before all have read it

@@ -29,7 +29,7 @@ import numpy as np
 from numba import cuda, types
 
 from .._compat import SIMULATOR
-from ..primitives import data_ptr, fence_sys, st_release_sys
+from ..primitives import data_ptr, release
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
 
@@ -125,16 +125,16 @@ def gemm_tile_simt(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq):
 
 
 def make_compute_role(tile_init, tile):
-    """The compute role of a fused kernel, around one tile implementation.
+    """The compute role, around one tile implementation (the plain GEMM and the fused kernels).
 
-    ``compute_role(smem, tmaps, a, b, c, order, flags, epoch, blk, blocks, tiles_n)``: compute
-    block ``blk`` of ``blocks`` computes tiles ``order[blk], order[blk + blocks], ...`` (linear
-    ids ``tile_m * tiles_n + tile_n``) into ``c`` and publishes ``flags[t] = epoch`` after each,
-    with a system-scope release: the consumers are other GPUs (NVLink peers) as well as this
-    GPU's communication blocks.
+    ``compute_role(smem, tmaps, a, b, c, order, flags, epoch, blk, blocks, tiles_n, system)``:
+    compute block ``blk`` of ``blocks`` computes tiles ``order[blk], order[blk + blocks], ...``
+    (linear ids ``tile_m * tiles_n + tile_n``) into ``c`` and publishes ``flags[t] = epoch``
+    after each, with a release at system scope (``system``: other GPUs read the flags over
+    NVLink) or GPU scope (only this GPU's blocks do).
     """
     @cuda.jit(device=True)
-    def compute_role(smem, tmaps, a, b, c, order, flags, epoch, blk, blocks, tiles_n):
+    def compute_role(smem, tmaps, a, b, c, order, flags, epoch, blk, blocks, tiles_n, system):
         m, k = a.shape
         n = b.shape[0]
         tile_init(smem, tmaps)
@@ -144,8 +144,7 @@ def make_compute_role(tile_init, tile):
             t = order[i]
             tm = t // tiles_n
             if tile(smem, tmaps, a, b, c, m, n, k, tm, t - tm * tiles_n, seq):
-                fence_sys()  # the tile's stores (gathered by its barrier) before the flag
-                st_release_sys(flags, t, epoch)
+                release(flags, t, epoch, system)   # the tile's stores (its barrier) first
             seq += 1
     return compute_role
 

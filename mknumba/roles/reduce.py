@@ -161,14 +161,15 @@ def chunk_arrive(counts, ready, chunk, target, epoch):
     counts: uint32 per-chunk counters that only grow (``chunk_tiles`` per call, never reset), so
     after call number ``i`` a chunk of ``k`` tiles holds ``i * k`` (mod 2**32) and the tile that
     brings it to ``target = i * k`` is the last. The barrier gathers every thread's stores under
-    thread 0, whose system fence orders them before the (release) count; the last arriver's
-    fence after its read-modify-write acquires the other tiles' counts before it releases
-    ``ready[chunk] = epoch`` to the send role (and, through it, to the copy engine or NIC).
+    thread 0, whose fence orders them before the (release) count; the last arriver's fence
+    after its read-modify-write acquires the other tiles' counts before it releases
+    ``ready[chunk] = epoch`` to the send role. GPU scope throughout: only this GPU's send role
+    reads ``ready``, and its system-scope ring commit carries the stage's stores on to the copy
+    engine or NIC (release is cumulative).
     """
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
-        prim.fence_sys()
+        prim.fence_gpu()
         old = prim.atomic_add_release(counts, chunk, 1)
         if ((np.int64(old) + 1) & 0xFFFFFFFF) == target:
-            prim.fence_sys()
-            prim.st_release_sys(ready, chunk, epoch)
+            prim.release(ready, chunk, epoch, False)

@@ -8,8 +8,22 @@ of thumb. Callers override with ``comm_sms=``.
 """
 import math
 
-# Filled from the sweep in benchmarks/results/fused.json (kernel, topology) -> [(m, k, sms)].
-RECORDED = {}
+# From the sweep in benchmarks/results/fused.json (2x H200, 2026-11-30; regenerate with
+# benchmarks/split_table.py): (kernel, topology) -> [(m, k_local, comm_sms)].
+RECORDED = {
+    ('gemm_allreduce', '1x2'): [(2048, 128, 64), (2048, 512, 64), (4096, 256, 64), (4096, 1024, 64),
+                                (8192, 512, 64), (8192, 2048, 64), (16384, 1024, 64),
+                                (16384, 4096, 64)],
+    ('gemm_allreduce', '2x1'): [(2048, 128, 48), (2048, 512, 48), (4096, 256, 64), (4096, 1024, 48),
+                                (8192, 512, 48), (8192, 2048, 48), (16384, 1024, 48),
+                                (16384, 4096, 48)],
+    ('gemm_reducescatter', '1x2'): [(2048, 128, 48), (2048, 512, 48), (4096, 256, 48),
+                                    (4096, 1024, 48), (8192, 512, 48), (8192, 2048, 48),
+                                    (16384, 1024, 48), (16384, 4096, 32)],
+    ('gemm_reducescatter', '2x1'): [(2048, 128, 64), (2048, 512, 64), (4096, 256, 64),
+                                    (4096, 1024, 64), (8192, 512, 64), (8192, 2048, 64),
+                                    (16384, 1024, 64), (16384, 4096, 64)],
+}
 
 #: Network chunk size per topology kind (paper: 256 KiB for GEMM+AllReduce; the emulated
 #: network's host proxy spends a few microseconds per command, so larger chunks there).
@@ -40,6 +54,18 @@ def choose(kernel, topology, m, n, k, sms):
         best = min(rows, key=lambda r: abs(math.log2(r[0] * r[1]) - target))
         return min(best[2], sms - 1)
     return rule_of_thumb(kernel, topology, m, n, k, sms)
+
+
+def from_sweep(records):
+    """The RECORDED table from benchmark records (each with ``sweep``: comm_sms -> ms): per
+    (kernel, topology), rows ``(m, k_local, fastest comm_sms)`` sorted by shape."""
+    out = {}
+    for r in records:
+        if r.get("sweep"):
+            best = min(r["sweep"], key=r["sweep"].get)
+            out.setdefault((r["kernel"], r["topology"]), []).append(
+                (r["shape"]["m"], r["shape"]["k"], int(best)))
+    return {key: sorted(rows) for key, rows in sorted(out.items())}
 
 
 def default_chunk_bytes(topology):

@@ -6,14 +6,15 @@ scheduled. The first ``compute_blocks`` blocks take the compute role; the remain
 SMs "held back") are free for communication roles in fused kernels. Blocks of lower index produce,
 higher ones consume (the simulator runs blocks in index order; DESIGN.md §3).
 
-Compute block ``b`` visits tiles ``b, b + compute_blocks, b + 2 * compute_blocks, ...`` of the
-linear tile order. ``tile_coords`` maps a linear index to (tile_m, tile_n) in grouped order: the
-blocks running at one moment cover a compact ``group_m``-row band of tiles, so the A rows and B
-columns they read stay in L2 instead of streaming from HBM once per tile.
+Compute block ``b`` visits entries ``b, b + compute_blocks, b + 2 * compute_blocks, ...`` of an
+order table of tile ids (``grouped_order`` for a plain GEMM, ``sched.reduce`` for the fused
+kernels). Grouped order: the blocks running at one moment cover a compact ``group_m``-row band of
+tiles, so the A rows and B columns they read stay in L2 instead of streaming from HBM once per
+tile.
 """
 from dataclasses import dataclass
 
-from numba import cuda
+import numpy as np
 
 from ..errors import MkValueError
 
@@ -28,18 +29,21 @@ def tile_coords_host(t, tiles_m, tiles_n, group_m):
 
     Tiles are visited in bands of ``group_m`` tile rows; inside a band the row index moves
     fastest (column-major), so consecutive tiles share the B columns and the band shares A rows.
-    The last band may be shorter. A bijection on [0, tiles_m * tiles_n).
+    The last band may be shorter. A bijection on [0, tiles_m * tiles_n); ``t`` may be an array.
     """
     per_band = group_m * tiles_n
     band = t // per_band
     first_m = band * group_m
-    rows = min(tiles_m - first_m, group_m)
+    rows = np.minimum(tiles_m - first_m, group_m)
     r = t - band * per_band
     return first_m + r % rows, r // rows
 
 
-#: The same function compiled for the device (numba inlines it into the tile loop).
-tile_coords = cuda.jit(device=True)(tile_coords_host)
+def grouped_order(tiles_m, tiles_n, group_m):
+    """Tile ids ``tile_m * tiles_n + tile_n`` in grouped raster order (int32, a compute role's
+    order table)."""
+    tm, tn = tile_coords_host(np.arange(tiles_m * tiles_n), tiles_m, tiles_n, group_m)
+    return (tm * tiles_n + tn).astype(np.int32)
 
 
 def default_group_m(tiles_m, tiles_n, blocks):

@@ -1,0 +1,124 @@
+"""The tile moves of the reduction roles (roles/reduce.py) on ragged tiles, against NumPy.
+
+One block of the sm90 kernel's width (288 threads: 9 warps; one warp in the simulator, whose
+threads are slow Python threads) sums three
+"GPUs'" bf16 tiles (three buffers on one device, reached through an address table like
+``peer_view`` does for NVLink peers), combines a stage tile with two received ones, and copies a
+tile. Tiles are ragged (37 x 70 words, 5 x 66 in the simulator: neither the row nor the column
+steps divide them), and
+outputs start poisoned, so a word not written or written twice shows. Runs in the simulator
+(CI) and on a GPU.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = r"""
+import numpy as np
+from numba import cuda
+import mknumba
+from mknumba import primitives as prim
+from mknumba._compat import SIMULATOR
+from mknumba.roles.reduce import combine_remote, copy_tile_2d, reduce_peers
+
+W, R0, C0, POISON = 80, 3, 5, 0x7FC07FC07FC07FC0
+THREADS, ROWS, WCOLS = (32, 5, 66) if SIMULATOR else (288, 37, 70)
+
+
+def bf16_words(x):          # float32 [.., 4k] -> uint64 words of 4 bf16
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    return b.view(np.uint64)
+
+
+def words_f32(w):
+    return (np.asarray(w).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+@cuda.jit
+def k_reduce(ptrs, template, members, me, out, out2, both):
+    reduce_peers(ptrs, template, members, me, R0 * W + C0, W, out, 0, WCOLS, out2, 0, WCOLS,
+                 both, ROWS, WCOLS)
+
+
+@cuda.jit
+def k_combine(own, recv, out, out2, both):
+    combine_remote(own, 0, recv, 0, ROWS * WCOLS, 2, out, 0, WCOLS, out2, 0, WCOLS, both,
+                   ROWS, WCOLS, WCOLS)
+
+
+@cuda.jit
+def k_copy(src, dst):
+    copy_tile_2d(src, R0 * W + C0, W, dst, 0, WCOLS, ROWS, WCOLS)
+
+
+rng = np.random.default_rng(5)
+vals = [rng.standard_normal((64, 4 * W)).astype(np.float32) for _ in range(3)]
+hosts = [bf16_words(v).reshape(-1) for v in vals]
+devs = [cuda.to_device(h) for h in hosts]
+if SIMULATOR:
+    toks = [1000 + i for i in range(3)]
+    for t, d in zip(toks, devs):
+        prim.sim_register(t, d)
+    ptrs = cuda.to_device(np.array(toks, np.uint64))
+else:
+    ptrs = cuda.to_device(np.array([d.__cuda_array_interface__["data"][0] for d in devs],
+                                   np.uint64))
+f32 = [words_f32(h).reshape(64, 4 * W) for h in hosts]
+want_sum = sum(f[R0:R0 + ROWS, 4 * C0:4 * (C0 + WCOLS)] for f in f32)
+
+
+def check(got_words, want, what):
+    got = words_f32(got_words).reshape(ROWS, 4 * WCOLS)
+    assert np.isfinite(got).all(), f"{what}: {int((~np.isfinite(got)).sum())} values unwritten"
+    err = np.abs(got - want).max() / np.abs(want).max()
+    assert err < 1e-2, f"{what}: max relative error {err}"
+    return err
+
+
+for me in ((2,) if SIMULATOR else range(3)):
+    out = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
+    out2 = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
+    k_reduce[1, THREADS](ptrs, devs[me], 3, me, out, out2, True)
+    check(out.copy_to_host(), want_sum, f"reduce_peers me={me}")
+    check(out2.copy_to_host(), want_sum, f"reduce_peers second copy me={me}")
+
+tiles = [bf16_words(rng.standard_normal((ROWS, 4 * WCOLS))).reshape(-1) for _ in range(3)]
+own, recv = cuda.to_device(tiles[0]), cuda.to_device(np.concatenate(tiles[1:]))
+out = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
+out2 = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
+k_combine[1, THREADS](own, recv, out, out2, False)
+check(out.copy_to_host(), sum(words_f32(t).reshape(ROWS, -1) for t in tiles), "combine_remote")
+assert (out2.copy_to_host() == POISON).all(), "combine_remote wrote the second copy unasked"
+
+dst = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
+k_copy[1, THREADS](devs[1], dst)
+want = hosts[1].reshape(64, W)[R0:R0 + ROWS, C0:C0 + WCOLS].reshape(-1)
+assert (dst.copy_to_host() == want).all(), "copy_tile_2d"
+print("reduce roles ok")
+"""
+
+
+def _run(sim):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    if sim:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    else:
+        env.pop("NUMBA_ENABLE_CUDASIM", None)
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "reduce roles ok" in r.stdout
+
+
+def test_tile_moves_in_simulator():
+    _run(sim=True)
+
+
+@pytest.mark.gpu
+def test_tile_moves_on_gpu():
+    _run(sim=False)
