@@ -152,10 +152,26 @@ def test_gpu_2x1_dma(mode):
                     simulator=False, env=env), 4)
 
 
-def test_split_table_is_the_recorded_sweep():
+def test_split_table_is_the_recorded_sweep(monkeypatch):
     """sched/split.py's RECORDED is what benchmarks/results/fused.json measured."""
     import json
+    import mknumba._compat
     from mknumba.sched import split
+    monkeypatch.setattr(mknumba._compat, "SIMULATOR", False)   # choose() reads the table
     with open(os.path.join(ROOT, "benchmarks", "results", "fused.json")) as f:
         assert split.RECORDED == split.from_sweep(json.load(f))
     assert split.choose("gemm_reducescatter", "2x1", 4096, 4096, 1024, 132) == 64
+
+
+def test_role_split_when_a_gpu_owns_no_tiles():
+    """AllReduce with fewer tile rows than GPUs per node: some GPU reduces and finishes
+    nothing, and still gets a valid split (one block per communication role at least)."""
+    from types import SimpleNamespace
+    from mknumba.kernels.gemm_ar import GemmAllReduce
+    plan = ReducePlan(True, 32, 64, 32, 32, 2, 2, 0, 1, 4, 1)   # 1 tile row, G = 2, local 1
+    assert len(plan.red_tiles) == 0 and plan.n_final == 0
+    op = SimpleNamespace(comm_sms=8, plan=plan, allreduce=True, topology="2x2",
+                         name="GemmAllReduce")
+    GemmAllReduce._roles(op, 132, 2, 2)
+    rb = op.role_blocks
+    assert sum(rb.values()) == 132 and min(rb["reduce"], rb["send"], rb["recv"], rb["pull"]) >= 1

@@ -6,7 +6,7 @@ threads are slow Python threads) sums three
 ``peer_view`` does for NVLink peers), combines a stage tile with two received ones, and copies a
 tile. Tiles are ragged (37 x 70 words, 5 x 66 in the simulator: neither the row nor the column
 steps divide them), and
-outputs start poisoned, so a word not written or written twice shows. Runs in the simulator
+outputs start poisoned, so a word left unwritten shows. Runs in the simulator
 (CI) and on a GPU.
 """
 import os

@@ -188,7 +188,7 @@ class Gemm:
         self._lock = threading.Lock()
         self._compiled = {}   # (kind, argtypes) -> (dispatcher, compiled kernel, blocks_per_sm)
         self._tmaps = {}      # (ptr_a, ptr_b, m, n, k) -> device uint64[32]
-        self._orders = {}     # (tiles_m, tiles_n, group_m) -> device int32 tile order
+        self._orders = {}     # (device, tiles_m, tiles_n, group_m) -> int32 tile order
         self._launches = {}   # torch call signature -> prepared _Launch
 
     # -- public entry ---------------------------------------------------------------------------
@@ -294,11 +294,12 @@ class Gemm:
         return self._compiled[key]
 
     def _order(self, tiles_m, tiles_n, group_m, stream):
-        key = (tiles_m, tiles_n, int(group_m))
+        device = None if SIMULATOR else cuda.get_current_device().id   # one table per GPU
+        key = (device, tiles_m, tiles_n, int(group_m))
         if key not in self._orders:
             if len(self._orders) > 32:
                 self._orders.clear()
-            self._orders[key] = cuda.to_device(grouped_order(*key), stream=stream)
+            self._orders[key] = cuda.to_device(grouped_order(*key[1:]), stream=stream)
         return self._orders[key]
 
     def _tensor_maps(self, a, bt, m, n, k, stream):

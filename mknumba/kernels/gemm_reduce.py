@@ -335,7 +335,8 @@ class GemmReduce:
             p = self.plan            # tile, one read per node + 1-2 writes per finished tile
             red = len(p.red_tiles) * (G + 1)
             fin = p.n_final * (nodes + 1 + (1 if self.allreduce and G > 1 else 0))
-            recv = min(s - send - pull - 1, max(1, round((s - send - pull) * fin / (red + fin))))
+            share = fin / (red + fin) if red + fin else 0.0    # a GPU may own no tiles
+            recv = min(s - send - pull - 1, max(1, round((s - send - pull) * share)))
         reduce = s - send - recv - pull
         self.role_blocks = dict(compute=sms - s, reduce=reduce, send=send, recv=recv, pull=pull)
         self.grid = sms
@@ -495,6 +496,11 @@ class GemmReduce:
         """Wait for this rank's calls; raise MkTimeoutError if a device wait expired."""
         self.comm.synchronize(stream or 0)   # polls: the proxy thread needs the GIL meanwhile
         self.comm.check(self.err, self.name)
+
+    def clear_trace(self):
+        """Zero the stamps (so a later read shows only what the next call reached)."""
+        if self.tracing:
+            self._trace.copy_to_device(np.zeros(self._trace.shape, np.int64))
 
     def trace_events(self):
         """The last traced call's stamps: {event: int64 ns array by item (0: not reached)} plus

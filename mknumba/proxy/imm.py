@@ -94,13 +94,19 @@ class FlagShadow:
         self.values = np.zeros(0, np.int64)
         self.offsets = np.full(MAX_FLAG_WINDOWS, -1, np.int64)
 
+    # New arrays rather than in-place changes: a running compiled loop keeps the pair it was
+    # given until the proxy hands it the new one (Proxy._retable).
     def add_window(self, win, n):
         check_flag_window(win, n)
-        self.offsets[win] = len(self.values)
+        offsets = self.offsets.copy()
+        offsets[win] = len(self.values)
         self.values = np.concatenate([self.values, np.zeros(n, np.int64)])
+        self.offsets = offsets
 
     def remove_window(self, win):
-        self.offsets[win] = -1   # its values stay behind (a few bytes; ids are reused)
+        offsets = self.offsets.copy()
+        offsets[win] = -1        # its values stay behind (a few bytes per flag; ids are reused)
+        self.offsets = offsets
 
     def publish(self, imms):
         """Decode immediates in arrival order -> (flag_win, flag_slot, epoch) int64 arrays."""

@@ -99,17 +99,42 @@ class Proxy:
         with self._reg_lock:
             win = self.transport.register(buf)
             self._retable(f"window {win}")
+        ids = self.comm.mpi.allgather(win)
+        if len(set(ids)) != 1:
+            raise MkError(f"rank {self.rank}: ranks registered proxy windows in different "
+                          f"orders (ids {ids}): register and free buffers in the same order "
+                          "everywhere")
         return win
 
     def unregister(self, buf):
-        """Collective: forget the window of ``buf`` (no-op if it has none). Call it before the
-        buffer is freed, after every kernel that names it has finished."""
+        """Collective over the world: forget the window of ``buf`` (no-op if it has none). Call
+        it after every kernel that names it has finished: the commands they left in the ring
+        are delivered first (every rank drains its own), then the tables change."""
+        self.check()
         with self._reg_lock:
             win = self.transport.window_of(buf)
             if win is None:
                 return
+            self._drain(f"window {win}")
+            self.comm.mpi.Barrier()          # every rank's sends into this window delivered
             self.transport.unregister(win)
             self._retable(f"the removal of window {win}")
+
+    def _drain(self, what):
+        """Wait until every command committed to the ring so far is issued and delivered."""
+        deadline = time.monotonic() + max(self.comm.timeout_ns * 1e-9, 60.0)
+        mask = self.slots - 1
+        while True:
+            self._retable(f"a drain before removing {what}")   # a round boundary: outbox sent
+            t = int(self._st[eng.S_TAIL])
+            committed = int(self._words[(t & mask) * CMD_WORDS]) == ((t + 1) & 0xFFFFFFFF)
+            if not committed and not self.queues.count.any():
+                break
+            if time.monotonic() > deadline:
+                raise MkTimeoutError(f"rank {self.rank}: the proxy did not drain its ring "
+                                     f"before removing {what}")
+            time.sleep(1e-5)
+        self.transport.quiesce(time.monotonic_ns() + self.comm.timeout_ns)
 
     def _retable(self, what):
         """Have the loop pick up the transport's new tables; wait (bounded) until it has."""

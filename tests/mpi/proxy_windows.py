@@ -18,7 +18,7 @@ from proxy_stress import start
 NBYTES = 96
 
 
-def send_all(comm, proxy, wins, epoch, payload_of):
+def send_all(comm, proxy, wins, epoch):
     r, h, t = (np.asarray(x) for x in proxy.device_args())
     for p in range(comm.size):
         if p == comm.rank:
@@ -47,7 +47,7 @@ def main():
         src.local.copy_to_device(payload)
         dst.local.copy_to_device(np.full(size * NBYTES, 0xEE, np.uint8))   # poisoned
         comm.barrier()
-        send_all(comm, proxy, wins, rnd + 1, payload)
+        send_all(comm, proxy, wins, rnd + 1)
         deadline = time.monotonic() + 60
         peers = [p for p in range(size) if p != me]
         while not (flags.local.copy_to_host()[peers] == rnd + 1).all():
@@ -63,9 +63,15 @@ def main():
         for b in (src, dst, flags):
             comm.free(b)
     assert len(seen) == 3, f"window ids were not reused: {sorted(seen)}"
-    # A command naming a window that is gone is refused, not delivered somewhere stale.
+    # A command naming a window that is gone is refused, not delivered somewhere stale, while
+    # the windows around it stay usable.
+    a, gone, b = (comm.alloc_symmetric((size * NBYTES,), np.uint8, scope="world")
+                  for _ in range(3))
+    wins = [proxy.register(x) for x in (a, gone, b)]
+    comm.free(gone)                                       # a hole in the middle of the table
+    proxy.transport.check_command(1 - me, _one_command([wins[0], wins[2], wins[0]]))   # fine
     try:
-        proxy.transport.check_command(1 - me, _one_command(wins))
+        proxy.transport.check_command(1 - me, _one_command([wins[0], wins[1], wins[0]]))
     except MkValueError as e:
         refused = str(e)
     else:

@@ -114,6 +114,10 @@ class Transport:
     def flush(self, deadline_ns):
         """Wait until everything submitted so far has been delivered (proxy thread)."""
 
+    def quiesce(self, deadline_ns):
+        """Main thread, proxy running: wait until everything submitted so far has been
+        delivered (before a window goes). Default: submission delivers (sim)."""
+
     def close(self):
         """Release resources (main thread, after the proxy thread stopped)."""
 

@@ -113,11 +113,11 @@ class DmaTransport(Transport):
                 opened.append(ipc)
             self.dst_base[w.id, r] = _address(arr)
 
-    def _unregister(self, w):
-        # Copies naming the window may still be queued behind the flags the kernels saw (the
-        # completion-mode imm write): drain them before the mapping goes.
-        for st in self.streams:
+    def quiesce(self, deadline_ns):
+        for st in self.streams:    # stream work is safe to wait on from another thread
             self.drv.call("stream_sync", int(st))
+
+    def _unregister(self, w):
         for ipc in self._ipc.pop(w.id, []):
             ipc.close()
         self.src_base[w.id] = 0

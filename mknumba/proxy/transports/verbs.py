@@ -195,6 +195,13 @@ class VerbsTransport(Transport):
             if time.monotonic_ns() > deadline_ns:
                 raise MkError("verbs transport: sends did not complete before the timeout")
 
+    def quiesce(self, deadline_ns):
+        import time
+        while self.outstanding:      # the proxy thread's progress() retires them
+            if time.monotonic_ns() > deadline_ns:
+                raise MkError("verbs transport: sends did not complete before the timeout")
+            time.sleep(1e-5)
+
     def close(self):
         for qp in getattr(self, "qps", {}).values():
             qp.close()
