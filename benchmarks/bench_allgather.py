@@ -4,8 +4,6 @@
 Inputs are PyTorch tensors handed to mknumba through __cuda_array_interface__ (no copies).
 The floor is the bytes each GPU must receive over its NVLink at the measured copy rate.
 """
-import os
-
 import common
 import numpy as np
 
@@ -17,13 +15,8 @@ P2P_GBPS = 380.0   # measured GPU-to-GPU copy rate on 2xH200 (DESIGN.md §6)
 def main():
     args = common.parse_args(ranks=2)
     import torch
-    import torch.distributed as dist
     comm = mk.init()
-    torch.cuda.set_device(comm.device_id)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl", rank=comm.rank, world_size=comm.size,
-                            device_id=torch.device("cuda", comm.device_id))
+    dist = common.init_nccl(29533, device=comm.device_id)
     records = []
     for mib in (1, 16, 64, 256):
         n = mib * (1 << 20) // 4

@@ -24,13 +24,14 @@ def parse_args(ranks, extra=None):
     return a
 
 
-def init_nccl(port=29541):
-    """torch.distributed over NCCL on the MPI world, one GPU per rank; returns the module."""
+def init_nccl(port=29541, device=None):
+    """torch.distributed over NCCL on the MPI world; returns the module. device: this rank's
+    GPU (default: rank modulo the GPUs visible)."""
     import torch
     import torch.distributed as dist
     from mpi4py import MPI
     rank = MPI.COMM_WORLD.Get_rank()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.cuda.set_device(rank % torch.cuda.device_count() if device is None else device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(port))
     dist.init_process_group("nccl", rank=rank, world_size=MPI.COMM_WORLD.Get_size(),

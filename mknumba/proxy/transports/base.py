@@ -2,8 +2,8 @@
 
 A *window* is a symmetric buffer registered with the proxy (collectively, in the same order on
 every rank, so ids agree); commands name their source, destination and flag windows by id.
-Unregistering (also collective, when the buffer is freed) releases the transport's mappings of
-it and frees its id for the next registration.
+Unregistering (when the buffer is freed, after :class:`~..proxy.Proxy` has drained every rank)
+releases the transport's mappings of it and frees its id for the next registration.
 """
 import numpy as np
 from numba import njit
@@ -69,8 +69,9 @@ class Transport:
         return win
 
     def unregister(self, win):
-        """Collective: forget window ``win`` (no command naming it may be in flight). Commands
-        that still name it fail the bounds check; its id goes to the next registration."""
+        """Forget window ``win`` (local: ``Proxy.unregister`` drains and synchronises the ranks
+        first, so no command naming it is in flight). Commands that still name it fail the
+        bounds check; its id goes to the next registration."""
         w = self.windows[win]
         self.win_bytes[win] = 0
         if w.is_flags and self.completion == COMPLETION:
