@@ -28,7 +28,8 @@ from mknumba.kernels.gemm_ar import GemmAllReduce  # noqa: E402
 from mknumba.kernels.gemm_rs import GemmReduceScatter  # noqa: E402
 
 NVLINK_GBPS = 380.0
-SWEEP = {("gemm_reducescatter", "1x2"): (16, 32, 48), ("gemm_allreduce", "1x2"): (32, 48, 64),
+SWEEP = {("gemm_reducescatter", "1x2"): (16, 24, 32, 48, 64),
+         ("gemm_allreduce", "1x2"): (32, 48, 64, 80),
          ("gemm_reducescatter", "2x1"): (32, 48, 64), ("gemm_allreduce", "2x1"): (32, 48, 64)}
 
 
@@ -85,7 +86,7 @@ def bench_topology(comm, dist, args, records, log):
                 sweep, steady = {}, {}
                 err = None
                 sms_total = 132
-                for sms in SWEEP[(kern, topo)]:
+                for sms in args.sweep or SWEEP[(kern, topo)]:
                     op = Op(comm, m, n, k, comm_sms=sms)
                     sms_total = op.sms
                     if err is None:
@@ -137,8 +138,11 @@ def main():
         (("--sizes",), dict(default="2048,4096,8192,16384")),
         (("--topologies",), dict(default="1x2,2x1")),
         (("--pace-gbps",), dict(type=float, default=50.0)),
-        (("--mode",), dict(default="ordered"))])
+        (("--mode",), dict(default="ordered")),
+        (("--sweep",), dict(default="", help="comm SMs to try at every point (default: the "
+                                              "built-in lists per kernel and topology)"))])
     args.sizes = [int(s) for s in args.sizes.split(",")]
+    args.sweep = [int(s) for s in args.sweep.split(",") if s]
     from mpi4py import MPI
     rank = MPI.COMM_WORLD.Get_rank()
     dist = common.init_nccl()

@@ -1,12 +1,15 @@
 """Proxy + transport benchmark on two (emulated) nodes, beside NCCL send/recv in the same run.
 
-    mpirun --allow-run-as-root -n 2 -x MKNUMBA_GPUS_PER_NODE=1 -x NCCL_NVLS_ENABLE=0 \\
-        python benchmarks/bench_proxy.py [--transport dma:ordered] [--copy each|batch]
+    mpirun --allow-run-as-root --bind-to none -n 2 -x MKNUMBA_GPUS_PER_NODE=1 \\
+        -x NCCL_NVLS_ENABLE=0 python benchmarks/bench_proxy.py [--transport dma:ordered] \\
+        [--copy each|batch]
 
 Measures, rank 0 -> rank 1 (records with kernel "proxy" appended to
 benchmarks/results/proxy.json; one run replaces its own transport's earlier records):
-(a) commands/s and host time per command: a kernel enqueues many 256-byte chunks;
-(b) bandwidth for chunks of 64 KiB .. 4 MiB, beside NCCL and a raw copy-engine copy;
+(a) commands/s and host time per command: a kernel enqueues many 256-byte chunks (not adjacent,
+    so each is its own copy);
+(b) bandwidth for chunks of 64 KiB .. 4 MiB, beside NCCL and a raw copy-engine copy (adjacent
+    chunks, which the dma transport merges into fewer copies; then 1 MiB chunks with gaps);
 (c) one-way latency of a 4 KiB chunk: ping-pong through both proxies, beside NCCL ping-pong.
 """
 import argparse
@@ -29,10 +32,10 @@ NFLAGS = 1 << 18
 
 
 @cuda.jit
-def send_many(ring, head, tail, peer, n, nbytes, epoch, timeout_ns, err, rank):
+def send_many(ring, head, tail, peer, n, nbytes, stride, epoch, timeout_ns, err, rank):
     deadline = globaltimer() + timeout_ns
     for j in range(cuda.grid(1), n, cuda.gridsize(1)):
-        off = (j * nbytes) % SPAN
+        off = (j * stride) % SPAN
         if not enqueue(ring, head, tail, peer, 0, off, 1, off, nbytes, j, 2, j, epoch, deadline,
                        err, rank):
             return
@@ -104,16 +107,17 @@ class Bench:
         self.proxy.check()
         return comm.mpi.allreduce(dt, op=__import__("mpi4py").MPI.MAX)
 
-    def transfer(self, n, nbytes):
-        """Rank 0 sends n chunks; rank 1 waits for all flags. Returns seconds."""
+    def transfer(self, n, nbytes, stride=None):
+        """Rank 0 sends n chunks ``stride`` bytes apart (default: adjacent); rank 1 waits for
+        all flags. Returns seconds."""
         self.epoch += 1
         ring, head, tail = self.proxy.device_args()
         c, e = self.comm, self.epoch
 
         def go():
             if c.rank == 0:
-                send_many[4, 64, self.stream](ring, head, tail, 1, n, nbytes, e, c.timeout_ns,
-                                              self.err, c.rank)
+                send_many[4, 64, self.stream](ring, head, tail, 1, n, nbytes, stride or nbytes,
+                                              e, c.timeout_ns, self.err, c.rank)
             else:
                 wait_all[8, 128, self.stream](self.flags.local, n, e, c.timeout_ns, self.err,
                                               c.rank)
@@ -208,7 +212,8 @@ def main():
     gpu = gpu.decode() if isinstance(gpu, bytes) else gpu
     base = {"kernel": "proxy", "dtype": "uint8", "world": 2, "topology": "2x1",
             "transport": tname, "gpu": gpu, "date": datetime.date.today().isoformat(),
-            "command": "mpirun -n 2 -x MKNUMBA_GPUS_PER_NODE=1 python " + " ".join(sys.argv)}
+            "command": "mpirun --bind-to none -n 2 -x MKNUMBA_GPUS_PER_NODE=1 python "
+            + " ".join(sys.argv)}
     recs = []
     say = print if comm.rank == 0 else (lambda *a, **k: None)
 
@@ -220,7 +225,7 @@ def main():
     # (a) commands per second, host time per command
     n = min(args.commands, NFLAGS)
     s0 = dict(proxy.stats)
-    t = b.transfer(n, 256)
+    t = b.transfer(n, 256, stride=512)     # gaps: one copy per command, none merged
     stats = comm.mpi.bcast(dict(proxy.stats), root=0)
     cmds = stats["commands"] - comm.mpi.bcast(s0, root=0)["commands"]
     busy = stats["busy_ns"] - comm.mpi.bcast(s0, root=0)["busy_ns"]
@@ -249,6 +254,18 @@ def main():
         say(f"(b) {chunk >> 10:5d} KiB x {n}: {gbps:7.1f} GB/s "
             f"({100 * gbps / copy_gbps if copy_gbps else float('nan'):.0f}% of copy engine); "
             f"NCCL {ngbps:7.1f} GB/s")
+
+    # (b') chunks that are not adjacent: the dma transport cannot merge their copies
+    chunk, n = 1 << 20, 1024
+    t = b.transfer(n, chunk, stride=2 * chunk)
+    gbps = n * chunk / t / 1e9
+    recs.append(dict(base, metric="bandwidth_scattered", shape={"chunk_bytes": chunk, "chunks": n},
+                     chunk_bytes=chunk, ours_ms=t * 1e3, baseline=None, baseline_ms=None,
+                     speedup=None, floor_ms=n * chunk / (copy_gbps * 1e9) * 1e3 if copy_gbps
+                     else None, gbps=gbps, copy_engine_gbps=copy_gbps,
+                     fraction_of_copy=gbps / copy_gbps if copy_gbps else None))
+    say(f"(b') {chunk >> 10:5d} KiB x {n}, every other slot: {gbps:7.1f} GB/s "
+        f"({100 * gbps / copy_gbps if copy_gbps else float('nan'):.0f}% of copy engine)")
 
     # (c) one-way latency, 4 KiB
     iters = 2000

@@ -10,6 +10,7 @@ Scopes: ``gpu`` orders against other blocks of the same GPU; ``sys`` against pee
 and the host proxy. Flags written by another GPU or by the host are read with ``sys`` scope.
 
 Element types: 32- and 64-bit integer arrays (flags, counters, epochs, error records).
+Two packed-bf16 instructions (``pack_bf16x2``, ``add_bf16x2``) serve the reduction roles' sums.
 """
 import threading
 import time
@@ -23,7 +24,7 @@ from numba import cuda
 __all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "atomic_add_release",
            "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys", "nanosleep",
            "globaltimer", "peer_view", "data_ptr", "epoch_reached", "wait_flag", "record_timeout",
-           "acquire", "release"]
+           "acquire", "release", "pack_bf16x2", "add_bf16x2"]
 
 if not SIMULATOR:
     from llvmlite import ir
@@ -100,6 +101,28 @@ if not SIMULATOR:
                 return context.get_dummy_value()
             return types.none(), codegen
         return fence
+
+    def _pure(builder, ret, argtys, text, constraints, args):
+        """Inline PTX without side effects: arithmetic the compiler may schedule freely."""
+        return builder.call(ir.InlineAsm(ir.FunctionType(ret, argtys), text, constraints,
+                                         side_effect=False), args)
+
+    def _make_packed(text, arg_ty, reg):
+        """A two-operand packed-bf16 instruction ``text`` on two ``arg_ty`` values -> uint32."""
+        @intrinsic
+        def op(typingctx, x, y):
+            def codegen(context, builder, sig, args):
+                a, b = (context.cast(builder, v, t, arg_ty) for v, t in zip(args, sig.args))
+                return _pure(builder, ir.IntType(32), [a.type, b.type], text, f"=r,{reg},{reg}",
+                             [a, b])
+            return types.uint32(x, y), codegen
+        return op
+
+    #: pack_bf16x2(hi, lo): two float32 -> uint32 of two bf16 (``hi`` in the upper half), each
+    #: rounded to nearest even. add_bf16x2(a, b): lane-wise sum of two uint32s of two bf16 each,
+    #: the exact sum rounded once to nearest even (sm_90).
+    pack_bf16x2 = _make_packed("cvt.rn.bf16x2.f32 $0, $1, $2;", types.float32, "f")
+    add_bf16x2 = _make_packed("add.rn.bf16x2 $0, $1, $2;", types.uint32, "r")
 
     ld_acquire, ld_acquire_sys = _make_load("gpu"), _make_load("sys")
     st_release, st_release_sys = _make_store("gpu"), _make_store("sys")
@@ -197,6 +220,24 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
 
     def data_ptr(arr):
         raise NotImplementedError("data_ptr has no meaning in the simulator")
+
+    def _bf16_rne(x):
+        """float -> bf16 bits (round to nearest even; NaN -> 0x7FC0)."""
+        u = int(np.array(x, np.float32).view(np.uint32))
+        if (u & 0x7FFFFFFF) > 0x7F800000:
+            return 0x7FC0
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+    def _bf16_f64(bits):
+        return float(np.array((int(bits) & 0xFFFF) << 16, np.uint32).view(np.float32))
+
+    def pack_bf16x2(hi, lo):
+        return np.uint32((_bf16_rne(hi) << 16) | _bf16_rne(lo))
+
+    def add_bf16x2(a, b):
+        a, b = int(a), int(b)
+        return np.uint32((_bf16_rne(_bf16_f64(a >> 16) + _bf16_f64(b >> 16)) << 16)
+                         | _bf16_rne(_bf16_f64(a) + _bf16_f64(b)))
 
 
 @cuda.jit(device=True, inline=True)

@@ -53,6 +53,20 @@ def test_allgather_kernel_compiles(fake_sm90):
         assert len(re.findall(r"st\.release\.sys", ptx)) >= 1
 
 
+def test_tile_moves_stay_in_registers_and_use_packed_bf16(fake_sm90):
+    """The reduction roles' sums use packed bf16 instructions (measured 7 -> 19 GB/s per block)
+    and keep their words in registers (no local-memory spills)."""
+    from mknumba.roles.reduce import combine_remote, reduce_peers
+
+    def k(ptrs, tmpl, own, recv, dst, members, nsrc):
+        reduce_peers(ptrs, tmpl, members, 0, 0, 64, dst, 0, 64, dst, 0, 64, False, 128, 64)
+        combine_remote(own, 0, recv, 0, 8192, nsrc, dst, 0, 64, dst, 0, 64, False, 128, 64, 64)
+
+    ptx = _ptx(k, (u64, u64, u64, u64, u64, types.int64, types.int64), fake_sm90)
+    assert "add.rn.bf16x2" in ptx and "cvt.rn.bf16x2.f32" in ptx
+    assert not re.search(r"(ld|st)\.local", ptx), "tile moves spilled to local memory"
+
+
 @pytest.mark.parametrize("value,epoch,ready", [
     (0, 1, False), (1, 1, True), (2, 1, True), (0xFFFFFFFF, 0, False), (0, 0xFFFFFFFF, True),
     (5, 0xFFFFFFF0, True), (0xFFFFFFF0, 5, False), (0x7FFFFFFF, 0, True)])

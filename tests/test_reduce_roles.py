@@ -48,8 +48,8 @@ def k_reduce(ptrs, template, members, me, out, out2, both):
 
 
 @cuda.jit
-def k_combine(own, recv, out, out2, both):
-    combine_remote(own, 0, recv, 0, ROWS * WCOLS, 2, out, 0, WCOLS, out2, 0, WCOLS, both,
+def k_combine(own, recv, nsrc, out, out2, both):
+    combine_remote(own, 0, recv, 0, ROWS * WCOLS, nsrc, out, 0, WCOLS, out2, 0, WCOLS, both,
                    ROWS, WCOLS, WCOLS)
 
 
@@ -71,7 +71,6 @@ else:
     ptrs = cuda.to_device(np.array([d.__cuda_array_interface__["data"][0] for d in devs],
                                    np.uint64))
 f32 = [words_f32(h).reshape(64, 4 * W) for h in hosts]
-want_sum = sum(f[R0:R0 + ROWS, 4 * C0:4 * (C0 + WCOLS)] for f in f32)
 
 
 def check(got_words, want, what):
@@ -82,20 +81,25 @@ def check(got_words, want, what):
     return err
 
 
-for me in ((2,) if SIMULATOR else range(3)):
-    out = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
-    out2 = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
-    k_reduce[1, THREADS](ptrs, devs[me], 3, me, out, out2, True)
-    check(out.copy_to_host(), want_sum, f"reduce_peers me={me}")
-    check(out2.copy_to_host(), want_sum, f"reduce_peers second copy me={me}")
+# three members: fp32 accumulation; two: packed bf16 adds
+for members in (3, 2):
+    want_sum = sum(f[R0:R0 + ROWS, 4 * C0:4 * (C0 + WCOLS)] for f in f32[:members])
+    for me in ((members - 1,) if SIMULATOR else range(members)):
+        out = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
+        out2 = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
+        k_reduce[1, THREADS](ptrs, devs[me], members, me, out, out2, True)
+        check(out.copy_to_host(), want_sum, f"reduce_peers members={members} me={me}")
+        check(out2.copy_to_host(), want_sum, f"reduce_peers second copy me={me}")
 
 tiles = [bf16_words(rng.standard_normal((ROWS, 4 * WCOLS))).reshape(-1) for _ in range(3)]
 own, recv = cuda.to_device(tiles[0]), cuda.to_device(np.concatenate(tiles[1:]))
-out = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
-out2 = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
-k_combine[1, THREADS](own, recv, out, out2, False)
-check(out.copy_to_host(), sum(words_f32(t).reshape(ROWS, -1) for t in tiles), "combine_remote")
-assert (out2.copy_to_host() == POISON).all(), "combine_remote wrote the second copy unasked"
+for nsrc in (2, 1):
+    out = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
+    out2 = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
+    k_combine[1, THREADS](own, recv, nsrc, out, out2, False)
+    want = sum(words_f32(t).reshape(ROWS, -1) for t in tiles[:1 + nsrc])
+    check(out.copy_to_host(), want, f"combine_remote nsrc={nsrc}")
+    assert (out2.copy_to_host() == POISON).all(), "combine_remote wrote the second copy unasked"
 
 dst = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
 k_copy[1, THREADS](devs[1], dst)

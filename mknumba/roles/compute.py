@@ -90,6 +90,12 @@ def bf16_to_f32(bits):
 
 
 @cuda.jit(device=True, inline=True)
+def bf16_hi_to_f32(u):
+    """The bf16 in the upper half of a uint32 -> float32 (one mask)."""
+    return _bits_f32(np.uint32(u) & np.uint32(0xFFFF0000))
+
+
+@cuda.jit(device=True, inline=True)
 def f32_to_bf16(x):
     """float32 -> bf16 bits, round to nearest even (NaN stays NaN), as uint16."""
     u = _f32_bits(x)
@@ -155,6 +161,6 @@ def tile_shape(sm90):
 
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_SMEM_BYTES", "SIMT_TILE", "SIMT_THREADS",
-           "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "f32_to_bf16", "tile_shape",
+           "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16", "tile_shape",
            "make_compute_role",
            "HELPER"] + ([] if SIMULATOR else ["gemm_init_sm90", "gemm_tile_sm90"])

@@ -13,28 +13,50 @@ import numpy as np
 from numba import cuda
 
 from .. import primitives as prim
-from .compute import bf16_to_f32, f32_to_bf16
+from .compute import bf16_hi_to_f32, bf16_to_f32
 
-_M16 = np.uint64(0xFFFF)
-_S16, _S32, _S48 = np.uint64(16), np.uint64(32), np.uint64(48)
-
-
-@cuda.jit(device=True, inline=True)
-def lane(w, i):
-    """bf16 value ``i`` (0..3) of word ``w``, as float32."""
-    return bf16_to_f32(np.uint32((w >> np.uint64(16 * i)) & _M16))
+_LO32, _S32 = np.uint64(0xFFFFFFFF), np.uint64(32)
 
 
 @cuda.jit(device=True, inline=True)
-def pack4(x0, x1, x2, x3):
-    """Four float32 -> one word of four bf16 (round to nearest even)."""
-    return (np.uint64(f32_to_bf16(x0)) | (np.uint64(f32_to_bf16(x1)) << _S16)
-            | (np.uint64(f32_to_bf16(x2)) << _S32) | (np.uint64(f32_to_bf16(x3)) << _S48))
+def _halves(w):
+    """A word as two uint32 of two bf16 each (low, high)."""
+    return np.uint32(w & _LO32), np.uint32(w >> _S32)
 
 
-#: Words each thread keeps in flight per source: ``ROWS`` tile rows x 2 columns 32 words apart.
-#: The loads are latency-bound (HBM ~0.7 us, NVLink more), so bytes in flight set the rate:
-#: 288 threads x 8 words = 18 KiB per block and source.
+@cuda.jit(device=True, inline=True)
+def add_word(acc, k, w):
+    """acc[k .. k+3] += the four bf16 of word ``w`` (exact widening: shifts and masks)."""
+    lo, hi = _halves(w)
+    acc[k] += bf16_to_f32(lo)
+    acc[k + 1] += bf16_hi_to_f32(lo)
+    acc[k + 2] += bf16_to_f32(hi)
+    acc[k + 3] += bf16_hi_to_f32(hi)
+
+
+@cuda.jit(device=True, inline=True)
+def pack_word(acc, k):
+    """acc[k .. k+3] -> one word of four bf16 (round to nearest even, two instructions)."""
+    return (np.uint64(prim.pack_bf16x2(acc[k + 1], acc[k]))
+            | (np.uint64(prim.pack_bf16x2(acc[k + 3], acc[k + 2])) << _S32))
+
+
+@cuda.jit(device=True, inline=True)
+def add_words(a, b):
+    """Word of the four lane-wise sums of two words of bf16, each exact sum rounded once (two
+    packed adds instead of unpack, add and round: the two-operand sums of 1x2 and 2x1)."""
+    alo, ahi = _halves(a)
+    blo, bhi = _halves(b)
+    return (np.uint64(prim.add_bf16x2(alo, blo))
+            | (np.uint64(prim.add_bf16x2(ahi, bhi)) << _S32))
+
+
+#: Words each thread keeps in flight per source: ``ROWS`` tile rows x 2 columns 32 words apart
+#: (288 threads x 8 words = 18 KiB per block and source). Measured per block (288 threads,
+#: benchmarks/probe_tile_moves.py): local copy ~19 GB/s, pull from a peer ~11, push ~21, sum of
+#: two local tiles ~19 with packed adds (7 when every value was widened, added and rounded:
+#: instructions, not bytes in flight, were the limit). 8 rows, or issuing the next group's
+#: loads before storing the current one, gained under 5%.
 ROWS = 4
 WORDS = 2 * ROWS
 LANES = 4 * WORDS      # fp32 accumulators per thread
@@ -54,11 +76,25 @@ def _at(r, c, u, rstep):
 
 
 @cuda.jit(device=True, inline=True)
+def _idx(off, stride, rr, cc):
+    """Word index as uint64: numba skips the negative-index fix-up it adds to signed indices."""
+    return np.uint64(off + rr * stride + cc)
+
+
+@cuda.jit(device=True, inline=True)
 def _load(src, off, stride, r, c, rstep, rows, wcols, w):
     """w[u] <- the group's words of a tile (0 outside it); all loads issue before any use."""
     for u in range(WORDS):
         rr, cc = _at(r, c, u, rstep)
-        w[u] = src[off + rr * stride + cc] if rr < rows and cc < wcols else np.uint64(0)
+        w[u] = src[_idx(off, stride, rr, cc)] if rr < rows and cc < wcols else np.uint64(0)
+
+
+@cuda.jit(device=True, inline=True)
+def _store(w, dst, off, stride, r, c, rstep, rows, wcols):
+    for u in range(WORDS):
+        rr, cc = _at(r, c, u, rstep)
+        if rr < rows and cc < wcols:
+            dst[_idx(off, stride, rr, cc)] = w[u]
 
 
 @cuda.jit(device=True, inline=True)
@@ -70,17 +106,20 @@ def _zero(acc):
 @cuda.jit(device=True, inline=True)
 def _accumulate(acc, w):
     for u in range(WORDS):
-        for i in range(4):
-            acc[4 * u + i] += lane(w[u], i)
+        add_word(acc, 4 * u, w[u])
 
 
 @cuda.jit(device=True, inline=True)
-def _store(acc, dst, off, stride, r, c, rstep, rows, wcols):
+def _pack(acc, w):
     for u in range(WORDS):
-        rr, cc = _at(r, c, u, rstep)
-        if rr < rows and cc < wcols:
-            dst[off + rr * stride + cc] = pack4(acc[4 * u], acc[4 * u + 1], acc[4 * u + 2],
-                                                acc[4 * u + 3])
+        w[u] = pack_word(acc, 4 * u)
+
+
+@cuda.jit(device=True, inline=True)
+def _add2(w, x):
+    """w <- w + x lane-wise (two operands: packed bf16 adds, one rounding)."""
+    for u in range(WORDS):
+        w[u] = add_words(w[u], x[u])
 
 
 @cuda.jit(device=True)
@@ -91,24 +130,35 @@ def reduce_peers(ptrs, template, members, me, src_off, src_stride,
     ptrs: the symmetric buffer's address table (``SymmetricBuffer.ptrs``); template: this rank's
     buffer (``peer_view`` takes shape and dtype from it). Peers are read starting with the next
     one (``me + 1``), so the G owners reading at one moment spread over different links.
-    Accumulates in fp32, rounds once; ``WORDS`` loads per thread in flight per peer.
+    Two members: packed bf16 adds; more: fp32 accumulation. Either way each output is rounded
+    once. ``WORDS`` loads per thread in flight per peer.
     """
     r0, rstep, ln = _warp_rows()
     acc = cuda.local.array(LANES, np.float32)
     w = cuda.local.array(WORDS, np.uint64)
+    x = cuda.local.array(WORDS, np.uint64)
     for r in range(r0, rows, ROWS * rstep):
         for c in range(ln, wcols, 64):
-            _zero(acc)
-            for j in range(members):
-                p = me + 1 + j
-                if p >= members:
-                    p -= members
+            if members == 2:
+                p = 1 - me
                 _load(prim.peer_view(ptrs, p, template), src_off, src_stride, r, c, rstep,
                       rows, wcols, w)
-                _accumulate(acc, w)
-            _store(acc, dst, dst_off, dst_stride, r, c, rstep, rows, wcols)
+                _load(prim.peer_view(ptrs, me, template), src_off, src_stride, r, c, rstep,
+                      rows, wcols, x)
+                _add2(w, x)
+            else:
+                _zero(acc)
+                for j in range(members):
+                    p = me + 1 + j
+                    if p >= members:
+                        p -= members
+                    _load(prim.peer_view(ptrs, p, template), src_off, src_stride, r, c, rstep,
+                          rows, wcols, w)
+                    _accumulate(acc, w)
+                _pack(acc, w)
+            _store(w, dst, dst_off, dst_stride, r, c, rstep, rows, wcols)
             if both:   # AllReduce: the owner's symmetric copy that local peers pull
-                _store(acc, dst2, dst2_off, dst2_stride, r, c, rstep, rows, wcols)
+                _store(w, dst2, dst2_off, dst2_stride, r, c, rstep, rows, wcols)
 
 
 @cuda.jit(device=True)
@@ -117,7 +167,8 @@ def combine_remote(own, own_off, recv, recv_off, recv_step, nsrc,
     """dst (and dst2) <- own node's partial (tile-major) + ``nsrc`` rail peers' partials.
 
     own/recv: tile-major stage buffers (row stride ``bwords`` = bn/4); the s-th rail peer's
-    tile starts at ``recv_off + s * recv_step``. All reads are local memory.
+    tile starts at ``recv_off + s * recv_step``. All reads are local memory. One source:
+    packed bf16 adds; more: fp32 accumulation; each output rounded once.
     """
     r0, rstep, ln = _warp_rows()
     acc = cuda.local.array(LANES, np.float32)
@@ -125,18 +176,21 @@ def combine_remote(own, own_off, recv, recv_off, recv_step, nsrc,
     x = cuda.local.array(WORDS, np.uint64)
     for r in range(r0, rows, ROWS * rstep):
         for c in range(ln, wcols, 64):
-            _zero(acc)
             _load(own, own_off, bwords, r, c, rstep, rows, wcols, w)
-            for s in range(nsrc):
-                _load(recv, recv_off + s * recv_step, bwords, r, c, rstep, rows, wcols, x)
-                if s == 0:
-                    _accumulate(acc, w)     # after the first source's loads are in flight
-                _accumulate(acc, x)
-            if nsrc == 0:
-                _accumulate(acc, w)
-            _store(acc, dst, dst_off, dst_stride, r, c, rstep, rows, wcols)
+            if nsrc == 1:
+                _load(recv, recv_off, bwords, r, c, rstep, rows, wcols, x)
+                _add2(w, x)
+            elif nsrc > 1:
+                _zero(acc)
+                for s in range(nsrc):
+                    _load(recv, recv_off + s * recv_step, bwords, r, c, rstep, rows, wcols, x)
+                    if s == 0:
+                        _accumulate(acc, w)     # after the first source's loads are in flight
+                    _accumulate(acc, x)
+                _pack(acc, w)
+            _store(w, dst, dst_off, dst_stride, r, c, rstep, rows, wcols)
             if both:   # AllReduce: the owner's symmetric copy that local peers pull
-                _store(acc, dst2, dst2_off, dst2_stride, r, c, rstep, rows, wcols)
+                _store(w, dst2, dst2_off, dst2_stride, r, c, rstep, rows, wcols)
 
 
 @cuda.jit(device=True)
@@ -148,10 +202,7 @@ def copy_tile_2d(src, src_off, src_stride, dst, dst_off, dst_stride, rows, wcols
     for r in range(r0, rows, ROWS * rstep):
         for c in range(ln, wcols, 64):
             _load(src, src_off, src_stride, r, c, rstep, rows, wcols, w)
-            for u in range(WORDS):
-                rr, cc = _at(r, c, u, rstep)
-                if rr < rows and cc < wcols:
-                    dst[dst_off + rr * dst_stride + cc] = w[u]
+            _store(w, dst, dst_off, dst_stride, r, c, rstep, rows, wcols)
 
 
 @cuda.jit(device=True)

@@ -3,8 +3,8 @@
 Why compiled: from Python one driver call costs about 5 µs (DESIGN.md §6), too slow for 200,000
 commands/s. :func:`dma_issue` and :func:`dma_progress` run inside the proxy's compiled loop
 (:mod:`..engine`) and call the driver through ctypes function pointers from ``libcuda.so.1``: per
-batch, one ``cuMemcpyDtoDAsync`` per command (or one ``cuMemcpyBatchAsync`` for the whole batch)
-and one ``cuStreamBatchMemOp`` carrying every command's completion write (arrival flag, or
+batch, one ``cuMemcpyDtoDAsync`` per run of adjacent commands (:func:`coalesce`; or one
+``cuMemcpyBatchAsync`` for the whole batch) and one ``cuStreamBatchMemOp`` carrying every command's completion write (arrival flag, or
 completion-queue entry), in stream order after the copies, each write preceded by the driver's
 memory fence.
 
@@ -142,22 +142,44 @@ def dma_issue(ctx, peer, batch):
     t = ctx.turn[0]
     ctx.turn[0] = t + 1
     stream = ctx.streams[t % ctx.streams.shape[0]]
-    for i in range(n):
-        c = batch[i]
-        ctx.dsts[i] = ctx.dst_base[c.dst_win, peer] + c.dst_off
-        ctx.srcs[i] = ctx.src_base[c.src_win] + c.src_off
-        ctx.sizes[i] = c.nbytes
-        if kn[N_COPY_MODE] == COPY_EACH:
+    k = coalesce(ctx, peer, batch)
+    if kn[N_COPY_MODE] == COPY_EACH:
+        for i in range(k):
             rc = ctx.fn_copy(ctx.dsts[i], ctx.srcs[i], ctx.sizes[i], stream)
             if rc != 0:
                 return ERR_COPY + rc
-    if kn[N_COPY_MODE] == COPY_BATCH:
+    else:
         rc = ctx.fn_copy_batch(ctx.dsts.ctypes.data, ctx.srcs.ctypes.data, ctx.sizes.ctypes.data,
-                               n, ctx.attrs.ctypes.data, ctx.attr_idx.ctypes.data, 1, stream)
+                               k, ctx.attrs.ctypes.data, ctx.attr_idx.ctypes.data, 1, stream)
         if rc != 0:
             return ERR_COPY + rc
     return write_values(ctx.fn_memops, stream, ctx.write_addr, ctx.write_val, n,
                         kn[N_COMPLETION] != 0, ctx.params)
+
+
+@njit(nogil=True)
+def coalesce(ctx, peer, batch):
+    """Fill ctx.dsts/srcs/sizes with the batch's copies, a command that continues the previous
+    one in both source and destination merged into it. Returns the number of copies.
+
+    Why: the copy engine spends about 2 µs per copy (measured: 1 MiB copies queued back to back
+    run at 56% of one large copy), and a send role's consecutive chunks are adjacent in both
+    its stage and the receiver's buffer. Arrival flags still follow the whole batch's copies."""
+    k = 0
+    for i in range(batch.shape[0]):
+        c = batch[i]
+        d = ctx.dst_base[c.dst_win, peer] + c.dst_off
+        s = ctx.src_base[c.src_win] + c.src_off
+        nb = np.uint64(c.nbytes)
+        if k > 0 and ctx.dsts[k - 1] + ctx.sizes[k - 1] == d \
+                and ctx.srcs[k - 1] + ctx.sizes[k - 1] == s:
+            ctx.sizes[k - 1] += nb
+        else:
+            ctx.dsts[k] = d
+            ctx.srcs[k] = s
+            ctx.sizes[k] = nb
+            k += 1
+    return k
 
 
 @njit(nogil=True)
