@@ -120,9 +120,11 @@ if not SIMULATOR:
 
     #: pack_bf16x2(hi, lo): two float32 -> uint32 of two bf16 (``hi`` in the upper half), each
     #: rounded to nearest even. add_bf16x2(a, b): lane-wise sum of two uint32s of two bf16 each,
-    #: the exact sum rounded once to nearest even (sm_90).
+    #: the exact sum rounded once to nearest even, as ``a * 1.0 + b`` (``fma.rn.bf16x2``: sm_80
+    #: and later; ``add.bf16x2`` would need sm_90 and the SIMT kernel serves older GPUs).
     pack_bf16x2 = _make_packed("cvt.rn.bf16x2.f32 $0, $1, $2;", types.float32, "f")
-    add_bf16x2 = _make_packed("add.rn.bf16x2 $0, $1, $2;", types.uint32, "r")
+    add_bf16x2 = _make_packed("{ .reg .b32 one; mov.b32 one, 0x3F803F80; "
+                              "fma.rn.bf16x2 $0, $1, one, $2; }", types.uint32, "r")
 
     ld_acquire, ld_acquire_sys = _make_load("gpu"), _make_load("sys")
     st_release, st_release_sys = _make_store("gpu"), _make_store("sys")
@@ -223,7 +225,8 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
 
     def _bf16_rne(x):
         """float -> bf16 bits (round to nearest even; NaN -> 0x7FC0)."""
-        u = int(np.array(x, np.float32).view(np.uint32))
+        with np.errstate(over="ignore"):          # a sum past float32's range is +-inf
+            u = int(np.array(x, np.float32).view(np.uint32))
         if (u & 0x7FFFFFFF) > 0x7F800000:
             return 0x7FC0
         return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF

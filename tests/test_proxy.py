@@ -243,17 +243,19 @@ def test_sim_stress_10k_commands(n, spec):
 
 def test_dma_coalesces_adjacent_commands_only():
     """Commands that continue the previous one in both source and destination become one copy;
-    a gap on either side, another window or another peer's address starts a new one."""
+    a gap on either side, or another window (even one whose memory happens to follow), starts a
+    new one."""
     from collections import namedtuple
     from mknumba.proxy.transports._cudrv import coalesce
     Ctx = namedtuple("Ctx", "src_base dst_base dsts srcs sizes")
-    src_base = np.array([0, 1000, 50_000], np.uint64)
-    dst_base = np.array([[0, 0], [0, 7000], [0, 90_000]], np.uint64)    # [window, peer]
+    src_base = np.array([0, 1000, 50_000, 1200], np.uint64)
+    dst_base = np.array([[0, 0], [0, 7000], [0, 90_000], [0, 7200]], np.uint64)  # [window, peer]
     ctx = Ctx(src_base, dst_base, *(np.zeros(8, np.uint64) for _ in range(3)))
     cmds = [(1, 0, 1, 0, 100), (1, 100, 1, 100, 50),      # adjacent: merged
             (1, 150, 1, 160, 10),                          # destination gap
             (1, 170, 1, 170, 10),                          # source gap (160 expected)
             (1, 180, 1, 180, 20),                          # adjacent to the previous: merged
+            (3, 0, 3, 0, 8),                               # window 3 starts where 1 ended
             (2, 200, 2, 200, 8)]                           # another window
     batch = np.zeros(len(cmds), COMMAND_DTYPE)
     for i, (sw, so, dw, do, nb) in enumerate(cmds):
@@ -261,7 +263,7 @@ def test_dma_coalesces_adjacent_commands_only():
         batch[i]["dst_off"], batch[i]["nbytes"] = do, nb
     k = coalesce(ctx, 1, batch)
     got = list(zip(ctx.dsts[:k].tolist(), ctx.srcs[:k].tolist(), ctx.sizes[:k].tolist()))
-    assert got == [(7000, 1000, 150), (7160, 1150, 10), (7170, 1170, 30),
+    assert got == [(7000, 1000, 150), (7160, 1150, 10), (7170, 1170, 30), (7200, 1200, 8),
                    (90_200, 50_200, 8)]
 
 

@@ -122,7 +122,7 @@ class Proxy:
 
     def _drain(self, what):
         """Wait until every command committed to the ring so far is issued and delivered."""
-        deadline = time.monotonic() + max(self.comm.timeout_ns * 1e-9, 60.0)
+        deadline = self._host_deadline()
         mask = self.slots - 1
         while True:
             self._retable(f"a drain before removing {what}")   # a round boundary: outbox sent
@@ -136,11 +136,17 @@ class Proxy:
             time.sleep(1e-5)
         self.transport.quiesce(time.monotonic_ns() + self.comm.timeout_ns)
 
+    def _host_deadline(self):
+        """Deadline of a host-side wait on the loop (a drain, a table change): the loop answers
+        at its next round, microseconds away; the 60 s floor only covers a badly loaded host
+        (its compile happens in ``__init__``, before any of these waits)."""
+        return time.monotonic() + max(self.comm.timeout_ns * 1e-9, 60.0)
+
     def _retable(self, what):
         """Have the loop pick up the transport's new tables; wait (bounded) until it has."""
         self._cfg[eng.K_NWIN] = len(self.transport.windows)
         self._st[eng.S_YIELD] = 1
-        deadline = time.monotonic() + max(self.comm.timeout_ns * 1e-9, 300.0)
+        deadline = self._host_deadline()
         while self._st[eng.S_YIELD] and self._thread is not None and self._thread.is_alive():
             if time.monotonic() > deadline:
                 raise MkTimeoutError(f"rank {self.rank}: the proxy did not take {what}")

@@ -1,4 +1,7 @@
-"""Reduction roles' tile moves: sum bf16 tiles from several GPUs or buffers in fp32, copy tiles.
+"""Reduction roles' tile moves: sum bf16 tiles from several GPUs or buffers, copy tiles.
+
+Sums round once: two operands with packed bf16 adds (the exact sum, rounded), more operands
+accumulated in fp32 and rounded at the end.
 
 All buffers are 1-d ``uint64`` arrays: one word = 4 bf16 values, so every load and store over
 NVLink moves 8 bytes (n % 8 == 0 is checked by the ops). A tile region is addressed as

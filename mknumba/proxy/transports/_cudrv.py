@@ -4,9 +4,9 @@ Why compiled: from Python one driver call costs about 5 µs (DESIGN.md §6), too
 commands/s. :func:`dma_issue` and :func:`dma_progress` run inside the proxy's compiled loop
 (:mod:`..engine`) and call the driver through ctypes function pointers from ``libcuda.so.1``: per
 batch, one ``cuMemcpyDtoDAsync`` per run of adjacent commands (:func:`coalesce`; or one
-``cuMemcpyBatchAsync`` for the whole batch) and one ``cuStreamBatchMemOp`` carrying every command's completion write (arrival flag, or
-completion-queue entry), in stream order after the copies, each write preceded by the driver's
-memory fence.
+``cuMemcpyBatchAsync`` for the whole batch) and one ``cuStreamBatchMemOp`` carrying every
+command's completion write (arrival flag, or completion-queue entry), in stream order after the
+copies, each write preceded by the driver's memory fence.
 
 The symbol names are the versioned ones cuda.h maps the API names to (CUDA 13 headers):
 cuMemcpyDtoDAsync_v2, cuStreamBatchMemOp_v2, cuMemcpyBatchAsync_v2 (no failIdx argument), ...
@@ -160,7 +160,8 @@ def dma_issue(ctx, peer, batch):
 @njit(nogil=True)
 def coalesce(ctx, peer, batch):
     """Fill ctx.dsts/srcs/sizes with the batch's copies, a command that continues the previous
-    one in both source and destination merged into it. Returns the number of copies.
+    one in both source and destination (same windows) merged into it. Returns the number of
+    copies.
 
     Why: the copy engine spends about 2 µs per copy (measured: 1 MiB copies queued back to back
     run at 56% of one large copy), and a send role's consecutive chunks are adjacent in both
@@ -171,7 +172,9 @@ def coalesce(ctx, peer, batch):
         d = ctx.dst_base[c.dst_win, peer] + c.dst_off
         s = ctx.src_base[c.src_win] + c.src_off
         nb = np.uint64(c.nbytes)
-        if k > 0 and ctx.dsts[k - 1] + ctx.sizes[k - 1] == d \
+        # same windows too: two allocations that happen to touch stay two copies
+        if k > 0 and c.src_win == batch[i - 1].src_win and c.dst_win == batch[i - 1].dst_win \
+                and ctx.dsts[k - 1] + ctx.sizes[k - 1] == d \
                 and ctx.srcs[k - 1] + ctx.sizes[k - 1] == s:
             ctx.sizes[k - 1] += nb
         else:
