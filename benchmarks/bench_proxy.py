@@ -69,6 +69,7 @@ def ping_pong(ring, head, tail, flags, peer, first, iters, nbytes, epoch0, timeo
 class Bench:
     def __init__(self, args):
         # Two ranks posing as two nodes of one GPU each: the proxy carries all traffic.
+        self.senders = args.senders
         self.comm = comm = mknumba.init(gpus_per_node=1, transport=args.transport)
         assert comm.size == 2 and comm.nodes == 2, "run 2 ranks"
         self.proxy = comm.proxy
@@ -116,8 +117,10 @@ class Bench:
 
         def go():
             if c.rank == 0:
-                send_many[4, 64, self.stream](ring, head, tail, 1, n, nbytes, stride or nbytes,
-                                              e, c.timeout_ns, self.err, c.rank)
+                blocks, threads = (4, 64) if self.senders > 1 else (1, 1)
+                send_many[blocks, threads, self.stream](ring, head, tail, 1, n, nbytes,
+                                                        stride or nbytes, e, c.timeout_ns,
+                                                        self.err, c.rank)
             else:
                 wait_all[8, 128, self.stream](self.flags.local, n, e, c.timeout_ns, self.err,
                                               c.rank)
@@ -185,6 +188,9 @@ def main():
     ap.add_argument("--copy", default=None, help="dma copy mode: each | batch")
     ap.add_argument("--batch", type=int, default=None, help="commands per submission (8)")
     ap.add_argument("--streams", type=int, default=None, help="dma streams (1)")
+    ap.add_argument("--senders", type=int, default=256, choices=(1, 256),
+                    help="threads enqueueing: 256 in parallel, or 1 in chunk order (as a send "
+                         "role does; adjacent chunks then reach the proxy together and merge)")
     ap.add_argument("--commands", type=int, default=200_000)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "proxy.json"))
@@ -206,6 +212,8 @@ def main():
         tname += f":{proxy.transport.copy}:streams{len(proxy.transport.streams)}"
     if proxy.max_batch != 8:
         tname += f":batch{proxy.max_batch}"
+    if args.senders == 1:
+        tname += ":in-order"
     if os.environ.get("MKNUMBA_PACE_GBPS"):
         tname += f":paced{os.environ['MKNUMBA_PACE_GBPS']}"
     gpu = cuda.get_current_device().name
