@@ -23,7 +23,6 @@ import common
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import mknumba as mk  # noqa: E402
 from mknumba.kernels.gemm_ar import GemmAllReduce  # noqa: E402
 from mknumba.kernels.gemm_rs import GemmReduceScatter  # noqa: E402
 
@@ -137,8 +136,7 @@ def main():
     args = common.parse_args(ranks=2, extra=[
         (("--sizes",), dict(default="2048,4096,8192,16384")),
         (("--topologies",), dict(default="1x2,2x1")),
-        (("--pace-gbps",), dict(type=float, default=50.0)),
-        (("--mode",), dict(default="ordered")),
+        *common.NETWORK_ARGS,
         (("--sweep",), dict(default="", help="comm SMs to try at every point (default: the "
                                               "built-in lists per kernel and topology)"))])
     args.sizes = [int(s) for s in args.sizes.split(",")]
@@ -152,15 +150,11 @@ def main():
         if rank == 0:
             print(msg, flush=True)
     for topo in args.topologies.split(","):
-        nodes, gpn = (int(x) for x in topo.split("x"))
-        if nodes > 1:
-            os.environ["MKNUMBA_PACE_GBPS"] = f"{args.pace_gbps:g}"
-        comm = mk.init(gpus_per_node=gpn, transport=f"dma:{args.mode}" if nodes > 1 else None)
+        comm, _ = common.init_topology(topo, args)
         try:
             bench_topology(comm, dist, args, records, log)
         finally:
             comm.finalize()
-            os.environ.pop("MKNUMBA_PACE_GBPS", None)
         if rank == 0:
             common.write(records, args.out)           # keep what we have after each topology
     dist.destroy_process_group()

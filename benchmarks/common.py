@@ -24,6 +24,28 @@ def parse_args(ranks, extra=None):
     return a
 
 
+#: Options of the emulated network (topologies with 2+ nodes): ``init_topology`` reads them.
+NETWORK_ARGS = [
+    (("--pace-gbps",), dict(type=float, default=50.0, help="emulated NIC rate per GPU (0: none)")),
+    (("--mode",), dict(default="ordered", help="dma completion mode: ordered | completion"))]
+
+
+def init_topology(topology, args):
+    """``mknumba.init`` for ``"NxG"`` (N nodes of G GPUs): with 2+ nodes the nodes are emulated
+    by the dma transport in ``args.mode``, paced to ``args.pace_gbps`` per GPU. Returns
+    (comm, nodes)."""
+    import mknumba
+    nodes, gpn = (int(x) for x in topology.split("x"))
+    if nodes > 1 and args.pace_gbps > 0:     # the proxy reads the rate when it starts
+        os.environ["MKNUMBA_PACE_GBPS"] = f"{args.pace_gbps:g}"
+    try:
+        comm = mknumba.init(gpus_per_node=gpn,
+                            transport=f"dma:{args.mode}" if nodes > 1 else None)
+    finally:
+        os.environ.pop("MKNUMBA_PACE_GBPS", None)
+    return comm, nodes
+
+
 def init_nccl(port=29541, device=None):
     """torch.distributed over NCCL on the MPI world; returns the module. device: this rank's
     GPU (default: rank modulo the GPUs visible)."""

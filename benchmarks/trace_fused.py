@@ -23,7 +23,6 @@ import common
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import mknumba as mk  # noqa: E402
 from mknumba.kernels.gemm_ar import GemmAllReduce  # noqa: E402
 from mknumba.kernels.gemm_rs import GemmReduceScatter  # noqa: E402
 
@@ -54,23 +53,19 @@ def main():
     args = common.parse_args(ranks=2, extra=[
         (("--topology",), dict(default="2x1")),
         (("--configs",), dict(default="rs:4096:256:16,ar:4096:256:16")),
-        (("--pace-gbps",), dict(type=float, default=50.0)),
-        (("--mode",), dict(default="ordered")),
+        *common.NETWORK_ARGS,
         (("--calls",), dict(type=int, default=1)),
         (("--no-timed",), dict(dest="timed", action="store_false")),
         (("--nccl",), dict(action="store_true")),
         (("--gc",), dict(default="on", choices=("on", "off", "freeze")))])
     import torch
-    nodes, gpn = (int(x) for x in args.topology.split("x"))
     if args.nccl:      # as bench_fused does: a NCCL communicator up before mknumba starts
         dist = common.init_nccl(29542)
         x = torch.ones(1 << 20, device="cuda")
         dist.all_reduce(x)
         torch.cuda.synchronize()
     print(f"rank cpus {len(os.sched_getaffinity(0))}", flush=True)
-    if nodes > 1 and args.pace_gbps > 0:
-        os.environ["MKNUMBA_PACE_GBPS"] = f"{args.pace_gbps:g}"
-    comm = mk.init(gpus_per_node=gpn, transport=f"dma:{args.mode}" if nodes > 1 else None)
+    comm, nodes = common.init_topology(args.topology, args)
     torch.cuda.set_device(comm.device_id)
     records = []
     try:

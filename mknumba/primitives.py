@@ -223,24 +223,16 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
     def data_ptr(arr):
         raise NotImplementedError("data_ptr has no meaning in the simulator")
 
-    def _bf16_rne(x):
-        """float -> bf16 bits (round to nearest even; NaN -> 0x7FC0)."""
-        with np.errstate(over="ignore"):          # a sum past float32's range is +-inf
-            u = int(np.array(x, np.float32).view(np.uint32))
-        if (u & 0x7FFFFFFF) > 0x7F800000:
-            return 0x7FC0
-        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-
-    def _bf16_f64(bits):
-        return float(np.array((int(bits) & 0xFFFF) << 16, np.uint32).view(np.float32))
-
     def pack_bf16x2(hi, lo):
-        return np.uint32((_bf16_rne(hi) << 16) | _bf16_rne(lo))
+        from .roles.compute import f32_to_bf16    # (roles import this module: load it late)
+        return np.uint32((int(f32_to_bf16(hi)) << 16) | int(f32_to_bf16(lo)))
 
     def add_bf16x2(a, b):
+        from .roles.compute import bf16_to_f32, f32_to_bf16
         a, b = int(a), int(b)
-        return np.uint32((_bf16_rne(_bf16_f64(a >> 16) + _bf16_f64(b >> 16)) << 16)
-                         | _bf16_rne(_bf16_f64(a) + _bf16_f64(b)))
+        hi = float(bf16_to_f32(a >> 16)) + float(bf16_to_f32(b >> 16))   # exact in float64
+        lo = float(bf16_to_f32(a)) + float(bf16_to_f32(b))
+        return np.uint32((int(f32_to_bf16(hi)) << 16) | int(f32_to_bf16(lo)))
 
 
 @cuda.jit(device=True, inline=True)

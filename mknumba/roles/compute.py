@@ -69,7 +69,8 @@ if not SIMULATOR:
 # ---- bf16 <-> fp32 on raw bits -----------------------------------------------------------------
 if SIMULATOR:
     def _f32_bits(x):
-        return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+        with np.errstate(over="ignore"):      # a value past float32's range becomes +-inf
+            return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
 
     def _bits_f32(u):
         return np.array([u & 0xFFFFFFFF], dtype=np.uint32).view(np.float32)[0]
@@ -161,6 +162,6 @@ def tile_shape(sm90):
 
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_SMEM_BYTES", "SIMT_TILE", "SIMT_THREADS",
-           "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16", "tile_shape",
-           "make_compute_role",
+           "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16",
+           "tile_shape", "make_compute_role",
            "HELPER"] + ([] if SIMULATOR else ["gemm_init_sm90", "gemm_tile_sm90"])

@@ -13,6 +13,7 @@ Untested on hardware here: no RDMA device on our machines.
 """
 import ctypes
 import os
+import time
 
 import numpy as np
 
@@ -189,18 +190,17 @@ class VerbsTransport(Transport):
         raise MkError("SRD receive completions need the EFA path (see _connect)")
 
     def flush(self, deadline_ns):
-        import time
-        while self.outstanding:
-            self.progress()
-            if time.monotonic_ns() > deadline_ns:
-                raise MkError("verbs transport: sends did not complete before the timeout")
+        self._until_sent(deadline_ns, self.progress)
 
     def quiesce(self, deadline_ns):
-        import time
-        while self.outstanding:      # the proxy thread's progress() retires them
+        # main thread: the proxy thread's progress() retires the sends
+        self._until_sent(deadline_ns, lambda: time.sleep(1e-5))
+
+    def _until_sent(self, deadline_ns, step):
+        while self.outstanding:
+            step()
             if time.monotonic_ns() > deadline_ns:
                 raise MkError("verbs transport: sends did not complete before the timeout")
-            time.sleep(1e-5)
 
     def close(self):
         for qp in getattr(self, "qps", {}).values():
