@@ -32,8 +32,10 @@ def run_mpi(script, n, *args, env=None, simulator=True, timeout=600, expect_fail
     else:
         full_env.pop("NUMBA_ENABLE_CUDASIM", None)
     full_env.update(env or {})
-    cmd = mpiexec() + ["-n", str(n), sys.executable, os.path.join(HERE, "mpi", script),
-                       *map(str, args)]
+    # -m mpi4py: a rank's uncaught exception aborts the job at once, instead of leaving the
+    # other ranks waiting in a collective until the timeout
+    cmd = mpiexec() + ["-n", str(n), sys.executable, "-m", "mpi4py",
+                       os.path.join(HERE, "mpi", script), *map(str, args)]
     p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
     out = p.stdout + p.stderr
     if expect_fail:

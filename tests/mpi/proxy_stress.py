@@ -85,8 +85,10 @@ def main():
     err = comm.new_error_record()
     peers = [p for p in range(size) if p != me]
     for rnd in (1, 2):
+        # Every rank has checked last round's arrivals, so no proxy still holds a command that
+        # reads this source (a rank that has received everything may still be sending).
+        comm.barrier()
         src_buf.local.copy_to_device(source(rnd, me))
-        comm.barrier()   # everyone's source is ready, and last round's checks are done
         cmds = []
         for p in peers:
             nb, so, do, sl = plan(rnd, me, p, per_peer)
