@@ -241,30 +241,43 @@ def test_sim_stress_10k_commands(n, spec):
     assert "every byte and flag checked" in out
 
 
-def test_dma_coalesces_adjacent_commands_only():
-    """Commands that continue the previous one in both source and destination become one copy;
-    a gap on either side, or another window (even one whose memory happens to follow), starts a
-    new one."""
+def _coalesced(cmds, order=None):
+    """(dst, src, bytes) of the copies ``coalesce`` makes of commands (src_win, src_off,
+    dst_win, dst_off, nbytes) sent to peer 1, taken in ``order``."""
     from collections import namedtuple
     from mknumba.proxy.transports._cudrv import coalesce
-    Ctx = namedtuple("Ctx", "src_base dst_base dsts srcs sizes")
+    Ctx = namedtuple("Ctx", "src_base dst_base dsts srcs sizes keys order")
     src_base = np.array([0, 1000, 50_000, 1200], np.uint64)
     dst_base = np.array([[0, 0], [0, 7000], [0, 90_000], [0, 7200]], np.uint64)  # [window, peer]
-    ctx = Ctx(src_base, dst_base, *(np.zeros(8, np.uint64) for _ in range(3)))
+    ctx = Ctx(src_base, dst_base, *(np.zeros(8, np.uint64) for _ in range(4)),
+              np.zeros(8, np.int64))
+    cmds = [cmds[i] for i in (order if order is not None else range(len(cmds)))]
+    batch = np.zeros(len(cmds), COMMAND_DTYPE)
+    for i, (sw, so, dw, do, nb) in enumerate(cmds):
+        batch[i]["src_win"], batch[i]["src_off"], batch[i]["dst_win"] = sw, so, dw
+        batch[i]["dst_off"], batch[i]["nbytes"] = do, nb
+    k = coalesce(ctx, 1, batch)
+    return list(zip(ctx.dsts[:k].tolist(), ctx.srcs[:k].tolist(), ctx.sizes[:k].tolist()))
+
+
+def test_dma_coalesces_adjacent_commands_only():
+    """Commands that continue each other in both source and destination become one copy, in
+    whatever order the ring holds them; a gap on either side, or another window (even one whose
+    memory happens to follow), starts a new one. Overlapping destinations keep the ring order."""
     cmds = [(1, 0, 1, 0, 100), (1, 100, 1, 100, 50),      # adjacent: merged
             (1, 150, 1, 160, 10),                          # destination gap
             (1, 170, 1, 170, 10),                          # source gap (160 expected)
             (1, 180, 1, 180, 20),                          # adjacent to the previous: merged
             (3, 0, 3, 0, 8),                               # window 3 starts where 1 ended
             (2, 200, 2, 200, 8)]                           # another window
-    batch = np.zeros(len(cmds), COMMAND_DTYPE)
-    for i, (sw, so, dw, do, nb) in enumerate(cmds):
-        batch[i]["src_win"], batch[i]["src_off"], batch[i]["dst_win"] = sw, so, dw
-        batch[i]["dst_off"], batch[i]["nbytes"] = do, nb
-    k = coalesce(ctx, 1, batch)
-    got = list(zip(ctx.dsts[:k].tolist(), ctx.srcs[:k].tolist(), ctx.sizes[:k].tolist()))
-    assert got == [(7000, 1000, 150), (7160, 1150, 10), (7170, 1170, 30), (7200, 1200, 8),
-                   (90_200, 50_200, 8)]
+    want = [(7000, 1000, 150), (7160, 1150, 10), (7170, 1170, 30), (7200, 1200, 8),
+            (90_200, 50_200, 8)]
+    assert _coalesced(cmds) == want
+    for seed in range(5):      # enqueued out of order by parallel senders: the same copies
+        assert _coalesced(cmds, np.random.default_rng(seed).permutation(len(cmds))) == want
+    # two commands writing the same bytes: not reordered (the later one must land last)
+    overlap = [(1, 300, 1, 40, 20), (1, 0, 1, 0, 50), (1, 50, 1, 50, 10)]
+    assert _coalesced(overlap) == [(7040, 1300, 20), (7000, 1000, 60)]
 
 
 @pytest.mark.parametrize("spec", ["dma-host:ordered", "dma-host:completion:batch"])

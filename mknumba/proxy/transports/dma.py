@@ -62,6 +62,7 @@ class DmaTransport(Transport):
         n, m = 256, drv_mod.MEMOP_MAX      # a batch (engine: max_batch <= 256); a flag round
         self._scratch = dict(
             dsts=np.zeros(n, np.uint64), srcs=np.zeros(n, np.uint64), sizes=np.zeros(n, np.uint64),
+            keys=np.zeros(n, np.uint64), order=np.zeros(n, np.int64),
             write_addr=np.zeros(n, np.uint64), write_val=np.zeros(n, np.uint64),
             params=np.zeros(m * drv_mod.MEMOP_WORDS, np.uint64), attrs=drv_mod.batch_attrs(),
             attr_idx=np.zeros(1, np.uint64), imms=np.zeros(m, np.uint32),
