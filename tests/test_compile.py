@@ -86,3 +86,51 @@ def test_tile_moves_use_packed_bf16_and_assemble(monkeypatch, cc):
 def test_epoch_reached_wraps(value, epoch, ready):
     from mknumba.primitives import epoch_reached
     assert bool(epoch_reached.py_func(np.uint32(value), np.uint32(epoch))) is ready
+
+
+def _nvrtc_ptx(src, arch):
+    """CUDA C++ -> PTX through NVRTC itself (cuda.core's compile to PTX asks the driver)."""
+    from cuda.bindings import nvrtc as N
+    from numba.cuda.cuda_paths import get_cuda_paths
+    inc = get_cuda_paths()["include_dir"].info
+    err, prog = N.nvrtcCreateProgram(src.encode(), b"gemm_tile.cu", 0, [], [])
+    opts = [f"--gpu-architecture={arch}".encode(), f"-I{inc}".encode(), b"-rdc=true",
+            b"-std=c++17"]
+    (err,) = N.nvrtcCompileProgram(prog, len(opts), opts)
+    _, size = N.nvrtcGetProgramLogSize(prog)
+    log = b" " * size
+    N.nvrtcGetProgramLog(prog, log)
+    assert err == N.nvrtcResult.NVRTC_SUCCESS, log.decode(errors="replace")
+    _, size = N.nvrtcGetPTXSize(prog)
+    ptx = b" " * size
+    N.nvrtcGetPTX(prog, ptx)
+    N.nvrtcDestroyProgram(prog)
+    return ptx.decode().rstrip("\x00")
+
+
+@pytest.mark.parametrize("epilogue", [0, 1, 2])
+def test_gemm_tile_builds_link_for_sm90a(fake_sm90, epilogue):
+    """Every build of the sm90 tile (MK_EPILOGUE in gemm_tile.cu: the library's, and the ones
+    benchmarks/probe_gemm_tile.py times) compiles, stores the way its header says, and links
+    with the persistent kernel through nvJitLink LTO, as the GPU build does."""
+    core = pytest.importorskip("cuda.core")
+    from numba.cuda.cudadrv import nvrtc
+    from mknumba.kernels.gemm import _make_kernel
+    from mknumba.roles import compute
+    src = f"#define MK_EPILOGUE {epilogue}\n" + open(compute.HELPER).read()
+    ptx = _nvrtc_ptx(src, "sm_90a")
+    stores = re.findall(r"\b(st\.(?!param)\S*|stmatrix\S*)", ptx)   # generic: the output
+    want = {0: {"st.u32"}, 1: set(),
+            2: {"stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.v4.u32"}}[epilogue]
+    assert set(stores) == want, stores
+    helper, _ = nvrtc.compile(src, "gemm_tile.cu", (9, 0, "a"), ltoir=True)
+    kern = _make_kernel(*compute.sm90_tile_functions(epilogue), *compute.SM90_TILE,
+                        compute.SM90_THREADS)
+    i16 = types.int16[:, ::1]
+    sig = (i16, i16, i16, u64, u32, types.uint32, types.int32[::1], types.int64)
+    ltoir, _ = cuda.compile(kern.py_func, sig, device=False, cc=(9, 0, "a"), output="ltoir",
+                            abi="numba", launch_bounds=(compute.SM90_THREADS, 1))
+    cubin = core.Linker(core.ObjectCode.from_ltoir(ltoir), helper,
+                        options=core.LinkerOptions(arch="sm_90a", link_time_optimization=True)
+                        ).link("cubin")
+    assert len(bytes(cubin.code)) > 0

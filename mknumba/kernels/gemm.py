@@ -75,6 +75,20 @@ if not SIMULATOR:
 _SIM_SMS = 4  # a small "device" for the simulator: 4 SMs, one block each
 
 
+def register_tile(name, tile_init, tile, smem_bytes):
+    """Let ``Gemm(tile=name)`` run another build of the sm90 tile (same 128 x 256 shape and
+    288 threads; ``roles.compute.sm90_tile_functions``): for probes that time variants of it
+    (``benchmarks/probe_gemm_tile.py``), not for use by the library itself."""
+    if name in ("auto", "sm90", "simt"):
+        raise MkValueError(f"{name!r} is a built-in tile")
+    _KERNELS[name] = _make_kernel(tile_init, tile, *compute.SM90_TILE, compute.SM90_THREADS)
+    _THREADS[name], _SMEM[name], _TILES[name] = compute.SM90_THREADS, smem_bytes, compute.SM90_TILE
+    _VARIANTS.add(name)
+
+
+_VARIANTS = set()
+
+
 # ---- operand handling ---------------------------------------------------------------------------
 class _Operand:
     """A 2-D bf16 device operand: the numba view the kernel takes (16-bit ints) + where it lives."""
@@ -180,7 +194,7 @@ class Gemm:
     """
 
     def __init__(self, tile="auto", reserved_sms=0, group_m=None):
-        if tile not in ("auto", "sm90", "simt"):
+        if tile not in ("auto", "sm90", "simt") and tile not in _VARIANTS:
             raise MkValueError(f"tile must be 'auto', 'sm90' or 'simt', got {tile!r}")
         self.tile, self.reserved_sms, self.group_m = tile, int(reserved_sms), group_m
         self.epoch = 0
@@ -245,7 +259,7 @@ class Gemm:
             if self.tile_flags is None or self.tile_flags.size < tiles:
                 self.tile_flags = cuda.to_device(np.zeros(max(tiles, 1024), np.uint32),
                                                  stream=stream)
-        tmaps = (self._tensor_maps(A.arr, bt, m, n, k, stream) if kind == "sm90"
+        tmaps = (self._tensor_maps(A.arr, bt, m, n, k, stream) if kind != "simt"
                  else cuda.to_device(np.zeros(32, np.uint64), stream=stream))
         order = self._order(1, 1, 1, stream)      # the argument types; replaced below
         args = [A.arr, bt, c_arr, tmaps, self.tile_flags, np.uint32(1), order, np.int64(0)]
@@ -264,14 +278,16 @@ class Gemm:
 
     def _kind(self):
         if SIMULATOR:
-            if self.tile == "sm90":
-                raise MkValueError("the sm90 tile needs a Hopper GPU; the simulator runs 'simt'")
+            if self.tile not in ("auto", "simt"):
+                raise MkValueError(f"the {self.tile} tile needs a Hopper GPU; the simulator runs "
+                                   "'simt'")
             return "simt"
         cc = tuple(cuda.get_current_device().compute_capability)
         if self.tile == "auto":
             return "sm90" if cc == (9, 0) else "simt"
-        if self.tile == "sm90" and cc != (9, 0):
-            raise MkValueError(f"the sm90 tile needs compute capability 9.0, this GPU has {cc}")
+        if self.tile != "simt" and cc != (9, 0):
+            raise MkValueError(f"the {self.tile} tile needs compute capability 9.0, this GPU "
+                               f"has {cc}")
         return self.tile
 
     def _kernel(self, kind, args):

@@ -38,32 +38,63 @@ SM90_TILE = (128, 256)      # BM, BN
 SM90_BK = 64
 SM90_STAGES = 4
 SM90_THREADS = 288          # two consumer warpgroups + one producer warp
-SM90_SMEM_BYTES = SM90_STAGES * (SM90_TILE[0] + SM90_TILE[1]) * SM90_BK * 2 + 16 * SM90_STAGES + 1024
+SM90_STAGING = {0: 0, 1: 0, 2: 8 * 16 * 128}    # epilogue staging bytes per MK_EPILOGUE
+
+
+def sm90_smem_bytes(epilogue=0):
+    """Dynamic shared memory of the sm90 tile built with MK_EPILOGUE=``epilogue``: the ring,
+    the epilogue's staging, the barriers and 1 KB to align the base for the 128B swizzle."""
+    return (SM90_STAGES * (SM90_TILE[0] + SM90_TILE[1]) * SM90_BK * 2 + SM90_STAGING[epilogue]
+            + 16 * SM90_STAGES + 1024)
+
+
+SM90_SMEM_BYTES = sm90_smem_bytes(0)
 
 SIMT_TILE = (32, 32)
 SIMT_THREADS = 128
 
 
 # ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
+def sm90_tile_functions(epilogue=0):
+    """``(init, tile)`` device functions around ``cuda/gemm_tile.cu`` built with
+    ``MK_EPILOGUE=epilogue`` (see the helper's header; the library uses 0, the probe
+    ``benchmarks/probe_gemm_tile.py`` the others). Launch with ``sm90_smem_bytes(epilogue)``."""
+    if epilogue not in SM90_STAGING:
+        raise ValueError(f"no epilogue {epilogue} in gemm_tile.cu")
+    if epilogue not in _SM90_BUILDS:
+        helper = HELPER
+        if epilogue:        # NVRTC takes no -D through declare_device: a copy that defines it
+            import tempfile
+            helper = os.path.join(tempfile.mkdtemp(prefix="mknumba-tile-"),
+                                  f"gemm_tile_e{epilogue}.cu")
+            with open(HELPER) as src, open(helper, "w") as dst:
+                dst.write(f"#define MK_EPILOGUE {epilogue}\n" + src.read())
+        u64, i32 = types.uint64, types.int32
+        init_fn = cuda.declare_device("mk_gemm_sm90_init", i32(u64, u64), link=[helper],
+                                      abi="c")
+        tile_fn = cuda.declare_device(
+            "mk_gemm_sm90_tile", i32(u64, u64, u64, i32, i32, i32, i32, i32, i32, i32),
+            link=[helper], abi="c")
+
+        @cuda.jit(device=True)
+        def gemm_init(smem, tmaps):
+            """Once per block before the first tile (the caller then syncs the block)."""
+            init_fn(data_ptr(smem), data_ptr(tmaps))
+
+        @cuda.jit(device=True)
+        def gemm_tile(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq):
+            """One 128 x 256 tile through TMA + wgmma; a and b are read through ``tmaps``."""
+            k_iters = (k + SM90_BK - 1) // SM90_BK
+            return tile_fn(data_ptr(smem), data_ptr(tmaps), data_ptr(c), np.int32(c.shape[1]),
+                           np.int32(m), np.int32(n), np.int32(tile_m), np.int32(tile_n),
+                           np.int32(k_iters), np.int32(seq))
+        _SM90_BUILDS[epilogue] = (gemm_init, gemm_tile)
+    return _SM90_BUILDS[epilogue]
+
+
+_SM90_BUILDS = {}
 if not SIMULATOR:
-    _u64, _i32 = types.uint64, types.int32
-    _sm90_init = cuda.declare_device("mk_gemm_sm90_init", _i32(_u64, _u64), link=[HELPER], abi="c")
-    _sm90_tile = cuda.declare_device(
-        "mk_gemm_sm90_tile", _i32(_u64, _u64, _u64, _i32, _i32, _i32, _i32, _i32, _i32, _i32),
-        link=[HELPER], abi="c")
-
-    @cuda.jit(device=True)
-    def gemm_init_sm90(smem, tmaps):
-        """Once per block before the first tile (the caller then syncs the block)."""
-        _sm90_init(data_ptr(smem), data_ptr(tmaps))
-
-    @cuda.jit(device=True)
-    def gemm_tile_sm90(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq):
-        """One 128 x 256 tile through TMA + wgmma; a and b are read through ``tmaps``."""
-        k_iters = (k + SM90_BK - 1) // SM90_BK
-        return _sm90_tile(data_ptr(smem), data_ptr(tmaps), data_ptr(c), np.int32(c.shape[1]),
-                          np.int32(m), np.int32(n), np.int32(tile_m), np.int32(tile_n),
-                          np.int32(k_iters), np.int32(seq))
+    gemm_init_sm90, gemm_tile_sm90 = sm90_tile_functions(0)
 
 
 # ---- bf16 <-> fp32 on raw bits -----------------------------------------------------------------
@@ -162,6 +193,7 @@ def tile_shape(sm90):
 
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_SMEM_BYTES", "SIMT_TILE", "SIMT_THREADS",
+           "sm90_smem_bytes", "sm90_tile_functions",
            "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16",
            "tile_shape", "make_compute_role",
            "HELPER"] + ([] if SIMULATOR else ["gemm_init_sm90", "gemm_tile_sm90"])

@@ -14,8 +14,19 @@
 // The ring is never reset between tiles: the caller passes `seq`, the number of tiles this block
 // has already run, and k-step g = seq * k_iters + kk uses slot g % STAGES with phase (g / STAGES) & 1.
 // Hence the producer runs ahead into the next tile while the consumers finish this one's epilogue.
+//
+// MK_EPILOGUE picks how a finished tile leaves the registers. The library builds 0; the others
+// exist so that benchmarks/probe_gemm_tile.py can measure what a tile's fixed cost is made of:
+//   0  straight from the accumulator layout: 4-byte stores, each warp store touching 8 rows
+//   1  none (timing only: the output is left unwritten)
+//   2  through 2 KB of staging per warp: stmatrix, then 16-byte loads and stores that cover
+//      whole 128-byte rows (a quarter of the store instructions, no half-written sectors)
 
 #include <cuda_bf16.h>
+
+#ifndef MK_EPILOGUE
+#define MK_EPILOGUE 0
+#endif
 
 namespace {
 
@@ -23,19 +34,23 @@ constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
 constexpr int CONSUMER_WARPGROUPS = 2;
 constexpr int CONSUMER_THREADS = 128 * CONSUMER_WARPGROUPS;
 constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+constexpr unsigned WARP_STAGING = 16 * 128;  // 16 rows x 64 bf16: one warp's column chunk
+constexpr unsigned STAGING_BYTES = MK_EPILOGUE == 2 ? CONSUMER_THREADS / 32 * WARP_STAGING : 0;
 // Layout from the 1024-byte-aligned base (128B swizzle repeats every 1024 B):
-//   [A slot 0..3][B slot 0..3][full 0..3][empty 0..3]
+//   [A slot 0..3][B slot 0..3][epilogue staging, if any][full 0..3][empty 0..3]
 constexpr unsigned B_OFFSET = STAGES * A_BYTES;
-constexpr unsigned BAR_OFFSET = STAGES * STAGE_BYTES;
+constexpr unsigned STAGING_OFFSET = STAGES * STAGE_BYTES;
+constexpr unsigned BAR_OFFSET = STAGING_OFFSET + STAGING_BYTES;
 
 struct Ring {
-    unsigned a, b, full, empty;  // shared-space addresses
+    unsigned a, b, staging, full, empty;  // shared-space addresses
 };
 
 __device__ __forceinline__ Ring ring_at(unsigned long long smem_generic) {
     unsigned base = (unsigned)__cvta_generic_to_shared((void *)smem_generic);
     base = (base + 1023u) & ~1023u;
-    return Ring{base, base + B_OFFSET, base + BAR_OFFSET, base + BAR_OFFSET + 8 * STAGES};
+    return Ring{base, base + B_OFFSET, base + STAGING_OFFSET, base + BAR_OFFSET,
+                base + BAR_OFFSET + 8 * STAGES};
 }
 
 // ---- mbarrier ------------------------------------------------------------------------------
@@ -121,6 +136,32 @@ __device__ __forceinline__ void fence_operands(float (&d)[128]) {
     for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+#if MK_EPILOGUE == 2
+__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low half: the lower column
+    return *reinterpret_cast<unsigned *>(&v);
+}
+
+// Four 8 x 8 bf16 matrices into shared memory: lane l gives the address of row l % 8 of matrix
+// l / 8; register i holds this thread's fragment of matrix i (row lane / 4, columns 2 (lane % 4)
+// and +1: the accumulator layout of one 8-column group).
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2,
+                                            unsigned r3) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
+                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+                 : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
+    uint4 v;
+    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "r"(addr)
+                 : "memory");
+    return v;
+}
+#endif
+
 __device__ __forceinline__ void consumer_barrier() {
     // Named barrier 1 over the two consumer warpgroups (barrier 0 is __syncthreads).
     asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_THREADS) : "memory");
@@ -198,13 +239,16 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     fence_operands(d);
     if (k_iters > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g0 + k_iters - 1) % STAGES));
 
-    // ---- epilogue: fp32 -> bf16, straight from the wgmma accumulator layout to global memory.
-    // Thread layout of m64nNk16: warp w of the warpgroup holds rows 16w + lane/4 (+8), and
-    // d[4j..4j+3] are columns 8j + 2*(lane%4) (+1) of those two rows.
+    // ---- epilogue: fp32 -> bf16. Thread layout of m64nNk16: warp w of the warpgroup holds rows
+    // 16w + lane/4 (+8), and d[4j..4j+3] are columns 8j + 2*(lane%4) (+1) of those two rows.
     const int lane = tid % 32, warp = (tid % 128) / 32;
+#if MK_EPILOGUE != 1
+    __nv_bfloat16 *out = (__nv_bfloat16 *)c;
+#endif
+#if MK_EPILOGUE == 0
+    // straight from the accumulator layout to global memory
     const int row0 = tile_m * BM + wg * 64 + warp * 16 + lane / 4;
     const int col0 = tile_n * BN + 2 * (lane % 4);
-    __nv_bfloat16 *out = (__nv_bfloat16 *)c;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
         const int col = col0 + 8 * j;
@@ -216,6 +260,38 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
                     __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
         }
     }
+#elif MK_EPILOGUE == 2
+    // The warp's 16 rows leave in 64-column chunks through its staging area (16 rows x 128 B,
+    // 16-byte units swizzled by row % 8 so that neither stmatrix nor the row reads conflict).
+    const unsigned stage = r.staging + (tid / 32) * WARP_STAGING;
+    const int row_base = tile_m * BM + wg * 64 + warp * 16;
+    const int mat = lane / 8, mrow = lane % 8;  // the matrix row this lane gives the address of
+#pragma unroll
+    for (int cc = 0; cc < BN / 64; ++cc) {
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            // matrices (8-column group, row half): (2p, 0), (2p, 1), (2p + 1, 0), (2p + 1, 1)
+            const int j = 8 * cc + 2 * p;
+            const int unit = 2 * p + mat / 2, row = 8 * (mat % 2) + mrow;
+            stmatrix_x4(stage + row * 128 + ((unit ^ mrow) * 16),
+                        pack_bf16x2(d[4 * j], d[4 * j + 1]), pack_bf16x2(d[4 * j + 2], d[4 * j + 3]),
+                        pack_bf16x2(d[4 * j + 4], d[4 * j + 5]),
+                        pack_bf16x2(d[4 * j + 6], d[4 * j + 7]));
+        }
+        __syncwarp();
+#pragma unroll
+        for (int it = 0; it < 4; ++it) {  // 8 lanes per row: each warp store covers 4 rows
+            const int row = 4 * it + lane / 8, unit = lane % 8;
+            const uint4 v = ld_shared_v4(stage + row * 128 + ((unit ^ (row % 8)) * 16));
+            const int grow = row_base + row, gcol = tile_n * BN + 64 * cc + 8 * unit;
+            if (grow < m && gcol < n)  // n is a multiple of 8 (the op checks): 8 columns fit
+                *(uint4 *)(out + (long long)grow * ldc + gcol) = v;
+        }
+        __syncwarp();  // the chunk is read before the next one overwrites it
+    }
+#else
+    (void)lane, (void)warp, (void)c;  // 1: timing only, nothing stored
+#endif
     consumer_barrier();
     return tid == 0;
 }

@@ -1,0 +1,118 @@
+"""Diagnostic: what the sm90 GEMM tile's fixed cost per tile is made of (one GPU).
+
+    python benchmarks/probe_gemm_tile.py [--out PATH] [--ks 512,1024,2048,8192]
+
+Why: at m = n = 8192 our GEMM's time grows with K at cuBLAS's rate or better, but starts about
+0.1 ms higher (``results/gemm.json``): some 6.5 µs per 128 x 256 tile that cuBLAS does not pay.
+At small K that is a third of the tile, and it is what keeps the fused 1x2 kernels, whose compute
+role is now their critical path, from their floor.
+
+The persistent GEMM is timed with variants of the tile beside cuBLAS (torch.matmul), same run:
+
+  library         the tile as shipped: 4-byte stores straight from the accumulator layout (each
+                  warp store touches 8 rows), then thread 0 fences and releases the tile flag
+  noflag          the same stores, no flag (so no fence waiting for them to drain)
+  nostore         no epilogue stores at all (output left unwritten: timing only)
+  nostore-noflag  neither
+  staged          stmatrix into a 2 KB per-warp staging area, then 16-byte stores of whole rows
+  staged-noflag   the same without the flag
+
+(``MK_EPILOGUE`` in ``roles/cuda/gemm_tile.cu``; ``roles.compute.sm90_tile_functions``.)
+Variants that write the output are checked against cuBLAS (relative error <= 1e-2). The table
+ends with a least-squares fit ``ms = fixed + slope * K`` per variant, the fixed part per tile.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+import common
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from mknumba.kernels import gemm as G  # noqa: E402
+from mknumba.roles import compute  # noqa: E402
+from numba import cuda  # noqa: E402
+
+#: name -> (MK_EPILOGUE, publish the tile flag)
+VARIANTS = {"library": (0, True), "noflag": (0, False), "nostore": (1, True),
+            "nostore-noflag": (1, False), "staged": (2, True), "staged-noflag": (2, False)}
+
+
+def _without_flag(tile):
+    @cuda.jit(device=True)
+    def tile_without_flag(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq):
+        tile(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq)
+        return 0    # no thread publishes: the compute role skips the fence and the flag
+    return tile_without_flag
+
+
+def build(name):
+    if name == "library":
+        return G.Gemm(tile="sm90")
+    epilogue, flag = VARIANTS[name]
+    init, tile = compute.sm90_tile_functions(epilogue)
+    G.register_tile(name, init, tile if flag else _without_flag(tile),
+                    compute.sm90_smem_bytes(epilogue))
+    return G.Gemm(tile=name)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--m", type=int, default=8192)
+    p.add_argument("--ks", default="512,1024,2048,8192")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--ranks", action="store_true")
+    args = p.parse_args()
+    if args.ranks:
+        print(1)
+        return
+    import torch
+    m = n = args.m
+    ks = [int(k) for k in args.ks.split(",")]
+    names = args.variants.split(",")
+    ops = {name: build(name) for name in names}
+    tiles = -(-m // compute.SM90_TILE[0]) * -(-n // compute.SM90_TILE[1])
+    records, table = [], {}
+    for k in ks:
+        torch.manual_seed(k)
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)     # B as [n, k]
+        want = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        est_ms = 2 * m * n * k / 600e12 * 1e3          # at ~600 TFLOP/s
+        iters = max(10, min(100, int(200 / est_ms)))    # ~0.2 s per variant
+        t_cublas = common.time_ms(lambda: torch.matmul(a, w.T, out=want), iters, warmup=5)
+        for name in names:
+            op = ops[name]
+            got = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            op(a, w, b_layout="nk", out=got)
+            torch.cuda.synchronize()
+            err = None
+            if VARIANTS[name][0] != 1:
+                err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+                if not err <= 1e-2:
+                    print(f"WRONG {name} k={k}: relative error {err}")
+            t = common.time_ms(lambda: op(a, w, b_layout="nk", out=got), iters, warmup=5)
+            table[(name, k)] = t
+            records.append(common.record(
+                "gemm_tile_probe", {"m": m, "n": n, "k": k}, dtype="bfloat16", world=1,
+                topology="1x1", transport="none", ours_ms=t, baseline="cublas",
+                baseline_ms=t_cublas, floor_ms=None, variant=name, rel_err=err,
+                tiles=tiles, tflops=2 * m * n * k / t / 1e9))
+        table[("cuBLAS", k)] = t_cublas
+        common.write(records, args.out)
+    print(f"m = n = {m}, {tiles} tiles; ms per call (speedup vs cuBLAS)")
+    print(f"{'variant':16s}" + "".join(f"{'k=' + str(k):>16s}" for k in ks)
+          + "   fixed us/tile  ms per 1024 k")
+    for name in names + ["cuBLAS"]:
+        row = [table[(name, k)] for k in ks]
+        cells = "".join(f"{t:8.3f} ({table[('cuBLAS', k)] / t:4.2f})" for t, k in zip(row, ks))
+        slope, fixed = np.polyfit(ks, row, 1) if len(ks) > 1 else (float("nan"), float("nan"))
+        waves = tiles / torch.cuda.get_device_properties(0).multi_processor_count
+        print(f"{name:16s}{cells}   {fixed * 1e3 / waves:13.2f}  {slope * 1024:13.4f}")
+
+
+if __name__ == "__main__":
+    main()
