@@ -16,8 +16,11 @@ The persistent GEMM is timed with variants of the tile beside cuBLAS (torch.matm
   nostore-noflag  neither
   staged          stmatrix into a 2 KB per-warp staging area, then 16-byte stores of whole rows
   staged-noflag   the same without the flag
+  publisher       library stores; a tenth warp publishes the flag (the fence stalls only it)
+  staged-publisher  both changes
 
-(``MK_EPILOGUE`` in ``roles/cuda/gemm_tile.cu``; ``roles.compute.sm90_tile_functions``.)
+(``MK_EPILOGUE`` and ``MK_PUBLISHER`` in ``roles/cuda/gemm_tile.cu``;
+``roles.compute.sm90_tile_functions``.)
 Variants that write the output are checked against cuBLAS (relative error <= 1e-2). The table
 ends with a least-squares fit ``ms = fixed + slope * K`` per variant, the fixed part per tile.
 """
@@ -35,9 +38,11 @@ from mknumba.kernels import gemm as G  # noqa: E402
 from mknumba.roles import compute  # noqa: E402
 from numba import cuda  # noqa: E402
 
-#: name -> (MK_EPILOGUE, publish the tile flag)
-VARIANTS = {"library": (0, True), "noflag": (0, False), "nostore": (1, True),
-            "nostore-noflag": (1, False), "staged": (2, True), "staged-noflag": (2, False)}
+#: name -> (MK_EPILOGUE, publish the tile flag, MK_PUBLISHER)
+VARIANTS = {"library": (0, True, False), "noflag": (0, False, False),
+            "nostore": (1, True, False), "nostore-noflag": (1, False, False),
+            "staged": (2, True, False), "staged-noflag": (2, False, False),
+            "publisher": (0, True, True), "staged-publisher": (2, True, True)}
 
 
 def _without_flag(tile):
@@ -51,10 +56,10 @@ def _without_flag(tile):
 def build(name):
     if name == "library":
         return G.Gemm(tile="sm90")
-    epilogue, flag = VARIANTS[name]
-    init, tile = compute.sm90_tile_functions(epilogue)
+    epilogue, flag, publisher = VARIANTS[name]
+    init, tile = compute.sm90_tile_functions(epilogue, publisher)
     G.register_tile(name, init, tile if flag else _without_flag(tile),
-                    compute.sm90_smem_bytes(epilogue))
+                    compute.sm90_smem_bytes(epilogue), compute.sm90_threads(publisher))
     return G.Gemm(tile=name)
 
 

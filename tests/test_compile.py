@@ -108,8 +108,8 @@ def _nvrtc_ptx(src, arch):
     return ptx.decode().rstrip("\x00")
 
 
-@pytest.mark.parametrize("epilogue", [0, 1, 2])
-def test_gemm_tile_builds_link_for_sm90a(fake_sm90, epilogue):
+@pytest.mark.parametrize("epilogue,publisher", [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1)])
+def test_gemm_tile_builds_link_for_sm90a(fake_sm90, epilogue, publisher):
     """Every build of the sm90 tile (MK_EPILOGUE in gemm_tile.cu: the library's, and the ones
     benchmarks/probe_gemm_tile.py times) compiles, stores the way its header says, and links
     with the persistent kernel through nvJitLink LTO, as the GPU build does."""
@@ -117,19 +117,20 @@ def test_gemm_tile_builds_link_for_sm90a(fake_sm90, epilogue):
     from numba.cuda.cudadrv import nvrtc
     from mknumba.kernels.gemm import _make_kernel
     from mknumba.roles import compute
-    src = f"#define MK_EPILOGUE {epilogue}\n" + open(compute.HELPER).read()
+    src = (f"#define MK_EPILOGUE {epilogue}\n#define MK_PUBLISHER {publisher}\n"
+           + open(compute.HELPER).read())
     ptx = _nvrtc_ptx(src, "sm_90a")
     stores = re.findall(r"\b(st\.(?!param)\S*|stmatrix\S*)", ptx)   # generic: the output
     want = {0: {"st.u32"}, 1: set(),
             2: {"stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.v4.u32"}}[epilogue]
     assert set(stores) == want, stores
     helper, _ = nvrtc.compile(src, "gemm_tile.cu", (9, 0, "a"), ltoir=True)
-    kern = _make_kernel(*compute.sm90_tile_functions(epilogue), *compute.SM90_TILE,
-                        compute.SM90_THREADS)
+    kern = _make_kernel(*compute.sm90_tile_functions(epilogue, publisher), *compute.SM90_TILE,
+                        compute.sm90_threads(publisher))
     i16 = types.int16[:, ::1]
     sig = (i16, i16, i16, u64, u32, types.uint32, types.int32[::1], types.int64)
     ltoir, _ = cuda.compile(kern.py_func, sig, device=False, cc=(9, 0, "a"), output="ltoir",
-                            abi="numba", launch_bounds=(compute.SM90_THREADS, 1))
+                            abi="numba", launch_bounds=(compute.sm90_threads(publisher), 1))
     cubin = core.Linker(core.ObjectCode.from_ltoir(ltoir), helper,
                         options=core.LinkerOptions(arch="sm_90a", link_time_optimization=True)
                         ).link("cubin")

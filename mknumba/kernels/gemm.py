@@ -75,14 +75,14 @@ if not SIMULATOR:
 _SIM_SMS = 4  # a small "device" for the simulator: 4 SMs, one block each
 
 
-def register_tile(name, tile_init, tile, smem_bytes):
-    """Let ``Gemm(tile=name)`` run another build of the sm90 tile (same 128 x 256 shape and
-    288 threads; ``roles.compute.sm90_tile_functions``): for probes that time variants of it
+def register_tile(name, tile_init, tile, smem_bytes, threads=compute.SM90_THREADS):
+    """Let ``Gemm(tile=name)`` run another build of the sm90 tile (same 128 x 256 shape;
+    ``roles.compute.sm90_tile_functions``): for probes that time variants of it
     (``benchmarks/probe_gemm_tile.py``), not for use by the library itself."""
     if name in ("auto", "sm90", "simt"):
         raise MkValueError(f"{name!r} is a built-in tile")
-    _KERNELS[name] = _make_kernel(tile_init, tile, *compute.SM90_TILE, compute.SM90_THREADS)
-    _THREADS[name], _SMEM[name], _TILES[name] = compute.SM90_THREADS, smem_bytes, compute.SM90_TILE
+    _KERNELS[name] = _make_kernel(tile_init, tile, *compute.SM90_TILE, threads)
+    _THREADS[name], _SMEM[name], _TILES[name] = threads, smem_bytes, compute.SM90_TILE
     _VARIANTS.add(name)
 
 

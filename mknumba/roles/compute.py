@@ -45,7 +45,12 @@ def sm90_smem_bytes(epilogue=0):
     """Dynamic shared memory of the sm90 tile built with MK_EPILOGUE=``epilogue``: the ring,
     the epilogue's staging, the barriers and 1 KB to align the base for the 128B swizzle."""
     return (SM90_STAGES * (SM90_TILE[0] + SM90_TILE[1]) * SM90_BK * 2 + SM90_STAGING[epilogue]
-            + 16 * SM90_STAGES + 1024)
+            + 16 * SM90_STAGES + 16 + 1024)
+
+
+def sm90_threads(publisher=False):
+    """Threads per block of the sm90 tile: 320 when a tenth warp publishes the tile flags."""
+    return SM90_THREADS + 32 * bool(publisher)
 
 
 SM90_SMEM_BYTES = sm90_smem_bytes(0)
@@ -55,20 +60,23 @@ SIMT_THREADS = 128
 
 
 # ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
-def sm90_tile_functions(epilogue=0):
+def sm90_tile_functions(epilogue=0, publisher=False):
     """``(init, tile)`` device functions around ``cuda/gemm_tile.cu`` built with
-    ``MK_EPILOGUE=epilogue`` (see the helper's header; the library uses 0, the probe
-    ``benchmarks/probe_gemm_tile.py`` the others). Launch with ``sm90_smem_bytes(epilogue)``."""
+    ``MK_EPILOGUE=epilogue`` and ``MK_PUBLISHER=publisher`` (see the helper's header; the
+    library uses 0 and 0, the probe ``benchmarks/probe_gemm_tile.py`` the others). Launch with
+    ``sm90_smem_bytes(epilogue)`` and ``sm90_threads(publisher)``."""
     if epilogue not in SM90_STAGING:
         raise ValueError(f"no epilogue {epilogue} in gemm_tile.cu")
-    if epilogue not in _SM90_BUILDS:
+    key = (epilogue, bool(publisher))
+    if key not in _SM90_BUILDS:
         helper = HELPER
-        if epilogue:        # NVRTC takes no -D through declare_device: a copy that defines it
+        if key != (0, False):   # NVRTC takes no -D through declare_device: a copy defines them
             import tempfile
             helper = os.path.join(tempfile.mkdtemp(prefix="mknumba-tile-"),
-                                  f"gemm_tile_e{epilogue}.cu")
+                                  f"gemm_tile_e{epilogue}p{key[1]:d}.cu")
             with open(HELPER) as src, open(helper, "w") as dst:
-                dst.write(f"#define MK_EPILOGUE {epilogue}\n" + src.read())
+                dst.write(f"#define MK_EPILOGUE {epilogue}\n#define MK_PUBLISHER {key[1]:d}\n"
+                          + src.read())
         u64, i32 = types.uint64, types.int32
         init_fn = cuda.declare_device("mk_gemm_sm90_init", i32(u64, u64), link=[helper],
                                       abi="c")
@@ -88,8 +96,8 @@ def sm90_tile_functions(epilogue=0):
             return tile_fn(data_ptr(smem), data_ptr(tmaps), data_ptr(c), np.int32(c.shape[1]),
                            np.int32(m), np.int32(n), np.int32(tile_m), np.int32(tile_n),
                            np.int32(k_iters), np.int32(seq))
-        _SM90_BUILDS[epilogue] = (gemm_init, gemm_tile)
-    return _SM90_BUILDS[epilogue]
+        _SM90_BUILDS[key] = (gemm_init, gemm_tile)
+    return _SM90_BUILDS[key]
 
 
 _SM90_BUILDS = {}
@@ -193,7 +201,7 @@ def tile_shape(sm90):
 
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_SMEM_BYTES", "SIMT_TILE", "SIMT_THREADS",
-           "sm90_smem_bytes", "sm90_tile_functions",
+           "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions",
            "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16",
            "tile_shape", "make_compute_role",
            "HELPER"] + ([] if SIMULATOR else ["gemm_init_sm90", "gemm_tile_sm90"])

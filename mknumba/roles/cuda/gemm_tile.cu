@@ -1,7 +1,7 @@
 // Hopper (sm_90a) GEMM tile for mknumba's persistent kernels: C[tile] = A[tile rows, :] @ B[tile cols, :]^T
 //
 // Linked into numba kernels with cuda.declare_device(..., link=[this file]) and LTO, so both entry
-// points inline into the caller. A block of 288 threads runs them:
+// points inline into the caller. A block of 288 threads (320 with MK_PUBLISHER) runs them:
 //   warps 0-7  two consumer warpgroups; warpgroup w owns rows [64w, 64w+64) of the 128 x 256 tile
 //              and runs wgmma m64n256k16 with fp32 accumulators in registers (128 per thread);
 //   warp 8     the producer: one lane issues the bulk tensor copies (TMA) that fill the ring.
@@ -21,11 +21,18 @@
 //   1  none (timing only: the output is left unwritten)
 //   2  through 2 KB of staging per warp: stmatrix, then 16-byte loads and stores that cover
 //      whole 128-byte rows (a quarter of the store instructions, no half-written sectors)
+// MK_PUBLISHER 1 adds a tenth warp (320 threads) that publishes tile flags: consumers arrive on
+// an mbarrier after their stores and go on; the publisher waits on it and returns 1, so the
+// fence before the flag (which waits for the tile's stores to drain) stalls only that warp.
+// The library builds 0: consumer thread 0 publishes after a barrier of the consumers.
 
 #include <cuda_bf16.h>
 
 #ifndef MK_EPILOGUE
 #define MK_EPILOGUE 0
+#endif
+#ifndef MK_PUBLISHER
+#define MK_PUBLISHER 0
 #endif
 
 namespace {
@@ -37,20 +44,21 @@ constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A
 constexpr unsigned WARP_STAGING = 16 * 128;  // 16 rows x 64 bf16: one warp's column chunk
 constexpr unsigned STAGING_BYTES = MK_EPILOGUE == 2 ? CONSUMER_THREADS / 32 * WARP_STAGING : 0;
 // Layout from the 1024-byte-aligned base (128B swizzle repeats every 1024 B):
-//   [A slot 0..3][B slot 0..3][epilogue staging, if any][full 0..3][empty 0..3]
+//   [A slot 0..3][B slot 0..3][epilogue staging, if any][full 0..3][empty 0..3][staged][published]
 constexpr unsigned B_OFFSET = STAGES * A_BYTES;
 constexpr unsigned STAGING_OFFSET = STAGES * STAGE_BYTES;
 constexpr unsigned BAR_OFFSET = STAGING_OFFSET + STAGING_BYTES;
 
 struct Ring {
-    unsigned a, b, staging, full, empty;  // shared-space addresses
+    unsigned a, b, staging, full, empty, staged, published;  // shared-space addresses
 };
 
 __device__ __forceinline__ Ring ring_at(unsigned long long smem_generic) {
     unsigned base = (unsigned)__cvta_generic_to_shared((void *)smem_generic);
     base = (base + 1023u) & ~1023u;
     return Ring{base, base + B_OFFSET, base + STAGING_OFFSET, base + BAR_OFFSET,
-                base + BAR_OFFSET + 8 * STAGES};
+                base + BAR_OFFSET + 8 * STAGES, base + BAR_OFFSET + 16 * STAGES,
+                base + BAR_OFFSET + 16 * STAGES + 8};
 }
 
 // ---- mbarrier ------------------------------------------------------------------------------
@@ -162,15 +170,17 @@ __device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
 }
 #endif
 
+#if !MK_PUBLISHER
 __device__ __forceinline__ void consumer_barrier() {
     // Named barrier 1 over the two consumer warpgroups (barrier 0 is __syncthreads).
     asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_THREADS) : "memory");
 }
+#endif
 
 }  // namespace
 
 // Bytes of dynamic shared memory the kernel must be launched with (ring + barriers + alignment).
-extern "C" __device__ int mk_gemm_sm90_smem_bytes() { return BAR_OFFSET + 16 * STAGES + 1024; }
+extern "C" __device__ int mk_gemm_sm90_smem_bytes() { return BAR_OFFSET + 16 * STAGES + 16 + 1024; }
 
 // Once per block, before the first tile; thread 0 initialises the barriers, the caller then
 // runs __syncthreads(). tmaps: address of the two 128-byte CUtensorMaps (A, then B).
@@ -180,6 +190,10 @@ extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned lo
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(r.full + 8 * s, 1);
             mbar_init(r.empty + 8 * s, CONSUMER_WARPGROUPS);
+        }
+        if (MK_PUBLISHER) {
+            mbar_init(r.staged, CONSUMER_THREADS);  // every consumer thread's stores of a tile
+            mbar_init(r.published, 1);              // the publisher: that tile's flag is out
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
         asm volatile("prefetch.tensormap [%0];" ::"l"(tmaps) : "memory");
@@ -191,9 +205,9 @@ extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned lo
 // One 128 x 256 output tile; every thread of the 288-thread block calls it for every tile.
 //   c, ldc: bf16 output (row-major, ldc elements per row); m, n bound the stores.
 //   tile_m, tile_n: tile coordinates; k_iters = ceil(K / 64); seq: tiles this block already ran.
-// Returns 1 in exactly one thread (consumer thread 0) once all of this tile's stores are issued by
-// every consumer thread: that thread publishes the tile's completion flag. Other threads return 0;
-// the producer warp returns as soon as it has queued the tile's loads.
+// Returns 1 in exactly one thread (consumer thread 0, or the publisher's lane 0) once all of this
+// tile's stores are issued by every consumer thread: that thread publishes the tile's completion
+// flag. Other threads return 0; the producer warp returns as soon as it has queued the loads.
 extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned long long tmaps,
                                             unsigned long long c, int ldc, int m, int n,
                                             int tile_m, int tile_n, int k_iters, int seq) {
@@ -201,6 +215,16 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     const int tid = threadIdx.x;
     const unsigned g0 = (unsigned)seq * (unsigned)k_iters;
 
+#if MK_PUBLISHER
+    if (tid >= CONSUMER_THREADS + 32) {  // ---- publisher warp
+        // Tile seq - 1's flag went out after the previous call returned; then wait until every
+        // consumer has stored tile seq (mbarrier: release/acquire at CTA scope, so the caller's
+        // fence and release at GPU or system scope cover those stores).
+        if (tid == CONSUMER_THREADS + 32 && seq > 0) mbar_arrive(r.published);
+        mbar_wait(r.staged, seq & 1);
+        return tid == CONSUMER_THREADS + 32;
+    }
+#endif
     if (tid >= CONSUMER_THREADS) {  // ---- producer warp: one lane drives the copy engine
         if (tid == CONSUMER_THREADS) {
             for (int kk = 0; kk < k_iters; ++kk) {
@@ -292,6 +316,14 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
 #else
     (void)lane, (void)warp, (void)c;  // 1: timing only, nothing stored
 #endif
+#if MK_PUBLISHER
+    // Hand the tile to the publisher and go on. Waiting first until tile seq - 1 was published
+    // keeps the two barriers' phases from running more than one tile apart.
+    if (seq > 0) mbar_wait(r.published, (seq - 1) & 1);
+    mbar_arrive(r.staged);
+    return 0;
+#else
     consumer_barrier();
     return tid == 0;
+#endif
 }
