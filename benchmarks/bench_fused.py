@@ -86,7 +86,7 @@ def bench_topology(comm, dist, args, records, log):
                 err = None
                 sms_total = 132
                 for sms in args.sweep or SWEEP[(kern, topo)]:
-                    op = Op(comm, m, n, k, comm_sms=sms)
+                    op = Op(comm, m, n, k, comm_sms=sms, tile=args.tile)
                     sms_total = op.sms
                     if err is None:
                         if ref is None:
@@ -115,7 +115,8 @@ def bench_topology(comm, dist, args, records, log):
                     sms_reserved=best, sweep={str(s): v for s, v in sweep.items()},
                     cublas_ms=t_gemm, nccl_ms=t_nccl, unfused_measured_ms=t_unfused,
                     network_ms=t_net if comm.nodes > 1 else None, nvlink_ms=t_link,
-                    comm_share=comm_share, rel_err=err, of_floor=floor / ours)
+                    comm_share=comm_share, rel_err=err, of_floor=floor / ours,
+                    **({} if args.tile == "auto" else {"tile": args.tile}))
                 records.append(rec)
                 if comm.rank == 0:
                     common.write(records, args.out)   # keep every point, even if cut short
@@ -138,7 +139,9 @@ def main():
         (("--topologies",), dict(default="1x2,2x1")),
         *common.NETWORK_ARGS,
         (("--sweep",), dict(default="", help="comm SMs to try at every point (default: the "
-                                              "built-in lists per kernel and topology)"))])
+                                              "built-in lists per kernel and topology)")),
+        (("--tile",), dict(default="auto", help="GEMM tile build (roles.compute.tile_build), "
+                                                "e.g. sm90:e2p1"))])
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.sweep = [int(s) for s in args.sweep.split(",") if s]
     from mpi4py import MPI

@@ -19,8 +19,8 @@ The persistent GEMM is timed with variants of the tile beside cuBLAS (torch.matm
   publisher       library stores; a tenth warp publishes the flag (the fence stalls only it)
   staged-publisher  both changes
 
-(``MK_EPILOGUE`` and ``MK_PUBLISHER`` in ``roles/cuda/gemm_tile.cu``;
-``roles.compute.sm90_tile_functions``.)
+(``MK_EPILOGUE`` and ``MK_PUBLISHER`` in ``roles/cuda/gemm_tile.cu``; the builds are
+``roles.compute.tile_build`` names, which the fused ops also take as ``tile=``.)
 Variants that write the output are checked against cuBLAS (relative error <= 1e-2). The table
 ends with a least-squares fit ``ms = fixed + slope * K`` per variant, the fixed part per tile.
 """
@@ -38,11 +38,11 @@ from mknumba.kernels import gemm as G  # noqa: E402
 from mknumba.roles import compute  # noqa: E402
 from numba import cuda  # noqa: E402
 
-#: name -> (MK_EPILOGUE, publish the tile flag, MK_PUBLISHER)
-VARIANTS = {"library": (0, True, False), "noflag": (0, False, False),
-            "nostore": (1, True, False), "nostore-noflag": (1, False, False),
-            "staged": (2, True, False), "staged-noflag": (2, False, False),
-            "publisher": (0, True, True), "staged-publisher": (2, True, True)}
+#: variant -> (tile build, publish the tile flag); builds are ``roles.compute.tile_build`` names
+VARIANTS = {"library": ("sm90", True), "noflag": ("sm90", False),
+            "nostore": ("sm90:e1p0", True), "nostore-noflag": ("sm90:e1p0", False),
+            "staged": ("sm90:e2p0", True), "staged-noflag": ("sm90:e2p0", False),
+            "publisher": ("sm90:e0p1", True), "staged-publisher": ("sm90:e2p1", True)}
 
 
 def _without_flag(tile):
@@ -54,13 +54,13 @@ def _without_flag(tile):
 
 
 def build(name):
-    if name == "library":
-        return G.Gemm(tile="sm90")
-    epilogue, flag, publisher = VARIANTS[name]
-    init, tile = compute.sm90_tile_functions(epilogue, publisher)
-    G.register_tile(name, init, tile if flag else _without_flag(tile),
-                    compute.sm90_smem_bytes(epilogue), compute.sm90_threads(publisher))
-    return G.Gemm(tile=name)
+    """A Gemm that runs the variant ``name``."""
+    tile, flag = VARIANTS[name]
+    if not flag:
+        b = compute.tile_build(tile)
+        tile = f"probe:{name}"
+        compute.register_tile(tile, b._replace(tile=_without_flag(b.tile)))
+    return G.Gemm(tile=tile)
 
 
 def main():
@@ -95,7 +95,7 @@ def main():
             op(a, w, b_layout="nk", out=got)
             torch.cuda.synchronize()
             err = None
-            if VARIANTS[name][0] != 1:
+            if VARIANTS[name][0] != "sm90:e1p0":
                 err = ((got.float() - want.float()).norm() / want.float().norm()).item()
                 if not err <= 1e-2:
                     print(f"WRONG {name} k={k}: relative error {err}")

@@ -68,12 +68,14 @@ def test_reduce_scatter_needs_whole_tile_row_blocks():
 
 # ---- sm_90a compile + link, no GPU ------------------------------------------------------------
 COMPILE_SCRIPT = textwrap.dedent("""
+    import sys
     import numba.cuda.dispatcher as disp
     disp.get_current_device = lambda: type("D", (), {"compute_capability": (9, 0)})()
     from numba import types
     from numba.cuda import compiler
     import mknumba.kernels.gemm_reduce as K
-    from mknumba.roles.compute import SM90_THREADS
+
+    build, threads, kernel = K._build(sys.argv[1])
 
     def arr(dt, nd=1):
         return types.Array(dt, nd, "C")
@@ -83,8 +85,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
           (i32,) * 4 + (u64, u64, u32, u32, u32, u32, u32, u32, u32, types.uint32, types.uint32,
            types.uint64, arr(types.int64), types.int64, arr(types.int64, 2))
     lib, _ = compiler._compile_pyfunc_with_fixup(
-        K._KERNELS["sm90"].py_func, sig, device=False, cc=(9, 0, "a"),
-        launch_bounds=(SM90_THREADS, 1), lto=True, abi="numba")
+        kernel.py_func, sig, device=False, cc=(9, 0, "a"),
+        launch_bounds=(threads, 1), lto=True, abi="numba")
     lib._lto = True
     cubin = lib.get_cubin(cc=(9, 0, "a"))
     ptx = lib.get_lto_ptx(cc=(9, 0, "a")).replace("\\\\x00", "")
@@ -96,12 +98,14 @@ COMPILE_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_fused_kernel_compiles_for_sm90a():
+@pytest.mark.parametrize("tile", ["sm90", "sm90:e2p1"])
+def test_fused_kernel_compiles_for_sm90a(tile):
+    """The library's tile, and the staged + publisher build (320 threads) it may move to."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True,
-                       text=True, timeout=900)
+    r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, tile], env=env,
+                       capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "linked" in r.stdout
 

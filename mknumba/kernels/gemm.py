@@ -63,30 +63,16 @@ def _transpose_kernel(src, dst):
             dst[c0 + j, r0 + tx] = tile[tx, j]
 
 
-_KERNELS = {"simt": _make_kernel(compute.gemm_init_simt, compute.gemm_tile_simt,
-                                 *compute.SIMT_TILE, compute.SIMT_THREADS)}
-_THREADS = {"simt": compute.SIMT_THREADS, "sm90": compute.SM90_THREADS}
-_SMEM = {"simt": 0, "sm90": compute.SM90_SMEM_BYTES}
-_TILES = {"simt": compute.SIMT_TILE, "sm90": compute.SM90_TILE}
-if not SIMULATOR:
-    _KERNELS["sm90"] = _make_kernel(compute.gemm_init_sm90, compute.gemm_tile_sm90,
-                                    *compute.SM90_TILE, compute.SM90_THREADS)
-
+_KERNELS = {}   # tile build name -> the persistent kernel around it
 _SIM_SMS = 4  # a small "device" for the simulator: 4 SMs, one block each
 
 
-def register_tile(name, tile_init, tile, smem_bytes, threads=compute.SM90_THREADS):
-    """Let ``Gemm(tile=name)`` run another build of the sm90 tile (same 128 x 256 shape;
-    ``roles.compute.sm90_tile_functions``): for probes that time variants of it
-    (``benchmarks/probe_gemm_tile.py``), not for use by the library itself."""
-    if name in ("auto", "sm90", "simt"):
-        raise MkValueError(f"{name!r} is a built-in tile")
-    _KERNELS[name] = _make_kernel(tile_init, tile, *compute.SM90_TILE, threads)
-    _THREADS[name], _SMEM[name], _TILES[name] = threads, smem_bytes, compute.SM90_TILE
-    _VARIANTS.add(name)
-
-
-_VARIANTS = set()
+def _build(kind):
+    """(roles.compute.TileBuild, persistent kernel) of a tile build name."""
+    b = compute.tile_build(kind)
+    if kind not in _KERNELS:
+        _KERNELS[kind] = _make_kernel(b.init, b.tile, *b.shape, b.threads)
+    return b, _KERNELS[kind]
 
 
 # ---- operand handling ---------------------------------------------------------------------------
@@ -174,6 +160,18 @@ def _tensor_map(ptr, rows, k, box_rows):
     return np.array([int(w) for w in tmap.opaque], dtype=np.uint64)
 
 
+def _load(disp, argtypes, build):
+    """Compile ``disp`` for ``argtypes``, raise its dynamic shared memory limit to the tile
+    build's, and return (kernel, blocks per SM) for the current GPU."""
+    kern = disp.compile(argtypes)
+    cufunc = kern._codelibrary.get_cufunc()
+    ctx = cuda.current_context()
+    if build.smem_bytes > 48 * 1024:
+        _set_max_dynamic_smem(cufunc, build.smem_bytes, ctx.device.id)
+    bps = ctx.get_active_blocks_per_multiprocessor(cufunc, build.threads, build.smem_bytes)
+    return kern, max(1, int(bps))
+
+
 def _set_max_dynamic_smem(cufunc, nbytes, device_id):
     from cuda.bindings import driver as drv
     attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -194,8 +192,8 @@ class Gemm:
     """
 
     def __init__(self, tile="auto", reserved_sms=0, group_m=None):
-        if tile not in ("auto", "sm90", "simt") and tile not in _VARIANTS:
-            raise MkValueError(f"tile must be 'auto', 'sm90' or 'simt', got {tile!r}")
+        if tile not in ("auto", "sm90", "simt"):
+            compute.tile_build(tile)   # another build of the tile (probes), or MkValueError
         self.tile, self.reserved_sms, self.group_m = tile, int(reserved_sms), group_m
         self.epoch = 0
         self.tile_flags = None
@@ -253,7 +251,8 @@ class Gemm:
         copy_b = b_layout == "kn" and not B.col_major
         bt = self._b_as_nk(B, b_layout, n, k, stream)
         c, c_arr = self._output(A, out, m, n, stream)
-        bm, bn = _TILES[kind]
+        build = compute.tile_build(kind)
+        bm, bn = build.shape
         tiles = cdiv(m, bm) * cdiv(n, bn)
         with self._lock:
             if self.tile_flags is None or self.tile_flags.size < tiles:
@@ -273,7 +272,7 @@ class Gemm:
         group_m = self.group_m or default_group_m(tiles_m, tiles_n, plan.compute_blocks)
         args[6] = self._order(tiles_m, tiles_n, group_m, stream)
         args[7] = np.int64(plan.compute_blocks)
-        return _Launch(kernel, plan.grid, _THREADS[kind], _SMEM[kind], stream, args, c,
+        return _Launch(kernel, plan.grid, build.threads, build.smem_bytes, stream, args, c,
                        device=A.device, cacheable=out is not None and not copy_b)
 
     def _kind(self):
@@ -296,17 +295,11 @@ class Gemm:
         argtypes = tuple(numba.typeof(x) for x in args)
         key = (kind, argtypes)
         if key not in self._compiled:
-            disp = _KERNELS[kind]
+            build, disp = _build(kind)
             if SIMULATOR:
                 self._compiled[key] = (disp, 1)
             else:
-                kern = disp.compile(argtypes)
-                cufunc = kern._codelibrary.get_cufunc()
-                ctx = cuda.current_context()
-                if _SMEM[kind] > 48 * 1024:
-                    _set_max_dynamic_smem(cufunc, _SMEM[kind], ctx.device.id)
-                bps = ctx.get_active_blocks_per_multiprocessor(cufunc, _THREADS[kind], _SMEM[kind])
-                self._compiled[key] = (kern, max(1, int(bps)))
+                self._compiled[key] = _load(disp, argtypes, build)
         return self._compiled[key]
 
     def _order(self, tiles_m, tiles_n, group_m, stream):

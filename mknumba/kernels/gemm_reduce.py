@@ -198,17 +198,19 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
 
 
 SIMT_THREADS = 32 if SIMULATOR else compute.SIMT_THREADS   # the simulator runs threads in Python
-_KERNELS = {"simt": _make_kernel(compute.gemm_init_simt, compute.gemm_tile_simt,
-                                 *compute.SIMT_TILE, SIMT_THREADS)}
-_THREADS = {"simt": SIMT_THREADS, "sm90": compute.SM90_THREADS}
-_SMEM = {"simt": 0, "sm90": compute.SM90_SMEM_BYTES}
-_TILES = {"simt": compute.SIMT_TILE, "sm90": compute.SM90_TILE}
-if not SIMULATOR:
-    _KERNELS["sm90"] = _make_kernel(compute.gemm_init_sm90, compute.gemm_tile_sm90,
-                                    *compute.SM90_TILE, compute.SM90_THREADS)
+_KERNELS = {}             # tile build name -> (threads per block, persistent kernel)
 _SIM_SMS = 6              # the simulator's "device": compute, reduce, send, receive, pull
 _COMPILED = {}            # (kind, argtypes) -> (compiled kernel, blocks per SM)
 _COMPILE_LOCK = threading.Lock()
+
+
+def _build(kind):
+    """(roles.compute.TileBuild, threads per block, kernel) of a tile build name."""
+    b = compute.tile_build(kind)
+    if kind not in _KERNELS:
+        threads = SIMT_THREADS if kind == "simt" else b.threads
+        _KERNELS[kind] = (threads, _make_kernel(b.init, b.tile, *b.shape, threads))
+    return (b, *_KERNELS[kind])
 
 
 def _compiled(kind, args):
@@ -216,17 +218,9 @@ def _compiled(kind, args):
     key = (kind, tuple(numba.typeof(x) for x in args))
     with _COMPILE_LOCK:
         if key not in _COMPILED:
-            disp = _KERNELS[kind]
-            if SIMULATOR:
-                _COMPILED[key] = (disp, 1)
-            else:
-                kern = disp.compile(key[1])
-                cufunc = kern._codelibrary.get_cufunc()
-                ctx = cuda.current_context()
-                if _SMEM[kind] > 48 * 1024:
-                    _gemm._set_max_dynamic_smem(cufunc, _SMEM[kind], ctx.device.id)
-                bps = ctx.get_active_blocks_per_multiprocessor(cufunc, _THREADS[kind], _SMEM[kind])
-                _COMPILED[key] = (kern, max(1, int(bps)))
+            build, threads, disp = _build(kind)
+            _COMPILED[key] = ((disp, 1) if SIMULATOR
+                              else _gemm._load(disp, key[1], build._replace(threads=threads)))
         return _COMPILED[key]
 
 
@@ -271,7 +265,7 @@ class GemmReduce:
     dtype: "bfloat16" (inputs, output; fp32 accumulation everywhere).
     comm_sms: SMs held back from the GEMM for the communication roles (default: the recorded
     sweep in ``sched.split``); chunk_bytes: network chunk size (rounded to whole tiles);
-    tile: "auto" | "sm90" | "simt"; trace: stamp every role's steps with the GPU clock (read
+    tile: "auto" | "sm90" | "simt" (or another build, ``roles.compute.tile_build``); trace: stamp every role's steps with the GPU clock (read
     them with :meth:`trace_events` after :meth:`synchronize`). Calls are asynchronous on the stream of the inputs (the
     current PyTorch stream for tensors, else ``stream``); :meth:`synchronize` waits and raises
     any device-side timeout.
@@ -288,7 +282,7 @@ class GemmReduce:
         _gemm._check_shapes(m, n, k)
         self.comm, self.m, self.n, self.k = comm, m, n, k
         self.kind = _gemm.Gemm(tile=tile)._kind()
-        self.bm, self.bn = _TILES[self.kind]
+        self.bm, self.bn = compute.tile_build(self.kind).shape
         if n % 4:
             raise MkValueError(f"{self.name}: n={n} must be a multiple of 4")
         G, nodes = comm.local_size, comm.nodes
@@ -474,7 +468,8 @@ class GemmReduce:
             raise MkError(f"{self.name}: the kernel does not fit on an SM")
         grid = self.sms  # one block per SM: the persistent grid is co-resident
         keep = (a, b, bt, out)
-        return _Prepared(kern, args, grid, _THREADS[self.kind], _SMEM[self.kind], s, res, keep)
+        build, threads, _ = _build(self.kind)
+        return _Prepared(kern, args, grid, threads, build.smem_bytes, s, res, keep)
 
     def _output(self, A, out):
         shape = self.out_shape()

@@ -24,11 +24,14 @@ Two implementations:
   product per output element, ``SIMT_TILE`` tiles, any block size.
 """
 import os
+import re
+from collections import namedtuple
 
 import numpy as np
 from numba import cuda, types
 
 from .._compat import SIMULATOR
+from ..errors import MkValueError
 from ..primitives import data_ptr, release
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
@@ -195,13 +198,41 @@ def make_compute_role(tile_init, tile):
     return compute_role
 
 
-def tile_shape(sm90):
-    """(BM, BN) of the tile implementation that ``sm90`` selects."""
-    return SM90_TILE if sm90 else SIMT_TILE
+# ---- tile builds: what a kernel needs to run one tile implementation ---------------------------
+#: init/tile: the device functions (tile contract above); shape: (BM, BN); threads per block;
+#: smem_bytes: dynamic shared memory per block.
+TileBuild = namedtuple("TileBuild", "init tile shape threads smem_bytes")
+_BUILDS = {"simt": TileBuild(gemm_init_simt, gemm_tile_simt, SIMT_TILE, SIMT_THREADS, 0)}
+if not SIMULATOR:
+    _BUILDS["sm90"] = TileBuild(gemm_init_sm90, gemm_tile_sm90, SM90_TILE, SM90_THREADS,
+                                SM90_SMEM_BYTES)
+
+
+def tile_build(name):
+    """The tile build called ``name``: ``"simt"``, ``"sm90"`` (the library's Hopper tile),
+    ``"sm90:e<E>p<P>"`` (gemm_tile.cu built with MK_EPILOGUE=E and MK_PUBLISHER=P, made on first
+    use), or one added with :func:`register_tile`. Raises MkValueError for anything else."""
+    if name not in _BUILDS:
+        spec = re.fullmatch(r"sm90:e(\d)p([01])", str(name))
+        if spec is None or SIMULATOR or int(spec[1]) not in SM90_STAGING:
+            raise MkValueError(f"no tile build {name!r} here (known: {sorted(_BUILDS)}, and "
+                               "'sm90:e<0|1|2>p<0|1>' on a GPU)")
+        epilogue, publisher = int(spec[1]), spec[2] == "1"
+        _BUILDS[name] = TileBuild(*sm90_tile_functions(epilogue, publisher), SM90_TILE,
+                                  sm90_threads(publisher), sm90_smem_bytes(epilogue))
+    return _BUILDS[name]
+
+
+def register_tile(name, build):
+    """Add a :class:`TileBuild` under ``name`` (probes that time variants of a tile, e.g.
+    ``benchmarks/probe_gemm_tile.py``); the kernels then take ``tile=name``."""
+    if name in _BUILDS:
+        raise MkValueError(f"tile build {name!r} exists already")
+    _BUILDS[name] = build
 
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_SMEM_BYTES", "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions",
            "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16",
-           "tile_shape", "make_compute_role",
+           "make_compute_role", "TileBuild", "tile_build", "register_tile",
            "HELPER"] + ([] if SIMULATOR else ["gemm_init_sm90", "gemm_tile_sm90"])

@@ -31,13 +31,12 @@ def bits_f64(b):
 
 
 def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles):
-    from mknumba.kernels.gemm_reduce import _TILES
-    kind = "simt" if SIMULATOR else None
+    from mknumba.kernels.gemm import Gemm
+    from mknumba.roles.compute import tile_build
     chunk = None
     if chunk_tiles:
-        op0 = _TILES[kind or ("sm90" if cuda.get_current_device().compute_capability == (9, 0)
-                              else "simt")]
-        chunk = chunk_tiles * op0[0] * op0[1] * 2
+        bm, bn = tile_build(Gemm()._kind()).shape       # the tile "auto" picks here
+        chunk = chunk_tiles * bm * bn * 2
     traced = iterations <= 3        # short runs also check the role trace of the last call
     op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced)
     rows = op.out_shape()[0]

@@ -202,7 +202,7 @@ extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned lo
     return 0;
 }
 
-// One 128 x 256 output tile; every thread of the 288-thread block calls it for every tile.
+// One 128 x 256 output tile; every thread of the block calls it for every tile.
 //   c, ldc: bf16 output (row-major, ldc elements per row); m, n bound the stores.
 //   tile_m, tile_n: tile coordinates; k_iters = ceil(K / 64); seq: tiles this block already ran.
 // Returns 1 in exactly one thread (consumer thread 0, or the publisher's lane 0) once all of this
