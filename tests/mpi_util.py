@@ -22,8 +22,9 @@ def mpiexec():
 
 
 def run_mpi(script, n, *args, env=None, simulator=True, timeout=600, expect_fail=False):
-    """Run ``tests/mpi/<script>`` on ``n`` ranks and return its output. The test fails if the
-    program fails (or, with ``expect_fail``, if it succeeds)."""
+    """Run ``tests/mpi/<script>`` (or ``script``, an absolute path) on ``n`` ranks and return
+    its output. The test fails if the program fails (or, with ``expect_fail``, if it
+    succeeds)."""
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env["PYTHONUNBUFFERED"] = "1"

@@ -1,0 +1,18 @@
+"""The examples run as the README says (CPU-only machines: numba's simulator at a small size)
+and check their own results: a wrong result exits non-zero, which fails these tests."""
+import os
+
+from mpi_util import ROOT, run_mpi
+
+EXAMPLES = os.path.join(ROOT, "examples")
+
+
+def test_readme_main_example_allgather():
+    out = run_mpi(os.path.join(EXAMPLES, "allgather.py"), 4, timeout=300)
+    assert "3 calls match NumPy" in out, out[-3000:]
+
+
+def test_gemm_reduce_scatter_example():
+    out = run_mpi(os.path.join(EXAMPLES, "gemm_reduce_scatter.py"), 2, timeout=600)
+    for op in ("GemmReduceScatter", "GemmAllReduce"):
+        assert f"{op}: " in out and "2 calls match NumPy" in out, out[-3000:]
