@@ -27,7 +27,11 @@ from mknumba.roles.recv import wait_chunk
 from mknumba.roles.send import enqueue
 from numba import cuda
 
-SPAN = 64 << 20          # bytes of source/destination window
+# Bytes of the source/destination windows: a run of (b) never reuses a destination, as a send
+# role would not before its receiver consumed it (with 64 MiB, 1 MiB chunk j and j + 64 shared
+# one, and a batch holding both may not be merged: dma keeps overlapping writes in ring order).
+SPAN = 1 << 30
+REF_BYTES = 64 << 20     # the raw copy-engine reference: one copy of this size
 NFLAGS = 1 << 18
 
 
@@ -171,7 +175,7 @@ class Bench:
         t = self.proxy.transport
         if not hasattr(t, "drv"):
             return None
-        nbytes = SPAN
+        nbytes = REF_BYTES
 
         def go():
             if self.comm.rank == 0:
@@ -264,7 +268,7 @@ def main():
             f"NCCL {ngbps:7.1f} GB/s")
 
     # (b') chunks that are not adjacent: the dma transport cannot merge their copies
-    chunk, n = 1 << 20, 1024
+    chunk, n = 1 << 20, 512
     t = b.transfer(n, chunk, stride=2 * chunk)
     gbps = n * chunk / t / 1e9
     recs.append(dict(base, metric="bandwidth_scattered", shape={"chunk_bytes": chunk, "chunks": n},
