@@ -77,7 +77,7 @@ def main():
     import torch
     m = n = args.m
     ks = [int(k) for k in args.ks.split(",")]
-    names = args.variants.split(",")
+    names = list(dict.fromkeys(args.variants.split(",")))     # each once, in order
     ops = {name: build(name) for name in names}
     tiles = -(-m // compute.SM90_TILE[0]) * -(-n // compute.SM90_TILE[1])
     records, table = [], {}

@@ -61,12 +61,13 @@ def main():
         rng = np.random.default_rng(comm.rank)
         for Op in (mk.GemmReduceScatter, mk.GemmAllReduce):
             op = Op(comm, m, n, k)           # plans buffers, flags, SM split and chunks once
-            sent, outs = [], []
+            sent, on_gpu, outs = [], [], []
             for call in range(2):            # back to back, no host synchronisation
                 a = to_bf16(rng.standard_normal((m, k)))
                 b = to_bf16(rng.standard_normal((k, n)) / np.sqrt(k))
                 sent.append((a, b))
-                outs.append(op(cuda.to_device(a), cuda.to_device(b)))   # bf16 bits in and out
+                on_gpu.append((cuda.to_device(a), cuda.to_device(b)))  # alive until the sync
+                outs.append(op(*on_gpu[-1]))                           # bf16 bits in and out
             op.synchronize()                 # waits; raises MkTimeoutError if a wait expired
             rows = op.out_shape()[0]
             for call, ((a, b), out) in enumerate(zip(sent, outs)):

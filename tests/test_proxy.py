@@ -243,7 +243,7 @@ def test_sim_stress_10k_commands(n, spec):
 
 def _coalesced(cmds, order=None):
     """(dst, src, bytes) of the copies ``coalesce`` makes of commands (src_win, src_off,
-    dst_win, dst_off, nbytes) sent to peer 1, taken in ``order``."""
+    dst_win, dst_off, nbytes) sent to peer 1, taken in ``order``; and whether any overlap."""
     from collections import namedtuple
     from mknumba.proxy.transports._cudrv import coalesce
     Ctx = namedtuple("Ctx", "src_base dst_base dsts srcs sizes keys order")
@@ -256,8 +256,8 @@ def _coalesced(cmds, order=None):
     for i, (sw, so, dw, do, nb) in enumerate(cmds):
         batch[i]["src_win"], batch[i]["src_off"], batch[i]["dst_win"] = sw, so, dw
         batch[i]["dst_off"], batch[i]["nbytes"] = do, nb
-    k = coalesce(ctx, 1, batch)
-    return list(zip(ctx.dsts[:k].tolist(), ctx.srcs[:k].tolist(), ctx.sizes[:k].tolist()))
+    k, overlap = coalesce(ctx, 1, batch)
+    return list(zip(ctx.dsts[:k].tolist(), ctx.srcs[:k].tolist(), ctx.sizes[:k].tolist())), overlap
 
 
 def test_dma_coalesces_adjacent_commands_only():
@@ -272,12 +272,14 @@ def test_dma_coalesces_adjacent_commands_only():
             (2, 200, 2, 200, 8)]                           # another window
     want = [(7000, 1000, 150), (7160, 1150, 10), (7170, 1170, 30), (7200, 1200, 8),
             (90_200, 50_200, 8)]
-    assert _coalesced(cmds) == want
+    assert _coalesced(cmds) == (want, False)
     for seed in range(5):      # enqueued out of order by parallel senders: the same copies
-        assert _coalesced(cmds, np.random.default_rng(seed).permutation(len(cmds))) == want
-    # two commands writing the same bytes: not reordered (the later one must land last)
+        assert _coalesced(cmds, np.random.default_rng(seed).permutation(len(cmds))) == (want,
+                                                                                        False)
+    # two commands writing the same bytes: not reordered (the later one must land last), and
+    # reported, so that dma_issue copies them one by one even in batch mode
     overlap = [(1, 300, 1, 40, 20), (1, 0, 1, 0, 50), (1, 50, 1, 50, 10)]
-    assert _coalesced(overlap) == [(7040, 1300, 20), (7000, 1000, 60)]
+    assert _coalesced(overlap) == ([(7040, 1300, 20), (7000, 1000, 60)], True)
 
 
 @pytest.mark.parametrize("spec", ["dma-host:ordered", "dma-host:completion:batch"])

@@ -134,6 +134,13 @@ def _view(arr, shape, strides):
     return cuda.as_cuda_array(desc)
 
 
+def check_aligned(arr, name, what):
+    """The tiles store 16 bytes at a time and the reduction roles 8: refuse an array whose
+    address is not 16-byte aligned (a view at an odd offset) before anything launches."""
+    if not SIMULATOR and _ptr(arr) % 16:
+        raise MkValueError(f"{what}: {name} starts at {_ptr(arr):#x}, not 16-byte aligned")
+
+
 def _check_shapes(m, n, k):
     if min(m, n, k) < 1:
         raise MkValueError(f"empty GEMM (m={m}, n={n}, k={k})")
@@ -258,7 +265,7 @@ class Gemm:
             if self.tile_flags is None or self.tile_flags.size < tiles:
                 self.tile_flags = cuda.to_device(np.zeros(max(tiles, 1024), np.uint32),
                                                  stream=stream)
-        tmaps = (self._tensor_maps(A.arr, bt, m, n, k, stream) if kind != "simt"
+        tmaps = (self._tensor_maps(A.arr, bt, m, n, k, stream) if build.tma
                  else cuda.to_device(np.zeros(32, np.uint64), stream=stream))
         order = self._order(1, 1, 1, stream)      # the argument types; replaced below
         args = [A.arr, bt, c_arr, tmaps, self.tile_flags, np.uint32(1), order, np.int64(0)]
@@ -284,7 +291,7 @@ class Gemm:
         cc = tuple(cuda.get_current_device().compute_capability)
         if self.tile == "auto":
             return "sm90" if cc == (9, 0) else "simt"
-        if self.tile != "simt" and cc != (9, 0):
+        if compute.tile_build(self.tile).tma and cc != (9, 0):
             raise MkValueError(f"the {self.tile} tile needs compute capability 9.0, this GPU "
                                f"has {cc}")
         return self.tile
@@ -351,6 +358,7 @@ class Gemm:
         C = _Operand(out, "out")
         if C.shape != (m, n) or not C.row_major:
             raise MkValueError(f"out must be a contiguous row-major [{m}, {n}] array")
+        check_aligned(C.arr, "out", "mknumba.gemm")
         return out, C.arr
 
 

@@ -265,8 +265,9 @@ class GemmReduce:
     dtype: "bfloat16" (inputs, output; fp32 accumulation everywhere).
     comm_sms: SMs held back from the GEMM for the communication roles (default: the recorded
     sweep in ``sched.split``); chunk_bytes: network chunk size (rounded to whole tiles);
-    tile: "auto" | "sm90" | "simt" (or another build, ``roles.compute.tile_build``); trace: stamp every role's steps with the GPU clock (read
-    them with :meth:`trace_events` after :meth:`synchronize`). Calls are asynchronous on the stream of the inputs (the
+    tile: "auto" | "sm90" | "simt" (or another build, ``roles.compute.tile_build``);
+    trace: stamp every role's steps with the GPU clock (read them with :meth:`trace_events`
+    after :meth:`synchronize`). Calls are asynchronous on the stream of the inputs (the
     current PyTorch stream for tensors, else ``stream``); :meth:`synchronize` waits and raises
     any device-side timeout.
     """
@@ -282,6 +283,9 @@ class GemmReduce:
         _gemm._check_shapes(m, n, k)
         self.comm, self.m, self.n, self.k = comm, m, n, k
         self.kind = _gemm.Gemm(tile=tile)._kind()
+        if compute.tile_build(self.kind).timing_only:
+            raise MkValueError(f"{self.name}: tile build {tile!r} leaves the output unwritten "
+                               "(timing only)")
         self.bm, self.bn = compute.tile_build(self.kind).shape
         if n % 4:
             raise MkValueError(f"{self.name}: n={n} must be a multiple of 4")
@@ -447,7 +451,7 @@ class GemmReduce:
             s = stream if stream is not None else (0 if SIMULATOR else cuda.default_stream())
         bt = _gemm.Gemm._b_as_nk(B, "kn", self.n, self.k, s)
         res, out_words = self._output(A, out)
-        if self.kind == "sm90":
+        if compute.tile_build(self.kind).tma:
             tk = (_gemm._ptr(A.arr), _gemm._ptr(bt))
             if tk not in self._tmaps:
                 host = np.concatenate([
@@ -485,6 +489,7 @@ class GemmReduce:
                                f"[{shape[0]}, {shape[1]}] bf16 array, got {O.shape}")
         if A.torch is not None and O.torch is None:
             raise MkValueError(f"{self.name}: out must be a PyTorch tensor like the inputs")
+        _gemm.check_aligned(O.arr, "out", self.name)
         return out, O.arr.reshape(shape[0] * shape[1]).view(np.uint64)
 
     def synchronize(self, stream=None):

@@ -69,17 +69,13 @@ def sm90_tile_functions(epilogue=0, publisher=False):
     library uses 0 and 0, the probe ``benchmarks/probe_gemm_tile.py`` the others). Launch with
     ``sm90_smem_bytes(epilogue)`` and ``sm90_threads(publisher)``."""
     if epilogue not in SM90_STAGING:
-        raise ValueError(f"no epilogue {epilogue} in gemm_tile.cu")
+        raise MkValueError(f"no epilogue {epilogue} in gemm_tile.cu")
     key = (epilogue, bool(publisher))
     if key not in _SM90_BUILDS:
         helper = HELPER
         if key != (0, False):   # NVRTC takes no -D through declare_device: a copy defines them
-            import tempfile
-            helper = os.path.join(tempfile.mkdtemp(prefix="mknumba-tile-"),
-                                  f"gemm_tile_e{epilogue}p{key[1]:d}.cu")
-            with open(HELPER) as src, open(helper, "w") as dst:
-                dst.write(f"#define MK_EPILOGUE {epilogue}\n#define MK_PUBLISHER {key[1]:d}\n"
-                          + src.read())
+            helper = _helper_copy(f"#define MK_EPILOGUE {epilogue}\n"
+                                  f"#define MK_PUBLISHER {key[1]:d}\n")
         u64, i32 = types.uint64, types.int32
         init_fn = cuda.declare_device("mk_gemm_sm90_init", i32(u64, u64), link=[helper],
                                       abi="c")
@@ -104,6 +100,23 @@ def sm90_tile_functions(epilogue=0, publisher=False):
 
 
 _SM90_BUILDS = {}
+
+
+def _helper_copy(defines):
+    """gemm_tile.cu with ``defines`` prepended, in the temp directory under a name made from its
+    content: every process (and rank) that asks for the same build shares one file."""
+    import hashlib
+    import tempfile
+    with open(HELPER) as f:
+        text = defines + f.read()
+    digest = hashlib.sha1(text.encode()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), f"mknumba-gemm_tile-{digest}.cu")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)     # atomic: a concurrent rank reads the old or the new, whole
+    return path
 if not SIMULATOR:
     gemm_init_sm90, gemm_tile_sm90 = sm90_tile_functions(0)
 
@@ -200,12 +213,14 @@ def make_compute_role(tile_init, tile):
 
 # ---- tile builds: what a kernel needs to run one tile implementation ---------------------------
 #: init/tile: the device functions (tile contract above); shape: (BM, BN); threads per block;
-#: smem_bytes: dynamic shared memory per block.
-TileBuild = namedtuple("TileBuild", "init tile shape threads smem_bytes")
-_BUILDS = {"simt": TileBuild(gemm_init_simt, gemm_tile_simt, SIMT_TILE, SIMT_THREADS, 0)}
+#: smem_bytes: dynamic shared memory per block; tma: reads A and B through tensor maps (sm_90a);
+#: timing_only: leaves the output unwritten (probes; the fused ops refuse it).
+TileBuild = namedtuple("TileBuild", "init tile shape threads smem_bytes tma timing_only")
+_BUILDS = {"simt": TileBuild(gemm_init_simt, gemm_tile_simt, SIMT_TILE, SIMT_THREADS, 0, False,
+                             False)}
 if not SIMULATOR:
     _BUILDS["sm90"] = TileBuild(gemm_init_sm90, gemm_tile_sm90, SM90_TILE, SM90_THREADS,
-                                SM90_SMEM_BYTES)
+                                SM90_SMEM_BYTES, True, False)
 
 
 def tile_build(name):
@@ -219,7 +234,8 @@ def tile_build(name):
                                "'sm90:e<0|1|2>p<0|1>' on a GPU)")
         epilogue, publisher = int(spec[1]), spec[2] == "1"
         _BUILDS[name] = TileBuild(*sm90_tile_functions(epilogue, publisher), SM90_TILE,
-                                  sm90_threads(publisher), sm90_smem_bytes(epilogue))
+                                  sm90_threads(publisher), sm90_smem_bytes(epilogue), True,
+                                  epilogue == 1)
     return _BUILDS[name]
 
 

@@ -143,8 +143,9 @@ def dma_issue(ctx, peer, batch):
     t = ctx.turn[0]
     ctx.turn[0] = t + 1
     stream = ctx.streams[t % ctx.streams.shape[0]]
-    k = coalesce(ctx, peer, batch)
-    if kn[N_COPY_MODE] == COPY_EACH:
+    k, overlap = coalesce(ctx, peer, batch)
+    # cuMemcpyBatchAsync runs a batch's copies in no set order: writes that overlap go one by one
+    if kn[N_COPY_MODE] == COPY_EACH or overlap:
         for i in range(k):
             rc = ctx.fn_copy(ctx.dsts[i], ctx.srcs[i], ctx.sizes[i], stream)
             if rc != 0:
@@ -162,13 +163,14 @@ def dma_issue(ctx, peer, batch):
 def coalesce(ctx, peer, batch):
     """Fill ctx.dsts/srcs/sizes with the batch's copies in destination order, a command that
     continues the previous one in both source and destination (same windows) merged into it.
-    Returns the number of copies.
 
     Why: the copy engine spends about 2 µs per copy (measured: 1 MiB copies queued back to back
     run at 56% of one large copy), and consecutive chunks of a send role are adjacent in both
     its stage and the receiver's buffer. Sorting first lets chunks that several threads
     enqueued out of order merge too; the order of copies within a batch is free because every
-    completion write follows all of them. Destinations that overlap keep the ring's order."""
+    completion write follows all of them (and no copy of a batch reads what another writes: a
+    send role reads its own stage and writes a peer's buffer). Destinations that overlap keep
+    the ring's order. Returns (copies, whether destinations overlap)."""
     n = batch.shape[0]
     key, order = ctx.keys, ctx.order
     for i in range(n):
@@ -181,9 +183,11 @@ def coalesce(ctx, peer, batch):
             order[j] = order[j - 1]
             j -= 1
         order[j] = o
+    overlap = False
     for q in range(1, n):
         a, b = order[q - 1], order[q]
         if key[a] + np.uint64(batch[a].nbytes) > key[b]:    # overlap: ring order decides
+            overlap = True
             for i in range(n):
                 order[i] = i
             break
@@ -206,7 +210,7 @@ def coalesce(ctx, peer, batch):
             ctx.sizes[k] = nb
             k += 1
         prev = i
-    return k
+    return k, overlap
 
 
 @njit(nogil=True)

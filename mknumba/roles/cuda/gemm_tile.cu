@@ -192,7 +192,7 @@ extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned lo
             mbar_init(r.empty + 8 * s, CONSUMER_WARPGROUPS);
         }
         if (MK_PUBLISHER) {
-            mbar_init(r.staged, CONSUMER_THREADS);  // every consumer thread's stores of a tile
+            mbar_init(r.staged, CONSUMER_THREADS / 32);  // each consumer warp's stores of a tile
             mbar_init(r.published, 1);              // the publisher: that tile's flag is out
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -298,7 +298,8 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
             const int j = 8 * cc + 2 * p;
             const int unit = 2 * p + mat / 2, row = 8 * (mat % 2) + mrow;
             stmatrix_x4(stage + row * 128 + ((unit ^ mrow) * 16),
-                        pack_bf16x2(d[4 * j], d[4 * j + 1]), pack_bf16x2(d[4 * j + 2], d[4 * j + 3]),
+                        pack_bf16x2(d[4 * j], d[4 * j + 1]),
+                        pack_bf16x2(d[4 * j + 2], d[4 * j + 3]),
                         pack_bf16x2(d[4 * j + 4], d[4 * j + 5]),
                         pack_bf16x2(d[4 * j + 6], d[4 * j + 7]));
         }
@@ -320,7 +321,8 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     // Hand the tile to the publisher and go on. Waiting first until tile seq - 1 was published
     // keeps the two barriers' phases from running more than one tile apart.
     if (seq > 0) mbar_wait(r.published, (seq - 1) & 1);
-    mbar_arrive(r.staged);
+    __syncwarp();  // orders the warp's stores before lane 0's arrival (a release, cumulative)
+    if (lane == 0) mbar_arrive(r.staged);
     return 0;
 #else
     consumer_barrier();
