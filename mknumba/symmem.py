@@ -11,6 +11,7 @@ Allocation is collective over the group, and every member must ask for the same 
 """
 import itertools
 import os
+import secrets
 
 import numpy as np
 from numba import cuda
@@ -77,7 +78,9 @@ class SymmetricBuffer:
         from . import primitives
 
         nbytes = max(1, int(np.prod(self.shape)) * self.dtype.itemsize)
-        name = f"{job_tag}_{self.index}_{next(_sim_tokens) & 0xFFFFFF:x}_{os.getpid()}"
+        # random part: a segment left by an aborted run with a reused pid must not collide
+        name = (f"{job_tag}_{self.index}_{next(_sim_tokens) & 0xFFFFFF:x}_{os.getpid()}_"
+                f"{secrets.token_hex(4)}")
         mine = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
         names = self.group.allgather(name)
         self._segments = []

@@ -114,13 +114,14 @@ def test_ticket_wraps_at_2_32():
 
 
 def test_full_batches_at_once_partial_after_window():
-    h = LoopHarness(64, max_batch=8, window_ns=20_000_000)
+    h = LoopHarness(64, max_batch=8, window_ns=10**10)   # 10 s: no pause on a busy host ends it
     for j in range(22):
         assert h.enqueue(peer=1 if j < 19 else 2, chunk=j)
     rc, out = h.run()
     assert rc == eng.RC_DEFERRED and [(p, len(b)) for p, b in out] == [(1, 8), (1, 8)]
     assert h.run()[1] == []                   # the window has not passed
-    time.sleep(0.03)
+    h.cfg[eng.K_WINDOW_NS] = 1_000_000        # now a 1 ms window, and let it pass
+    time.sleep(0.01)
     rc, out = h.run()
     assert sorted((p, len(b)) for p, b in out) == [(1, 3), (2, 3)]
     assert h.drain() == [] and h.st[eng.S_BATCHES] == 4

@@ -11,6 +11,7 @@ Each rank owns one POSIX shared-memory segment, uint64 words:
 A sender writes only its row of each peer's segment, so every word has one writer.
 """
 import os
+import secrets
 import time
 from multiprocessing import resource_tracker, shared_memory
 
@@ -68,7 +69,7 @@ class CompletionQueues:
         self.rank, self.size, self.depth = comm.rank, comm.size, int(depth)
         nwords = self.size * self.depth + self.size
         nbytes = -(-nwords * 8 // _PAGE) * _PAGE          # whole pages: cuMemHostRegister wants them
-        name = f"mkcq_{os.getpid()}_{self.rank}_{id(self) & 0xFFFFFF:x}"
+        name = f"mkcq_{os.getpid()}_{self.rank}_{secrets.token_hex(4)}"   # unique across runs
         self._own = shared_memory.SharedMemory(name=name, create=True, size=nbytes)
         np.ndarray(nwords, np.uint64, buffer=self._own.buf)[:] = 0
         names = comm.mpi.allgather(name)

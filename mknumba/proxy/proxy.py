@@ -200,7 +200,7 @@ class Proxy:
         if self._thread is None:
             return self._error
         self._st[eng.S_STOP] = 1              # drain own ring and flush own submissions
-        deadline = time.monotonic() + self.comm.timeout_ns * 1e-9
+        deadline = self._host_deadline()      # a short device timeout must not cut teardown
         while not self._drained.is_set() and self._thread.is_alive():
             if time.monotonic() > deadline:
                 self._error = self._error or MkTimeoutError(
@@ -209,7 +209,7 @@ class Proxy:
             time.sleep(1e-4)
         self.comm.mpi.Barrier()               # every rank's sends delivered ...
         self._final.set()                     # ... so a last progress() publishes all arrivals
-        self._thread.join(self.comm.timeout_ns * 1e-9)
+        self._thread.join(max(self._host_deadline() - time.monotonic(), 0.0))
         self._thread = None
         try:
             self.transport.close()
