@@ -218,9 +218,9 @@ def _compiled(kind, args):
     key = (kind, tuple(numba.typeof(x) for x in args))
     with _COMPILE_LOCK:
         if key not in _COMPILED:
-            build, threads, disp = _build(kind)
-            _COMPILED[key] = ((disp, 1) if SIMULATOR
-                              else _gemm._load(disp, key[1], build._replace(threads=threads)))
+            build, _, disp = _build(kind)
+            # off the simulator every build runs with its own thread count
+            _COMPILED[key] = (disp, 1) if SIMULATOR else _gemm._load(disp, key[1], build)
         return _COMPILED[key]
 
 
@@ -283,10 +283,11 @@ class GemmReduce:
         _gemm._check_shapes(m, n, k)
         self.comm, self.m, self.n, self.k = comm, m, n, k
         self.kind = _gemm.Gemm(tile=tile)._kind()
-        if compute.tile_build(self.kind).timing_only:
+        self.build = compute.tile_build(self.kind)
+        if self.build.timing_only:
             raise MkValueError(f"{self.name}: tile build {tile!r} leaves the output unwritten "
                                "(timing only)")
-        self.bm, self.bn = compute.tile_build(self.kind).shape
+        self.bm, self.bn = self.build.shape
         if n % 4:
             raise MkValueError(f"{self.name}: n={n} must be a multiple of 4")
         G, nodes = comm.local_size, comm.nodes
@@ -451,7 +452,7 @@ class GemmReduce:
             s = stream if stream is not None else (0 if SIMULATOR else cuda.default_stream())
         bt = _gemm.Gemm._b_as_nk(B, "kn", self.n, self.k, s)
         res, out_words = self._output(A, out)
-        if compute.tile_build(self.kind).tma:
+        if self.build.tma:
             tk = (_gemm._ptr(A.arr), _gemm._ptr(bt))
             if tk not in self._tmaps:
                 host = np.concatenate([
@@ -472,8 +473,8 @@ class GemmReduce:
             raise MkError(f"{self.name}: the kernel does not fit on an SM")
         grid = self.sms  # one block per SM: the persistent grid is co-resident
         keep = (a, b, bt, out)
-        build, threads, _ = _build(self.kind)
-        return _Prepared(kern, args, grid, threads, build.smem_bytes, s, res, keep)
+        _, threads, _ = _build(self.kind)
+        return _Prepared(kern, args, grid, threads, self.build.smem_bytes, s, res, keep)
 
     def _output(self, A, out):
         shape = self.out_shape()

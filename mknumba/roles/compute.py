@@ -63,6 +63,9 @@ SIMT_THREADS = 128
 
 
 # ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
+_SM90_BUILDS = {}   # (epilogue, publisher) -> (init, tile)
+
+
 def sm90_tile_functions(epilogue=0, publisher=False):
     """``(init, tile)`` device functions around ``cuda/gemm_tile.cu`` built with
     ``MK_EPILOGUE=epilogue`` and ``MK_PUBLISHER=publisher`` (see the helper's header; the
@@ -99,9 +102,6 @@ def sm90_tile_functions(epilogue=0, publisher=False):
     return _SM90_BUILDS[key]
 
 
-_SM90_BUILDS = {}
-
-
 def _helper_copy(defines):
     """gemm_tile.cu with ``defines`` prepended, in the temp directory under a name made from its
     content: every process (and rank) that asks for the same build shares one file."""
@@ -117,6 +117,8 @@ def _helper_copy(defines):
             f.write(text)
         os.replace(tmp, path)     # atomic: a concurrent rank reads the old or the new, whole
     return path
+
+
 if not SIMULATOR:
     gemm_init_sm90, gemm_tile_sm90 = sm90_tile_functions(0)
 
