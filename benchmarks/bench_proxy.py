@@ -252,9 +252,15 @@ def main():
         f"us/command, avg batch {cmds / max(bat, 1):.2f}; NCCL {n / tn:,.0f} msgs/s")
 
     # (b) bandwidth
+    def copies():   # copy-engine copies the sender's proxy issued (adjacent chunks merge)
+        return comm.mpi.bcast(getattr(proxy.transport, "copies_issued", 0), root=0)
+
     for chunk in (64 << 10, 256 << 10, 1 << 20, 4 << 20):
         n = max(64, min(NFLAGS, (1 << 30) // chunk))
-        t, tn = b.transfer(n, chunk), b.nccl(n, chunk)
+        c0 = copies()
+        t = b.transfer(n, chunk)
+        per_copy = n / max(copies() - c0, 1)
+        tn = b.nccl(n, chunk)
         gbps, ngbps = n * chunk / t / 1e9, n * chunk / tn / 1e9
         floor = n * chunk / (copy_gbps * 1e9) if copy_gbps else None
         recs.append(dict(base, metric="bandwidth", shape={"chunk_bytes": chunk, "chunks": n},
@@ -262,10 +268,11 @@ def main():
                          baseline_ms=tn * 1e3, speedup=tn / t,
                          floor_ms=floor * 1e3 if floor else None, gbps=gbps,
                          baseline_gbps=ngbps, copy_engine_gbps=copy_gbps,
-                         fraction_of_copy=gbps / copy_gbps if copy_gbps else None))
+                         fraction_of_copy=gbps / copy_gbps if copy_gbps else None,
+                         chunks_per_copy=per_copy))
         say(f"(b) {chunk >> 10:5d} KiB x {n}: {gbps:7.1f} GB/s "
-            f"({100 * gbps / copy_gbps if copy_gbps else float('nan'):.0f}% of copy engine); "
-            f"NCCL {ngbps:7.1f} GB/s")
+            f"({100 * gbps / copy_gbps if copy_gbps else float('nan'):.0f}% of copy engine, "
+            f"{per_copy:.2f} chunks per copy); NCCL {ngbps:7.1f} GB/s")
 
     # (b') chunks that are not adjacent: the dma transport cannot merge their copies
     chunk, n = 1 << 20, 512

@@ -104,6 +104,7 @@ ERR_COPY, ERR_MEMOPS, ERR_CQ_FULL = 1_000_000, 2_000_000, 3_000_000
 DmaCtx = namedtuple("DmaCtx", [
     "fn_copy", "fn_memops", "fn_copy_batch", "clock", "knobs",
     "streams", "turn",                                     # batches go round-robin over streams
+    "copies",                                              # copies issued so far (stats)
     "src_base", "dst_base",                                # window addresses (this rank; all)
     "dsts", "srcs", "sizes", "keys", "order",              # copies; coalesce's sort scratch
     "write_addr", "write_val", "params", "attrs", "attr_idx",
@@ -144,6 +145,7 @@ def dma_issue(ctx, peer, batch):
     ctx.turn[0] = t + 1
     stream = ctx.streams[t % ctx.streams.shape[0]]
     k, overlap = coalesce(ctx, peer, batch)
+    ctx.copies[0] += k
     # cuMemcpyBatchAsync runs a batch's copies in no set order: writes that overlap go one by one
     if kn[N_COPY_MODE] == COPY_EACH or overlap:
         for i in range(k):

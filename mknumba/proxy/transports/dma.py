@@ -69,7 +69,7 @@ class DmaTransport(Transport):
             flag_addr=np.zeros(m, np.uint64), flag_val=np.zeros(m, np.uint64),
             fparams=np.zeros(m * drv_mod.MEMOP_WORDS, np.uint64),
             cq_dev=np.zeros(size, np.uint64), cq_sent=np.zeros(size, np.int64),
-            streams=self.streams, turn=np.zeros(1, np.int64))
+            streams=self.streams, turn=np.zeros(1, np.int64), copies=np.zeros(1, np.int64))
         self.cq = None
         if completion == COMPLETION:
             from ..cq import CompletionQueues
@@ -89,6 +89,11 @@ class DmaTransport(Transport):
             drv_mod.COPY_BATCH if copy == "batch" else drv_mod.COPY_EACH,
             self.cq is not None, comm.rank, cq_depth, comm.timeout_ns]
         self._clock = new_clock()
+
+    @property
+    def copies_issued(self):
+        """Copies handed to the copy engine so far (after merging adjacent commands)."""
+        return int(self._scratch["copies"][0])
 
     # -- windows -----------------------------------------------------------------------------------
     def _register(self, w):
