@@ -27,8 +27,8 @@ from mknumba.kernels.gemm_ar import GemmAllReduce  # noqa: E402
 from mknumba.kernels.gemm_rs import GemmReduceScatter  # noqa: E402
 
 NVLINK_GBPS = 380.0
-SWEEP = {("gemm_reducescatter", "1x2"): (16, 24, 32, 48, 64),
-         ("gemm_allreduce", "1x2"): (32, 48, 64, 80),
+SWEEP = {("gemm_reducescatter", "1x2"): (16, 24, 32, 48, 64, 80),
+         ("gemm_allreduce", "1x2"): (32, 48, 64, 80, 96),
          ("gemm_reducescatter", "2x1"): (32, 48, 64), ("gemm_allreduce", "2x1"): (32, 48, 64)}
 
 

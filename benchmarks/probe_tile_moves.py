@@ -36,12 +36,11 @@ def move(kind, src, dst, ptrs, dptrs, peer, me):
             copy_tile_2d(src, off, WCOLS, prim.peer_view(dptrs, peer, dst), off, WCOLS, ROWS,
                          WCOLS)
         elif kind == 3:
-            reduce_peers(ptrs, src, 2, me, off, WCOLS, dst, off, WCOLS, dst, 0, 0, False, ROWS,
-                         WCOLS)
+            reduce_peers(ptrs, src, 2, me, off, WCOLS, dst, off, WCOLS, False, ROWS, WCOLS)
         else:
             o2 = ((t + 1) % TILES) * TILE
-            combine_remote(src, off, src, o2, 0, 1, dst, off, WCOLS, dst, 0, 0, False, ROWS,
-                           WCOLS, WCOLS)
+            combine_remote(src, off, src, o2, 0, 1, dst, off, WCOLS, ptrs, src, 2, me, 0, 0,
+                           False, ROWS, WCOLS, WCOLS)
 
 
 def main():

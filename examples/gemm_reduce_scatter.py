@@ -20,7 +20,8 @@ The fused ops run one persistent kernel whose blocks take roles
   send      (several nodes) reduced tiles fill network chunks; the last tile of a chunk publishes
             it, and the chunk goes to the host proxy's command ring for the rail peer
   receive   (several nodes) wait for a chunk's arrival flag, add the remote partial sums
-  pull      (AllReduce, several GPUs a node) copy the finished tiles the other GPUs own
+  pull      (AllReduce, several GPUs a node) copy out the finished tiles that the other GPUs own
+            and pushed here
 
 so the reduction of the first tiles overlaps the GEMM of the last ones.
 

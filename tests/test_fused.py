@@ -82,7 +82,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
     u64, u32, i32 = arr(types.uint64), arr(types.uint32), arr(types.int32)
     sig = (arr(types.int16, 2), arr(types.int16, 2), u64, arr(types.uint16, 3), u64, u64,
            u32, u64, u32, u64, u64, arr(types.int64)) + (i32,) * 5 + (arr(types.int32, 2),) + \\
-          (i32,) * 4 + (u64, u64, u32, u32, u32, u32, u32, u32, u32, types.uint32, types.uint32,
+          (i32,) * 3 + (u64, u64, u32, u32, u32, u32, u32, u32, u32, types.uint32, types.uint32,
            types.uint64, arr(types.int64), types.int64, arr(types.int64, 2))
     lib, _ = compiler._compile_pyfunc_with_fixup(
         kernel.py_func, sig, device=False, cc=(9, 0, "a"),

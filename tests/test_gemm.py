@@ -130,7 +130,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
 """)
 
 #: tile build -> how its epilogue stores (gemm_tile.cu: MK_EPILOGUE), in the linked PTX
-STORES = {"sm90": ["st.global.u32"], "sm90:e1p0": [],
+STORES = {"sm90": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"],
+          "sm90:e0p0": ["st.global.u32"], "sm90:e1p0": [],
           "sm90:e2p0": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"],
           "sm90:e0p1": ["st.global.u32"],
           "sm90:e2p1": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"]}

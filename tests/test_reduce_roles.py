@@ -3,8 +3,8 @@
 One block of the sm90 kernel's width (288 threads: 9 warps; one warp in the simulator, whose
 threads are slow Python threads) sums three
 "GPUs'" bf16 tiles (three buffers on one device, reached through an address table like
-``peer_view`` does for NVLink peers), combines a stage tile with two received ones, and copies a
-tile. Tiles are ragged (37 x 70 words, 5 x 66 in the simulator: neither the row nor the column
+``peer_view`` does for NVLink peers), combines a stage tile with two received ones, pushes the
+results into the other "GPUs'" buffers (AllReduce) or leaves them alone, and copies a tile. Tiles are ragged (37 x 70 words, 5 x 66 in the simulator: neither the row nor the column
 steps divide them), and
 outputs start poisoned, so a word left unwritten shows. Runs in the simulator
 (CI) and on a GPU.
@@ -42,15 +42,14 @@ def words_f32(w):
 
 
 @cuda.jit
-def k_reduce(ptrs, template, members, me, out, out2, both):
-    reduce_peers(ptrs, template, members, me, R0 * W + C0, W, out, 0, WCOLS, out2, 0, WCOLS,
-                 both, ROWS, WCOLS)
+def k_reduce(ptrs, template, members, me, out, push):
+    reduce_peers(ptrs, template, members, me, R0 * W + C0, W, out, 0, WCOLS, push, ROWS, WCOLS)
 
 
 @cuda.jit
-def k_combine(own, recv, nsrc, out, out2, both):
-    combine_remote(own, 0, recv, 0, ROWS * WCOLS, nsrc, out, 0, WCOLS, out2, 0, WCOLS, both,
-                   ROWS, WCOLS, WCOLS)
+def k_combine(own, recv, nsrc, out, ptrs, template, members, me, push):
+    combine_remote(own, 0, recv, 0, ROWS * WCOLS, nsrc, out, 0, WCOLS, ptrs, template, members,
+                   me, R0 * W + C0, W, push, ROWS, WCOLS, WCOLS)
 
 
 @cuda.jit
@@ -87,26 +86,39 @@ def check(got_words, terms, what):
     assert bad == 0, f"{what}: {bad} of {got.size} words differ from the fp32 sum rounded once"
 
 
+# Every other member's buffer holds ``got`` in the tile when ``push`` and is otherwise
+# unchanged; this member's own buffer and the non-members' buffers are never touched.
+def check_pushed(me, members, push, got, what):
+    for p in range(3):
+        now = devs[p].copy_to_host().reshape(64, W)
+        want = hosts[p].reshape(64, W).copy()
+        if push and p != me and p < members:
+            want[R0:R0 + ROWS, C0:C0 + WCOLS] = np.asarray(got).reshape(ROWS, WCOLS)
+        bad = int((now != want).sum())
+        assert bad == 0, f"{what}: buffer of member {p}: {bad} words wrong"
+        devs[p].copy_to_device(hosts[p])          # fresh inputs for the next case
+
+
 # three members: fp32 accumulation (peers me+1, me+2, me); two: packed bf16 adds
 for members in (3, 2):
     for me in ((members - 1,) if SIMULATOR else range(members)):
         terms = [f32[(me + 1 + j) % members][R0:R0 + ROWS, 4 * C0:4 * (C0 + WCOLS)]
                  for j in range(members)]
-        out = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
-        out2 = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
-        k_reduce[1, THREADS](ptrs, devs[me], members, me, out, out2, True)
-        check(out.copy_to_host(), terms, f"reduce_peers members={members} me={me}")
-        check(out2.copy_to_host(), terms, f"reduce_peers second copy me={me}")
+        for push in (True, False):
+            out = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
+            k_reduce[1, THREADS](ptrs, devs[me], members, me, out, push)
+            what = f"reduce_peers members={members} me={me} push={push}"
+            check(out.copy_to_host(), terms, what)
+            check_pushed(me, members, push, out.copy_to_host(), what)
 
 tiles = [bf16_words(rng.standard_normal((ROWS, 4 * WCOLS))).reshape(-1) for _ in range(3)]
 own, recv = cuda.to_device(tiles[0]), cuda.to_device(np.concatenate(tiles[1:]))
-for nsrc in (2, 1):
+for nsrc, members, me, push in ((2, 3, 1, True), (1, 2, 0, True), (1, 3, 2, False)):
     out = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
-    out2 = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
-    k_combine[1, THREADS](own, recv, nsrc, out, out2, False)
-    check(out.copy_to_host(), [words_f32(t).reshape(ROWS, -1) for t in tiles[:1 + nsrc]],
-          f"combine_remote nsrc={nsrc}")
-    assert (out2.copy_to_host() == POISON).all(), "combine_remote wrote the second copy unasked"
+    k_combine[1, THREADS](own, recv, nsrc, out, ptrs, devs[me], members, me, push)
+    what = f"combine_remote nsrc={nsrc} members={members} push={push}"
+    check(out.copy_to_host(), [words_f32(t).reshape(ROWS, -1) for t in tiles[:1 + nsrc]], what)
+    check_pushed(me, members, push, out.copy_to_host(), what)
 
 dst = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
 k_copy[1, THREADS](devs[1], dst)

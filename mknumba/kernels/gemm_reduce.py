@@ -10,8 +10,9 @@ GPU or on other ranks (DESIGN.md §3), so the stages below are in block order:
   reduce   [C, R)       for each tile t this GPU owns (sched.reduce):
                           wait tile_flags[t] of every local GPU (peer_view)
                           sum = sum over local GPUs of part[slot][tile t]    (NVLink loads, fp32)
-                          1 node, RS: out[t] <- sum          1 node, AR: out[t], part[t] <- sum;
-                                                                         publish final_flags[t]
+                          1 node, RS: out[t] <- sum          1 node, AR: out[t] <- sum, and
+                                                       every local peer's part[t] <- sum (NVLink
+                                                       stores); publish its final_flags[t]
                           nodes > 1: stage[s] <- sum; publish red_flags[s];
                                      chunk counter += 1, the last tile publishes chunk_ready
                                      (both GPU scope: only this GPU's roles read them)
@@ -19,10 +20,13 @@ GPU or on other ranks (DESIGN.md §3), so the stages below are in block order:
                           proxy (payload stage -> rail peer's recv, then its arrival flag)
   receive  [S, V)       for each tile t this GPU finishes: wait the arrival flags of its chunk
                           from every rail peer and red_flags of its own node's sum;
-                          out[t] <- stage + sum of recv (fp32); AR with G > 1: part[t] <- same,
-                          publish final_flags[t]
-  pull     [V, grid)    (AR, G > 1) for each tile t another local GPU owns: wait its
-                          final_flags[t]; out[t] <- owner's part[t] (NVLink loads)
+                          out[t] <- stage + sum of recv (fp32); AR with G > 1: every local
+                          peer's part[t] <- same, publish its final_flags[t]
+  pull     [V, grid)    (AR, G > 1) for each tile t another local GPU owns: wait final_flags[t]
+                          (its owner writes it here); out[t] <- part[t], a local copy
+
+The owner pushes finished AllReduce tiles rather than letting peers pull them: a block stores
+over NVLink about twice as fast as it loads (loads wait a round trip; benchmarks/NOTES.md).
 
 Per GPU only 1/G of the output crosses the network, to its rail peers. Epochs, not resets: flags
 take the call's epoch; ``slot = call & 1`` double-buffers ``part``, ``stage`` and ``recv``: a rank
@@ -40,7 +44,7 @@ from .. import primitives as prim
 from .._compat import SIMULATOR
 from ..errors import ROLE_INTRA, ROLE_RECV, ROLE_SEND, MkError, MkValueError
 from ..roles import compute
-from ..roles.blocks import publish, stamp, wait
+from ..roles.blocks import publish, publish_peers, stamp, wait
 from ..roles.reduce import chunk_arrive, combine_remote, copy_tile_2d, reduce_peers
 from ..roles.send import enqueue
 from ..sched import split as sm_split
@@ -74,7 +78,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
     def gemm_reduce_kernel(a, bt, tmaps, part_c, part, part_ptrs, tile_flags, tile_flag_ptrs,
                            final_flags, final_flag_ptrs, out, cfg, order, red_tiles, red_slots,
                            red_chunks, chunk_tiles, cmds, final_tiles, final_slots, pull_tiles,
-                           pull_owner, stage, recv, arrive, red_flags, chunk_count, chunk_ready,
+                           stage, recv, arrive, red_flags, chunk_count, chunk_ready,
                            ring, head, tail, epoch, call, timeout_ns, err, rank, trace):
         """a [m, k], bt [n, k], part_c [2, m, n]: bf16 bits; part: the same memory as uint64
         words [2 * m * n/4] (symmetric); out: uint64 words of the bf16 output; stage/recv:
@@ -125,14 +129,14 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                 stamp(tr, trace, T_RED_READY, i)
                 if nodes == 1:
                     dst = (r0 - cfg[C_OUT_ROW0]) * wn + c0
-                    reduce_peers(part_ptrs, part, G, me, src, wn, out, dst, wn, part, src, wn,
-                                 allreduce, rows, wcols)
+                    reduce_peers(part_ptrs, part, G, me, src, wn, out, dst, wn, allreduce,
+                                 rows, wcols)
                     if allreduce:
-                        publish(final_flags, t, epoch)
+                        publish_peers(final_flag_ptrs, final_flags, G, me, t, epoch)
                 else:
                     s = red_slots[i]
                     reduce_peers(part_ptrs, part, G, me, src, wn, stage,
-                                 stage_base + s * tile_words, bw, stage, 0, 0, False, rows, wcols)
+                                 stage_base + s * tile_words, bw, False, rows, wcols)
                     publish(red_flags, s, epoch, False)       # read by this GPU's receive
                     q = red_chunks[i]
                     if q >= 0:
@@ -174,23 +178,21 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                 combine_remote(stage, stage_base + fs * tile_words, recv,
                                recv_base + i * tile_words, nfinal * tile_words, nsrc,
                                out, (r0 - cfg[C_OUT_ROW0]) * wn + c0, wn,
-                               part, part_base + r0 * wn + c0, wn, bcast,
+                               part_ptrs, part, G, me, part_base + r0 * wn + c0, wn, bcast,
                                min(bm, m - r0), min(bw, wn - c0), bw)
                 if bcast:
-                    publish(final_flags, t, epoch)
+                    publish_peers(final_flag_ptrs, final_flags, G, me, t, epoch)
                 stamp(tr, trace, T_RECV_DONE, i)
         else:                                                       # ---- pull (AllReduce)
             for i in range(blk - recv_end, cfg[C_NPULL], cuda.gridDim.x - recv_end):
                 t = pull_tiles[i]
-                o = pull_owner[i]
-                if not wait(prim.peer_view(final_flag_ptrs, o, final_flags), t, epoch,
-                            deadline, err, rank, ROLE_INTRA):
+                if not wait(final_flags, t, epoch, deadline, err, rank, ROLE_INTRA):
                     return
                 tm = t // tiles_n
                 r0 = tm * bm
                 c0 = (t - tm * tiles_n) * bw
-                copy_tile_2d(prim.peer_view(part_ptrs, o, part), part_base + r0 * wn + c0, wn,
-                             out, r0 * wn + c0, wn, min(bm, m - r0), min(bw, wn - c0))
+                copy_tile_2d(part, part_base + r0 * wn + c0, wn, out, r0 * wn + c0, wn,
+                             min(bm, m - r0), min(bw, wn - c0))
                 stamp(tr, trace, T_PULL_DONE, i)
         stamp(tr, trace, T_BLOCK_END, blk)
 
@@ -265,7 +267,8 @@ class GemmReduce:
     dtype: "bfloat16" (inputs, output; fp32 accumulation everywhere).
     comm_sms: SMs held back from the GEMM for the communication roles (default: the recorded
     sweep in ``sched.split``); chunk_bytes: network chunk size (rounded to whole tiles);
-    tile: "auto" | "sm90" | "simt" (or another build, ``roles.compute.tile_build``);
+    tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else "simt") | "sm90" | "simt"
+    (or another build, ``roles.compute.tile_build``);
     trace: stamp every role's steps with the GPU clock (read them with :meth:`trace_events`
     after :meth:`synchronize`). Calls are asynchronous on the stream of the inputs (the
     current PyTorch stream for tensors, else ``stream``); :meth:`synchronize` waits and raises
@@ -283,6 +286,8 @@ class GemmReduce:
         _gemm._check_shapes(m, n, k)
         self.comm, self.m, self.n, self.k = comm, m, n, k
         self.kind = _gemm.Gemm(tile=tile)._kind()
+        if tile == "auto" and self.kind == "sm90":
+            self.kind = compute.SM90_FUSED_TILE
         self.build = compute.tile_build(self.kind)
         if self.build.timing_only:
             raise MkValueError(f"{self.name}: tile build {tile!r} leaves the output unwritten "
@@ -328,10 +333,17 @@ class GemmReduce:
             raise MkValueError(f"{self.name}: comm_sms={s} must be in [{need}, {sms - 1}] "
                                f"for topology {self.topology}")
         send = 1 if nodes > 1 else 0
-        pull = max(1, (s - send) // (2 if nodes == 1 else 4)) if self.allreduce and G > 1 else 0
+        p = self.plan
+        pull = 0
+        if self.allreduce and G > 1 and nodes > 1:
+            pull = max(1, (s - send) // 4)
+        elif self.allreduce and G > 1:    # by words moved: the reduce reads G tiles and writes
+            red = len(p.red_tiles) * 2 * G      # G (one here, G - 1 pushed); a pull copies one
+            pulled = len(p.pull_tiles) * 2
+            pull = min(s - 1, max(1, round(s * pulled / max(red + pulled, 1))))
         recv = 0
         if nodes > 1:   # reduce and receive split by words moved: G reads + 1 write per reduced
-            p = self.plan            # tile, one read per node + 1-2 writes per finished tile
+                        # tile, one read per node + 1-2 writes per finished tile
             red = len(p.red_tiles) * (G + 1)
             fin = p.n_final * (nodes + 1 + (1 if self.allreduce and G > 1 else 0))
             share = fin / (red + fin) if red + fin else 0.0    # a GPU may own no tiles
@@ -400,7 +412,7 @@ class GemmReduce:
                     len(plan.pull_tiles)) if self.tracing else 1
         self._trace = _to_device(np.zeros((len(TRACE_EVENTS), items), np.int64))
         tables = [plan.order, plan.red_tiles, plan.red_slots, plan.red_chunks, plan.chunk_tiles,
-                  plan.cmds, plan.final_tiles, plan.final_slots, plan.pull_tiles, plan.pull_owner]
+                  plan.cmds, plan.final_tiles, plan.final_slots, plan.pull_tiles]
         self._tables = [_to_device(cfg)] + [_to_device(nonempty(np.ascontiguousarray(t)))
                                             for t in tables]
         self._net = dev + [ring, head, tail]
@@ -521,7 +533,15 @@ class GemmReduce:
         self._prepared.clear()
 
 
-_EPOCH_ARG, _CALL_ARG = 31, 32   # positions of epoch and call in the kernel's arguments
+def _arg_positions():
+    """Positions of ``epoch`` and ``call`` among the kernel's arguments (a launch rewrites only
+    those two; every build's kernel has the same parameters)."""
+    import inspect
+    names = list(inspect.signature(_make_kernel(None, None, 1, 4, 1).py_func).parameters)
+    return names.index("epoch"), names.index("call")
+
+
+_EPOCH_ARG, _CALL_ARG = _arg_positions()
 
 
 def _to_device(x):

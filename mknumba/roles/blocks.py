@@ -34,6 +34,19 @@ def publish(flags, idx, epoch, system=True):
 
 
 @cuda.jit(device=True)
+def publish_peers(ptrs, template, members, me, idx, epoch):
+    """:func:`publish` into every other local GPU's flags: ``template`` is this GPU's flag
+    array, ``ptrs`` its address table. For data this block stored into those GPUs' memory."""
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        for j in range(1, members):
+            p = me + j
+            if p >= members:
+                p -= members
+            prim.release(prim.peer_view(ptrs, p, template), idx, epoch, True)
+
+
+@cuda.jit(device=True)
 def wait(flags, idx, epoch, deadline, err, rank, role, system=True):
     """Block-wide bounded wait for ``flags[idx]`` to reach ``epoch``; False on timeout.
 

@@ -42,6 +42,14 @@ SM90_BK = 64
 SM90_STAGES = 4
 SM90_THREADS = 288          # two consumer warpgroups + one producer warp
 SM90_STAGING = {0: 0, 1: 0, 2: 8 * 16 * 128}    # epilogue staging bytes per MK_EPILOGUE
+#: the library's epilogue: stmatrix through staging, then 16-byte stores of whole rows. On an
+#: H200 at m = n = 8192 it cut the fixed cost per tile from 6.3 to 0.8 us against epilogue 0
+#: (benchmarks/results/gemm_tile_probe.json), which matters most at small K.
+SM90_EPILOGUE = 2
+#: the fused kernels' tile: the same, plus a tenth warp that publishes the tile flags, so the
+#: fence before each flag (which waits for the tile's stores) stalls no MMA warp. In the 1x2
+#: fused kernels it was faster at 14 of 16 points (benchmarks/NOTES.md, sixth session).
+SM90_FUSED_TILE = "sm90:e2p1"
 
 
 def sm90_smem_bytes(epilogue=0):
@@ -56,7 +64,7 @@ def sm90_threads(publisher=False):
     return SM90_THREADS + 32 * bool(publisher)
 
 
-SM90_SMEM_BYTES = sm90_smem_bytes(0)
+SM90_SMEM_BYTES = sm90_smem_bytes(SM90_EPILOGUE)
 
 SIMT_TILE = (32, 32)
 SIMT_THREADS = 128
@@ -66,17 +74,18 @@ SIMT_THREADS = 128
 _SM90_BUILDS = {}   # (epilogue, publisher) -> (init, tile)
 
 
-def sm90_tile_functions(epilogue=0, publisher=False):
+def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False):
     """``(init, tile)`` device functions around ``cuda/gemm_tile.cu`` built with
     ``MK_EPILOGUE=epilogue`` and ``MK_PUBLISHER=publisher`` (see the helper's header; the
-    library uses 0 and 0, the probe ``benchmarks/probe_gemm_tile.py`` the others). Launch with
+    library uses ``SM90_EPILOGUE`` and 0, the probe ``benchmarks/probe_gemm_tile.py`` the
+    others). Launch with
     ``sm90_smem_bytes(epilogue)`` and ``sm90_threads(publisher)``."""
     if epilogue not in SM90_STAGING:
         raise MkValueError(f"no epilogue {epilogue} in gemm_tile.cu")
     key = (epilogue, bool(publisher))
     if key not in _SM90_BUILDS:
         helper = HELPER
-        if key != (0, False):   # NVRTC takes no -D through declare_device: a copy defines them
+        if key != (SM90_EPILOGUE, False):   # NVRTC takes no -D via declare_device: a copy does
             helper = _helper_copy(f"#define MK_EPILOGUE {epilogue}\n"
                                   f"#define MK_PUBLISHER {key[1]:d}\n")
         u64, i32 = types.uint64, types.int32
@@ -120,7 +129,7 @@ def _helper_copy(defines):
 
 
 if not SIMULATOR:
-    gemm_init_sm90, gemm_tile_sm90 = sm90_tile_functions(0)
+    gemm_init_sm90, gemm_tile_sm90 = sm90_tile_functions(SM90_EPILOGUE)
 
 
 # ---- bf16 <-> fp32 on raw bits -----------------------------------------------------------------
@@ -249,7 +258,7 @@ def register_tile(name, build):
     _BUILDS[name] = build
 
 
-__all__ = ["SM90_TILE", "SM90_THREADS", "SM90_SMEM_BYTES", "SIMT_TILE", "SIMT_THREADS",
+__all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM90_SMEM_BYTES", "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions",
            "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16",
            "make_compute_role", "TileBuild", "tile_build", "register_tile",

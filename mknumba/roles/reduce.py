@@ -125,14 +125,27 @@ def _add2(w, x):
         w[u] = add_words(w[u], x[u])
 
 
+@cuda.jit(device=True, inline=True)
+def _push(w, ptrs, template, members, me, off, stride, r, c, rstep, rows, wcols):
+    """Store the group's words into every other member's ``template`` buffer (NVLink stores:
+    a block pushes about twice the bytes per second it can pull, benchmarks/NOTES.md)."""
+    for j in range(1, members):
+        p = me + j
+        if p >= members:
+            p -= members
+        _store(w, prim.peer_view(ptrs, p, template), off, stride, r, c, rstep, rows, wcols)
+
+
 @cuda.jit(device=True)
 def reduce_peers(ptrs, template, members, me, src_off, src_stride,
-                 dst, dst_off, dst_stride, dst2, dst2_off, dst2_stride, both, rows, wcols):
-    """dst (and dst2 when ``both``) <- sum over the ``members`` local GPUs of their tile.
+                 dst, dst_off, dst_stride, push, rows, wcols):
+    """dst <- sum over the ``members`` local GPUs of their tile at ``src_off`` of ``template``.
 
     ptrs: the symmetric buffer's address table (``SymmetricBuffer.ptrs``); template: this rank's
     buffer (``peer_view`` takes shape and dtype from it). Peers are read starting with the next
     one (``me + 1``), so the G owners reading at one moment spread over different links.
+    ``push`` (AllReduce): the sum also overwrites the tile in every other member's buffer, where
+    that GPU copies it out; each thread rewrites only words it has already read.
     Two members: packed bf16 adds; more: fp32 accumulation. Either way each output is rounded
     once. ``WORDS`` loads per thread in flight per peer.
     """
@@ -160,18 +173,21 @@ def reduce_peers(ptrs, template, members, me, src_off, src_stride,
                     _accumulate(acc, w)
                 _pack(acc, w)
             _store(w, dst, dst_off, dst_stride, r, c, rstep, rows, wcols)
-            if both:   # AllReduce: the owner's symmetric copy that local peers pull
-                _store(w, dst2, dst2_off, dst2_stride, r, c, rstep, rows, wcols)
+            if push:
+                _push(w, ptrs, template, members, me, src_off, src_stride, r, c, rstep, rows,
+                      wcols)
 
 
 @cuda.jit(device=True)
-def combine_remote(own, own_off, recv, recv_off, recv_step, nsrc,
-                   dst, dst_off, dst_stride, dst2, dst2_off, dst2_stride, both, rows, wcols, bwords):
-    """dst (and dst2) <- own node's partial (tile-major) + ``nsrc`` rail peers' partials.
+def combine_remote(own, own_off, recv, recv_off, recv_step, nsrc, dst, dst_off, dst_stride,
+                   ptrs, template, members, me, push_off, push_stride, push, rows, wcols, bwords):
+    """dst <- own node's partial (tile-major) + ``nsrc`` rail peers' partials.
 
     own/recv: tile-major stage buffers (row stride ``bwords`` = bn/4); the s-th rail peer's
-    tile starts at ``recv_off + s * recv_step``. All reads are local memory. One source:
-    packed bf16 adds; more: fp32 accumulation; each output rounded once.
+    tile starts at ``recv_off + s * recv_step``. All reads are local memory. ``push``
+    (AllReduce, G > 1): the result also goes to ``push_off`` of every other local GPU's
+    ``template`` buffer (``ptrs``: its address table), where that GPU copies it out. One
+    source: packed bf16 adds; more: fp32 accumulation; each output rounded once.
     """
     r0, rstep, ln = _warp_rows()
     acc = cuda.local.array(LANES, np.float32)
@@ -192,8 +208,9 @@ def combine_remote(own, own_off, recv, recv_off, recv_step, nsrc,
                     _accumulate(acc, x)
                 _pack(acc, w)
             _store(w, dst, dst_off, dst_stride, r, c, rstep, rows, wcols)
-            if both:   # AllReduce: the owner's symmetric copy that local peers pull
-                _store(w, dst2, dst2_off, dst2_stride, r, c, rstep, rows, wcols)
+            if push:
+                _push(w, ptrs, template, members, me, push_off, push_stride, r, c, rstep,
+                      rows, wcols)
 
 
 @cuda.jit(device=True)
