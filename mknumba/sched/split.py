@@ -3,8 +3,8 @@
 ``RECORDED`` maps (kernel, topology) to rows ``(m, k_local, comm_sms)``: the number of SMs held
 back from the GEMM for the communication roles that was fastest in ``benchmarks/bench_fused.py``
 (see ``benchmarks/results/fused.json``, field ``sweep``). A shape between recorded rows takes the
-row with the nearest ``m * k_local`` (log scale); a shape the table does not cover gets a rule
-of thumb. Callers override with ``comm_sms=``.
+row with the nearest ``m * k_local`` (log scale; on a tie, the nearest m); a shape the table does
+not cover gets a rule of thumb. Callers override with ``comm_sms=``.
 """
 import math
 
@@ -50,8 +50,9 @@ def choose(kernel, topology, m, n, k, sms):
         return sms - 2                 # the simulator's small grid: two compute blocks
     rows = RECORDED.get((kernel, topology))
     if rows:
-        target = math.log2(m * k)
-        best = min(rows, key=lambda r: abs(math.log2(r[0] * r[1]) - target))
+        target = math.log2(m * k)     # ties (2048 x 512 and 4096 x 256): the nearer m
+        best = min(rows, key=lambda r: (abs(math.log2(r[0] * r[1]) - target),
+                                        abs(math.log2(r[0] / m))))
         return min(best[2], sms - 1)
     return rule_of_thumb(kernel, topology, m, n, k, sms)
 
