@@ -23,7 +23,7 @@ from numba import cuda
 
 __all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "atomic_add_release",
            "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys", "nanosleep",
-           "globaltimer", "peer_view", "data_ptr", "epoch_reached", "wait_flag", "record_timeout",
+           "globaltimer", "peer_view", "peer_after", "data_ptr", "epoch_reached", "wait_flag", "record_timeout",
            "acquire", "release", "pack_bf16x2", "add_bf16x2"]
 
 if not SIMULATOR:
@@ -233,6 +233,15 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
         hi = float(bf16_to_f32(a >> 16)) + float(bf16_to_f32(b >> 16))   # exact in float64
         lo = float(bf16_to_f32(a)) + float(bf16_to_f32(b))
         return np.uint32((int(f32_to_bf16(hi)) << 16) | int(f32_to_bf16(lo)))
+
+
+@cuda.jit(device=True, inline=True)
+def peer_after(me, j, members):
+    """The GPU ``j`` places after ``me`` among ``members`` local GPUs, wrapping round (no
+    modulo: ``0 <= j <= members``). Starting every GPU's walk at its own next peer spreads
+    the NVLink traffic of one moment over different links."""
+    p = me + j
+    return p - members if p >= members else p
 
 
 @cuda.jit(device=True, inline=True)

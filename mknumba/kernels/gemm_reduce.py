@@ -120,9 +120,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                 wcols = min(bw, wn - c0)
                 src = part_base + r0 * wn + c0
                 for j in range(G):
-                    p = me + 1 + j
-                    if p >= G:
-                        p -= G
+                    p = prim.peer_after(me, 1 + j, G)
                     if not wait(prim.peer_view(tile_flag_ptrs, p, tile_flags), t, epoch,
                                 deadline, err, rank, ROLE_INTRA, G > 1):
                         return

@@ -40,10 +40,8 @@ def publish_peers(ptrs, template, members, me, idx, epoch):
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
         for j in range(1, members):
-            p = me + j
-            if p >= members:
-                p -= members
-            prim.release(prim.peer_view(ptrs, p, template), idx, epoch, True)
+            prim.release(prim.peer_view(ptrs, prim.peer_after(me, j, members), template), idx,
+                         epoch, True)
 
 
 @cuda.jit(device=True)

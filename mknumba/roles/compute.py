@@ -52,7 +52,7 @@ SM90_EPILOGUE = 2
 SM90_FUSED_TILE = "sm90:e2p1"
 
 
-def sm90_smem_bytes(epilogue=0):
+def sm90_smem_bytes(epilogue=SM90_EPILOGUE):
     """Dynamic shared memory of the sm90 tile built with MK_EPILOGUE=``epilogue``: the ring,
     the epilogue's staging, the barriers and 1 KB to align the base for the 128B swizzle."""
     return (SM90_STAGES * (SM90_TILE[0] + SM90_TILE[1]) * SM90_BK * 2 + SM90_STAGING[epilogue]
@@ -78,8 +78,7 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False):
     """``(init, tile)`` device functions around ``cuda/gemm_tile.cu`` built with
     ``MK_EPILOGUE=epilogue`` and ``MK_PUBLISHER=publisher`` (see the helper's header; the
     library uses ``SM90_EPILOGUE`` and 0, the probe ``benchmarks/probe_gemm_tile.py`` the
-    others). Launch with
-    ``sm90_smem_bytes(epilogue)`` and ``sm90_threads(publisher)``."""
+    others). Launch with ``sm90_smem_bytes(epilogue)`` and ``sm90_threads(publisher)``."""
     if epilogue not in SM90_STAGING:
         raise MkValueError(f"no epilogue {epilogue} in gemm_tile.cu")
     key = (epilogue, bool(publisher))
@@ -258,7 +257,8 @@ def register_tile(name, build):
     _BUILDS[name] = build
 
 
-__all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM90_SMEM_BYTES", "SIMT_TILE", "SIMT_THREADS",
+__all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
+           "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions",
            "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16",
            "make_compute_role", "TileBuild", "tile_build", "register_tile",

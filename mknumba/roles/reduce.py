@@ -130,10 +130,8 @@ def _push(w, ptrs, template, members, me, off, stride, r, c, rstep, rows, wcols)
     """Store the group's words into every other member's ``template`` buffer (NVLink stores:
     a block pushes about twice the bytes per second it can pull, benchmarks/NOTES.md)."""
     for j in range(1, members):
-        p = me + j
-        if p >= members:
-            p -= members
-        _store(w, prim.peer_view(ptrs, p, template), off, stride, r, c, rstep, rows, wcols)
+        _store(w, prim.peer_view(ptrs, prim.peer_after(me, j, members), template), off, stride,
+               r, c, rstep, rows, wcols)
 
 
 @cuda.jit(device=True)
@@ -165,9 +163,7 @@ def reduce_peers(ptrs, template, members, me, src_off, src_stride,
             else:
                 _zero(acc)
                 for j in range(members):
-                    p = me + 1 + j
-                    if p >= members:
-                        p -= members
+                    p = prim.peer_after(me, 1 + j, members)
                     _load(prim.peer_view(ptrs, p, template), src_off, src_stride, r, c, rstep,
                           rows, wcols, w)
                     _accumulate(acc, w)
