@@ -192,6 +192,9 @@ def main():
     ap.add_argument("--copy", default=None, help="dma copy mode: each | batch")
     ap.add_argument("--batch", type=int, default=None, help="commands per submission (8)")
     ap.add_argument("--streams", type=int, default=None, help="dma streams (1)")
+    ap.add_argument("--flags", default=None, choices=("event", "inline"),
+                    help="dma completion writes: behind an event on a second stream for large "
+                         "batches (event, default) or on the copy stream (inline)")
     ap.add_argument("--senders", type=int, default=256, choices=(1, 256),
                     help="threads enqueueing: 256 in parallel, or 1 in chunk order (as a send "
                          "role does; adjacent chunks then reach the proxy together and merge)")
@@ -209,11 +212,14 @@ def main():
         os.environ["MKNUMBA_PROXY_BATCH"] = str(args.batch)
     if args.streams:
         os.environ["MKNUMBA_DMA_STREAMS"] = str(args.streams)
+    if args.flags:
+        os.environ["MKNUMBA_DMA_FLAGS"] = args.flags
     b = Bench(args)
     comm, proxy = b.comm, b.proxy
     tname = f"{proxy.transport.name}:{proxy.transport.completion}"
     if hasattr(proxy.transport, "copy"):
         tname += f":{proxy.transport.copy}:streams{len(proxy.transport.streams)}"
+        tname += f":flags-{proxy.transport.flags}"
     if proxy.max_batch != 8:
         tname += f":batch{proxy.max_batch}"
     if args.senders == 1:

@@ -283,9 +283,15 @@ def test_dma_coalesces_adjacent_commands_only():
     assert _coalesced(overlap) == ([(7040, 1300, 20), (7000, 1000, 60)], True)
 
 
-@pytest.mark.parametrize("spec", ["dma-host:ordered", "dma-host:completion:batch"])
-def test_dma_compiled_path_over_host_memory(spec):
-    out = run_mpi("proxy_stress.py", 2, spec, 1000, env=ENV, timeout=300)
+@pytest.mark.parametrize("spec,event_bytes", [("dma-host:ordered", None),
+                                              ("dma-host:completion:batch", None),
+                                              ("dma-host:ordered:batch", "0")])
+def test_dma_compiled_path_over_host_memory(spec, event_bytes):
+    """The dma transport's compiled issue and progress over a host stand-in for libcuda; with
+    MKNUMBA_DMA_EVENT_BYTES=0 every batch writes its flags on the second stream behind an event
+    (the script checks that every batch did)."""
+    env = dict(ENV, MKNUMBA_DMA_EVENT_BYTES=event_bytes) if event_bytes else ENV
+    out = run_mpi("proxy_stress.py", 2, spec, 1000, env=env, timeout=300)
     assert "every byte and flag checked" in out
 
 

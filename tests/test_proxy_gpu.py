@@ -11,11 +11,16 @@ def _two_gpus():
     return len(cuda.gpus) >= 2
 
 
-@pytest.mark.parametrize("spec", ["dma:ordered", "dma:completion"])
-def test_dma_stress_10k_commands(spec):
+@pytest.mark.parametrize("spec,flags", [("dma:ordered", "inline"), ("dma:completion", "inline"),
+                                        ("dma:ordered", "event"), ("dma:completion", "event")])
+def test_dma_stress_10k_commands(spec, flags):
+    """Every byte and flag, through a 16-slot ring; "event": every batch (however small) writes
+    its completions on the second stream, behind an event recorded after its copies."""
     if not _two_gpus():
         pytest.skip("needs 2 GPUs")
-    out = run_mpi("proxy_stress.py", 2, spec, 10000, simulator=False, timeout=300,
-                  env={"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_PROXY_SLOTS": "16",
-                       "NCCL_NVLS_ENABLE": "0"})
+    env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_PROXY_SLOTS": "16", "NCCL_NVLS_ENABLE": "0",
+           "MKNUMBA_DMA_FLAGS": flags}
+    if flags == "event":
+        env["MKNUMBA_DMA_EVENT_BYTES"] = "0"
+    out = run_mpi("proxy_stress.py", 2, spec, 10000, simulator=False, timeout=300, env=env)
     assert "every byte and flag checked" in out

@@ -65,6 +65,10 @@ class HostLib:
             "host_unregister": lambda p: 0,
             "host_devptr": lambda pd, p, f: _put(pd, p),
             "error_string": lambda rc, ps: 0,
+            "event_create": lambda p, f: _put(p, 9),
+            "event_destroy": lambda e: 0,
+            "event_record": lambda e, st: 0,        # stream order is program order here
+            "stream_wait_event": lambda st, e, f: 0,
         }
         if batch:
             impl["copy_batch"] = _copy_batch

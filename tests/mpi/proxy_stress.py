@@ -6,6 +6,7 @@ round 1 is produced by a simulated kernel through roles.send.enqueue and consume
 through roles.recv.wait_chunk; round 2 by a host producer through the same encoder.
 Environment set by the test: MKNUMBA_GPUS_PER_NODE=1, MKNUMBA_PROXY_SLOTS=16 (backpressure).
 """
+import os
 import sys
 import time
 
@@ -68,6 +69,13 @@ def start(spec):
     comm.proxy = mknumba.proxy.start(comm, DmaTransport(comm, mode, copy=(copy or ["each"])[0],
                                                         driver=host_driver()))
     return comm, comm.proxy
+
+
+def event_records(proxy):
+    """Events the dma transport recorded (completions moved to its write stream), or None."""
+    t = proxy.transport
+    calls = getattr(getattr(getattr(t, "drv", None), "lib", None), "calls", None)
+    return None if calls is None else calls.get("event_record", 0)
 
 
 def main():
@@ -145,6 +153,9 @@ def main():
     if not comm.simulator:
         full = -1   # the GPU rounds have no host producer to count full-ring refusals
     stats = dict(proxy.stats)
+    events = event_records(proxy)
+    if events is not None and os.environ.get("MKNUMBA_DMA_EVENT_BYTES") == "0":
+        assert events == stats["batches"], (events, stats["batches"])   # every batch took it
     sent = comm.mpi.allreduce(stats["commands"])
     slots_n = proxy.slots
     comm.finalize()

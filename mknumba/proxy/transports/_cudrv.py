@@ -6,7 +6,9 @@ commands/s. :func:`dma_issue` and :func:`dma_progress` run inside the proxy's co
 batch, one ``cuMemcpyDtoDAsync`` per run of adjacent commands (:func:`coalesce`; or one
 ``cuMemcpyBatchAsync`` for the whole batch) and one ``cuStreamBatchMemOp`` carrying every
 command's completion write (arrival flag, or completion-queue entry), in stream order after the
-copies, each write preceded by the driver's memory fence.
+copies, each write after the driver's memory fence. Batches of at least ``N_EVENT_BYTES`` write those completions on a
+second stream that waits on an event recorded after their copies (one event, re-recorded: a wait
+takes the record current at the time of the call).
 
 The symbol names are the versioned ones cuda.h maps the API names to (CUDA 13 headers):
 cuMemcpyDtoDAsync_v2, cuStreamBatchMemOp_v2, cuMemcpyBatchAsync_v2 (no failIdx argument), ...
@@ -27,6 +29,7 @@ CU_STREAM_NON_BLOCKING = 1
 CU_STREAM_MEM_OP_WRITE_VALUE_32, CU_STREAM_MEM_OP_WRITE_VALUE_64 = 2, 5
 MEMOP_WORDS = 6   # sizeof(CUstreamBatchMemOpParams) / 8: op, address, value, flags, alias, pad
 CU_MEMHOSTREGISTER_PORTABLE, CU_MEMHOSTREGISTER_DEVICEMAP = 1, 2
+CU_EVENT_DISABLE_TIMING = 2
 COPY_EACH, COPY_BATCH = 0, 1
 
 # name -> (symbol, argument types); every pointer travels as uint64 (same ABI on x86-64)
@@ -44,6 +47,10 @@ _SIGS = {
     "host_unregister": ("cuMemHostUnregister", [U64]),
     "host_devptr": ("cuMemHostGetDevicePointer_v2", [U64, U64, U32]),
     "error_string": ("cuGetErrorString", [INT, U64]),
+    "event_create": ("cuEventCreate", [U64, U32]),
+    "event_destroy": ("cuEventDestroy_v2", [U64]),
+    "event_record": ("cuEventRecord", [U64, U64]),                     # event, stream
+    "stream_wait_event": ("cuStreamWaitEvent", [U64, U64, U32]),       # stream, event, flags
 }
 
 
@@ -96,13 +103,15 @@ def batch_attrs():
 
 
 # knobs: uint64 settings of a DmaCtx
-(N_FLAG_STREAM, N_COPY_MODE, N_COMPLETION, N_ME, N_DEPTH, N_TIMEOUT_NS) = range(6)
+(N_FLAG_STREAM, N_COPY_MODE, N_COMPLETION, N_ME, N_DEPTH, N_TIMEOUT_NS, N_WRITE_STREAM, N_EVENT,
+ N_EVENT_BYTES) = range(9)
+NKNOBS = 9
 MEMOP_MAX = 128          # cuStreamBatchMemOp takes fewer than 256 operations per call
-ERR_COPY, ERR_MEMOPS, ERR_CQ_FULL = 1_000_000, 2_000_000, 3_000_000
+ERR_COPY, ERR_MEMOPS, ERR_CQ_FULL, ERR_EVENT = 1_000_000, 2_000_000, 3_000_000, 4_000_000
 
 #: Everything the compiled issue/progress use, rebuilt by DmaTransport.compiled().
 DmaCtx = namedtuple("DmaCtx", [
-    "fn_copy", "fn_memops", "fn_copy_batch", "clock", "knobs",
+    "fn_copy", "fn_memops", "fn_copy_batch", "fn_record", "fn_wait", "clock", "knobs",
     "streams", "turn",                                     # batches go round-robin over streams
     "copies",                                              # copies issued so far (stats)
     "src_base", "dst_base",                                # window addresses (this rank; all)
@@ -157,7 +166,21 @@ def dma_issue(ctx, peer, batch):
                                k, ctx.attrs.ctypes.data, ctx.attr_idx.ctypes.data, 1, stream)
         if rc != 0:
             return ERR_COPY + rc
-    return write_values(ctx.fn_memops, stream, ctx.write_addr, ctx.write_val, n,
+    # A large batch writes its completions on a second stream behind an event: its copy stream
+    # goes straight on to the next batch's copies instead of idling while the writes (and the
+    # fence before them) wait for these copies to drain. Small batches skip the two extra calls.
+    wstream = stream
+    nbytes = np.uint64(0)
+    for i in range(k):
+        nbytes += ctx.sizes[i]
+    if kn[N_EVENT] != 0 and nbytes >= kn[N_EVENT_BYTES]:
+        rc = ctx.fn_record(kn[N_EVENT], stream)
+        if rc == 0:
+            rc = ctx.fn_wait(kn[N_WRITE_STREAM], kn[N_EVENT], 0)
+        if rc != 0:
+            return ERR_EVENT + rc
+        wstream = kn[N_WRITE_STREAM]
+    return write_values(ctx.fn_memops, wstream, ctx.write_addr, ctx.write_val, n,
                         kn[N_COMPLETION] != 0, ctx.params)
 
 
@@ -245,7 +268,9 @@ def write_values(fn_memops, stream, addr, val, n, wide, params):
             params[b] = op
             params[b + 1] = addr[first + j]
             params[b + 2] = val[first + j]
-            params[b + 3] = 0   # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write
+            # CU_STREAM_WRITE_VALUE_DEFAULT: a memory fence before the write (the driver on
+            # the H200 hosts refuses NO_MEMORY_BARRIER here with "invalid argument")
+            params[b + 3] = 0
             params[b + 4] = 0
             params[b + 5] = 0
         rc = fn_memops(stream, m, params.ctypes.data, 0)

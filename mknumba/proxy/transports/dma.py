@@ -10,7 +10,10 @@ Submission and flag publishing run compiled (:mod:`._cudrv`) inside the proxy's 
 so the driver calls never wait for the interpreter.
 Environment: ``MKNUMBA_DMA_COPY`` = ``each`` (one cuMemcpyDtoDAsync per command, default) or
 ``batch`` (one cuMemcpyBatchAsync per batch, CUDA 12.8+ drivers); ``MKNUMBA_DMA_STREAMS``
-streams the batches take in turn (default 1; more did not help in our runs).
+streams the batches take in turn (default 1; more did not help in our runs);
+``MKNUMBA_DMA_FLAGS`` = ``event`` (a batch moving at least ``MKNUMBA_DMA_EVENT_BYTES``, default
+256 KiB, writes its completions on a second stream behind an event, so its copy stream does not
+wait for them; default) or ``inline`` (every batch writes them on its copy stream).
 """
 import os
 
@@ -21,6 +24,8 @@ from ..clock import new_clock
 from ..ring import MAX_WINDOWS
 from . import _cudrv as drv_mod
 from .base import COMPLETION, Transport
+
+EVENT_BYTES = 256 << 10   # below this a batch's copies take < 1 µs: no bubble worth two calls
 
 
 def _address(arr):
@@ -36,7 +41,7 @@ class DmaTransport(Transport):
     name = "dma"
 
     def __init__(self, comm, completion="ordered", copy=None, cq_depth=4096, driver=None,
-                 streams=None):
+                 streams=None, flags=None, event_bytes=None):
         super().__init__(comm, completion)
         self.drv = driver or drv_mod.Driver()
         copy = (copy or os.environ.get("MKNUMBA_DMA_COPY", "each")).lower()
@@ -45,6 +50,14 @@ class DmaTransport(Transport):
         if copy == "batch" and self.drv.copy_batch is None:
             copy = "each"     # the driver predates cuMemcpyBatchAsync
         self.copy = copy
+        flags = (flags or os.environ.get("MKNUMBA_DMA_FLAGS", "event")).lower()
+        if flags not in ("event", "inline"):
+            raise MkValueError(f"MKNUMBA_DMA_FLAGS must be 'event' or 'inline', not {flags!r}")
+        self.flags = flags
+        event_bytes = int(event_bytes if event_bytes is not None
+                          else os.environ.get("MKNUMBA_DMA_EVENT_BYTES", EVENT_BYTES))
+        if event_bytes < 0:
+            raise MkValueError(f"MKNUMBA_DMA_EVENT_BYTES must be >= 0, not {event_bytes}")
         # Comm bound this thread to the GPU's primary context; the proxy thread adopts it.
         self.ctx = self.drv.out("ctx_get")
         nstreams = int(streams or os.environ.get("MKNUMBA_DMA_STREAMS", 1))
@@ -54,6 +67,9 @@ class DmaTransport(Transport):
                                  for _ in range(nstreams)], np.uint64)
         self.stream = int(self.streams[0])
         self.flag_stream = self.drv.out("stream_create", drv_mod.CU_STREAM_NON_BLOCKING)
+        self.write_stream = self.drv.out("stream_create", drv_mod.CU_STREAM_NON_BLOCKING)
+        self.event = (self.drv.out("event_create", drv_mod.CU_EVENT_DISABLE_TIMING)
+                      if flags == "event" else 0)
         size = comm.size
         self.src_base = np.zeros(MAX_WINDOWS, np.uint64)
         self.dst_base = np.zeros((MAX_WINDOWS, size), np.uint64)
@@ -82,12 +98,14 @@ class DmaTransport(Transport):
                 self.drv.call("host_register", host, self.cq.nbytes, flags)
                 self._registered_host.append(host)
                 self._scratch["cq_dev"][r] = self.drv.out("host_devptr", host, 0)
-        self.knobs = np.zeros(8, np.uint64)
+        self.knobs = np.zeros(drv_mod.NKNOBS, np.uint64)
         self.knobs[[drv_mod.N_FLAG_STREAM, drv_mod.N_COPY_MODE, drv_mod.N_COMPLETION,
-                    drv_mod.N_ME, drv_mod.N_DEPTH, drv_mod.N_TIMEOUT_NS]] = [
+                    drv_mod.N_ME, drv_mod.N_DEPTH, drv_mod.N_TIMEOUT_NS, drv_mod.N_WRITE_STREAM,
+                    drv_mod.N_EVENT, drv_mod.N_EVENT_BYTES]] = [
             self.flag_stream,
             drv_mod.COPY_BATCH if copy == "batch" else drv_mod.COPY_EACH,
-            self.cq is not None, comm.rank, cq_depth, comm.timeout_ns]
+            self.cq is not None, comm.rank, cq_depth, comm.timeout_ns, self.write_stream,
+            self.event, event_bytes]
         self._clock = new_clock()
 
     @property
@@ -119,9 +137,16 @@ class DmaTransport(Transport):
                 opened.append(ipc)
             self.dst_base[w.id, r] = _address(arr)
 
+    def _send_streams(self):
+        """Streams carrying this rank's sends: copies and their completion writes."""
+        return [*(int(st) for st in self.streams), self.write_stream]
+
+    def _all_streams(self):
+        return self._send_streams() + [self.flag_stream]
+
     def quiesce(self, deadline_ns):
-        for st in self.streams:    # stream work is safe to wait on from another thread
-            self.drv.call("stream_sync", int(st))
+        for st in self._send_streams():   # stream work is safe to wait on from any thread
+            self.drv.call("stream_sync", st)
 
     def _unregister(self, w):
         for ipc in self._ipc.pop(w.id, []):
@@ -143,7 +168,8 @@ class DmaTransport(Transport):
             peer_consumed = tuple(w[cq.size * cq.depth:] for w in cq.words)
             entries, consumed, taken = cq.entries, cq.consumed, cq.taken
         ctx = drv_mod.DmaCtx(
-            fn_copy=d.copy, fn_memops=d.memops, fn_copy_batch=d.copy_batch_fn, clock=self._clock,
+            fn_copy=d.copy, fn_memops=d.memops, fn_copy_batch=d.copy_batch_fn,
+            fn_record=d.event_record, fn_wait=d.stream_wait_event, clock=self._clock,
             knobs=self.knobs, src_base=self.src_base, dst_base=self.dst_base,
             peer_consumed=peer_consumed, entries=entries, consumed=consumed, taken=taken,
             shadow=self.shadow.values, shadow_off=self.shadow.offsets, **sc)
@@ -174,12 +200,15 @@ class DmaTransport(Transport):
         return n
 
     def flush(self, deadline_ns):
-        for st in [*self.streams, self.flag_stream]:
-            self.drv.call("stream_sync", int(st))
+        for st in self._all_streams():
+            self.drv.call("stream_sync", st)
 
     def close(self):
-        for st in [*self.streams, self.flag_stream]:
-            self.drv.stream_destroy(int(st))
+        for st in self._all_streams():
+            self.drv.stream_destroy(st)
+        if self.event:
+            self.drv.event_destroy(self.event)
+            self.event = 0
         for h in self._registered_host:
             self.drv.host_unregister(h)
         self._registered_host = []
