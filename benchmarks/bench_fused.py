@@ -27,8 +27,8 @@ from mknumba.kernels.gemm_ar import GemmAllReduce  # noqa: E402
 from mknumba.kernels.gemm_rs import GemmReduceScatter  # noqa: E402
 
 NVLINK_GBPS = 380.0
-SWEEP = {("gemm_reducescatter", "1x2"): (16, 24, 32, 48, 64, 80),
-         ("gemm_allreduce", "1x2"): (32, 48, 64, 80, 96),
+SWEEP = {("gemm_reducescatter", "1x2"): (8, 16, 24, 32, 48, 64, 80),
+         ("gemm_allreduce", "1x2"): (8, 16, 24, 32, 48, 64, 96),
          ("gemm_reducescatter", "2x1"): (32, 48, 64), ("gemm_allreduce", "2x1"): (32, 48, 64)}
 
 
@@ -86,7 +86,7 @@ def bench_topology(comm, dist, args, records, log):
                 err = None
                 sms_total = 132
                 for sms in args.sweep or SWEEP[(kern, topo)]:
-                    op = Op(comm, m, n, k, comm_sms=sms, tile=args.tile)
+                    op = Op(comm, m, n, k, comm_sms=sms, tile=args.tile, moves=args.moves)
                     sms_total = op.sms
                     if err is None:
                         if ref is None:
@@ -116,7 +116,7 @@ def bench_topology(comm, dist, args, records, log):
                     cublas_ms=t_gemm, nccl_ms=t_nccl, unfused_measured_ms=t_unfused,
                     network_ms=t_net if comm.nodes > 1 else None, nvlink_ms=t_link,
                     comm_share=comm_share, rel_err=err, of_floor=floor / ours,
-                    **({} if args.tile == "auto" else {"tile": args.tile}))
+                    moves=op.moves, **({} if args.tile == "auto" else {"tile": args.tile}))
                 records.append(rec)
                 if comm.rank == 0:
                     common.write(records, args.out)   # keep every point, even if cut short
@@ -141,7 +141,10 @@ def main():
         (("--sweep",), dict(default="", help="comm SMs to try at every point (default: the "
                                               "built-in lists per kernel and topology)")),
         (("--tile",), dict(default="auto", help="GEMM tile build (roles.compute.tile_build), "
-                                                "e.g. sm90:e2p1"))])
+                                                "e.g. sm90:e2p1")),
+        (("--moves",), dict(default=None, choices=("bulk", "bulk:w1", "threads"),
+                            help="how the reduce and pull roles move tiles (roles.bulk); "
+                                 "default: the op's"))])
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.sweep = [int(s) for s in args.sweep.split(",") if s]
     from mpi4py import MPI

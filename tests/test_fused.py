@@ -61,6 +61,20 @@ def test_plan_tables_agree_across_ranks(allreduce, nodes, G):
             assert abs(sent - want) <= G, (sent, want)
 
 
+def test_compute_order_feeds_every_local_owner_evenly():
+    """ReduceScatter on one node: the row blocks' tiles alternate, so each GPU's reduce role
+    gets tiles from the first wave on (not after a whole row block) and no GPU is left reducing
+    alone at the end; within a row block, bands of group_m rows walk the columns."""
+    p = ReducePlan(False, 1024, 256, 32, 32, 1, 2, 0, 0, 4, 2)     # 32 x 8 tiles, 2 row blocks
+    owner = (p.order // p.tiles_n) // (p.tiles_m // 2)
+    assert (owner[0::2] == 0).all() and (owner[1::2] == 1).all()
+    mine = p.order[owner == 0]
+    assert mine[:4].tolist() == [0, 8, 1, 9]        # band of rows 0-1 (group_m = 2), row fastest
+    # the same order on the other GPU, its own tiles in the same relative positions
+    q = ReducePlan(False, 1024, 256, 32, 32, 1, 2, 0, 1, 4, 2)
+    assert (q.order == p.order).all() and (q.red_tiles == p.order[owner == 1]).all()
+
+
 def test_reduce_scatter_needs_whole_tile_row_blocks():
     with pytest.raises(mknumba.MkValueError, match="row blocks"):
         ReducePlan(False, 100, 64, 32, 32, 1, 2, 0, 0, 4, 2)
@@ -75,7 +89,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
     from numba.cuda import compiler
     import mknumba.kernels.gemm_reduce as K
 
-    build, threads, kernel = K._build(sys.argv[1])
+    build, threads, kernel = K._build(sys.argv[1], sys.argv[2])
 
     def arr(dt, nd=1):
         return types.Array(dt, nd, "C")
@@ -94,17 +108,25 @@ COMPILE_SCRIPT = textwrap.dedent("""
     for instr in ("st.release.sys", "ld.acquire.sys", "atom.add.release.gpu", "fence.acq_rel.sys"):
         assert instr in ptx, instr
     assert "multimem" not in ptx                  # never NVLink multicast
+    bulk = ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
+            "cp.async.bulk.global.shared::cta.bulk_group", "add.rn.bf16x2",
+            "fence.proxy.async.global")
+    for instr in bulk:
+        assert (instr in ptx) == sys.argv[2].startswith("bulk"), instr
+    assert ("cp.async.bulk.wait_group.read" in ptx) == (sys.argv[2] == "bulk:w1")
     print("linked", len(bytes(cubin.code)))
 """)
 
 
-@pytest.mark.parametrize("tile", ["sm90", "sm90:e2p1"])
-def test_fused_kernel_compiles_for_sm90a(tile):
-    """The library's tile, and the staged + publisher build (320 threads) it may move to."""
+@pytest.mark.parametrize("tile,moves", [("sm90", "threads"), ("sm90:e2p1", "bulk"),
+                                        ("sm90:e2p1", "bulk:w1")])
+def test_fused_kernel_compiles_for_sm90a(tile, moves):
+    """The plain staged tile with plain-load tile moves, and the fused ops' default: the staged
+    + publisher tile (320 threads) with TMA bulk tile moves (roles.bulk)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, tile], env=env,
+    r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, tile, moves], env=env,
                        capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "linked" in r.stdout
@@ -115,8 +137,13 @@ def _passes(out, n):
     assert out.count("PASS") == n, out[-3000:]
 
 
-def test_sim_1x2_both_kernels():
-    _passes(run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2), 4)
+@pytest.mark.parametrize("split", [1, 4])
+def test_sim_1x2_both_kernels(split):
+    """split 4: each tile is reduced (and, AllReduce, pulled) as four row bands, each with
+    its own final flag."""
+    out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, split)
+    _passes(out, 4)
+    assert out.count(f"split={split}") == 4, out[-2000:]
 
 
 @pytest.mark.parametrize("mode", ["ordered", "completion"])

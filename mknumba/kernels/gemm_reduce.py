@@ -43,9 +43,9 @@ from .. import _compat  # noqa: F401  (numpy alias before numba compiles)
 from .. import primitives as prim
 from .._compat import SIMULATOR
 from ..errors import ROLE_INTRA, ROLE_RECV, ROLE_SEND, MkError, MkValueError
-from ..roles import compute
+from ..roles import bulk, compute
 from ..roles.blocks import publish, publish_peers, stamp, wait
-from ..roles.reduce import chunk_arrive, combine_remote, copy_tile_2d, reduce_peers
+from ..roles.reduce import chunk_arrive, combine_remote, reduce_peers
 from ..roles.send import enqueue
 from ..sched import split as sm_split
 from ..sched.reduce import ReducePlan, nonempty
@@ -55,7 +55,8 @@ from . import gemm as _gemm
 # cfg: small integers of the launch, one int64 array (keeps the kernel signature readable).
 (C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES, C_OUT_ROW0, C_COMPUTE, C_REDUCE_END, C_SEND_END,
  C_RECV_END, C_ALLREDUCE, C_STAGE_SLOTS, C_RECV_SLOTS, C_NFINAL, C_RECV_CHUNKS, C_CHUNK,
- C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS, C_TRACE) = range(25)
+ C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS, C_TRACE,
+ C_SPLIT) = range(26)
 
 # trace rows (``trace=True``): globaltimer stamps, one row per event, indexed by the role's item
 (T_BLOCK_START, T_BLOCK_END, T_RED_READY, T_RED_DONE, T_SEND_READY, T_SEND_ENQUEUED,
@@ -67,8 +68,11 @@ _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 _MASK32 = 0xFFFFFFFF
 
 
-def _make_kernel(tile_init, tile, bm, bn, threads):
+def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
     compute_role = compute.make_compute_role(tile_init, tile)
+    # how the reduce and pull roles move tiles within the node (roles.bulk): TMA bulk copies on
+    # sm_90a, plain loads elsewhere
+    move_init, move_reduce, move_copy, move_drain = bulk.move_functions(moves)
     bw = bn // 4                      # words (4 bf16) per tile row
     tile_words = bm * bw
     tile_bytes = tile_words * 8
@@ -111,12 +115,19 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
         recv_end = cfg[C_RECV_END]
 
         if blk < reduce_end:                                        # ---- intra-node reduce
-            for i in range(blk - n_compute, cfg[C_NRED], reduce_end - n_compute):
-                t = red_tiles[i]
+            seq = 0                   # this block's tile moves so far (roles.bulk)
+            if nodes == 1:
+                move_init(smem)
+            split = cfg[C_SPLIT]      # items per tile: bands of bm / split rows (1 node only)
+            sub = bm // split
+            for i in range(blk - n_compute, cfg[C_NRED] * split, reduce_end - n_compute):
+                it = i // split
+                band = i - it * split
+                t = red_tiles[it]
                 tm = t // tiles_n
-                r0 = tm * bm
+                r0 = tm * bm + band * sub
                 c0 = (t - tm * tiles_n) * bw
-                rows = min(bm, m - r0)
+                rows = min(sub, m - r0)       # <= 0 past a ragged edge: no words, flag still set
                 wcols = min(bw, wn - c0)
                 src = part_base + r0 * wn + c0
                 for j in range(G):
@@ -127,20 +138,24 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                 stamp(tr, trace, T_RED_READY, i)
                 if nodes == 1:
                     dst = (r0 - cfg[C_OUT_ROW0]) * wn + c0
-                    reduce_peers(part_ptrs, part, G, me, src, wn, out, dst, wn, allreduce,
-                                 rows, wcols)
+                    seq = move_reduce(smem, seq, part_ptrs, part, G, me, src, wn, out, dst, wn,
+                                      allreduce, rows, wcols)
                     if allreduce:
-                        publish_peers(final_flag_ptrs, final_flags, G, me, t, epoch)
+                        move_drain(smem)            # the pushed tile is written, then its flag
+                        publish_peers(final_flag_ptrs, final_flags, G, me, t * split + band,
+                                      epoch)
                 else:
-                    s = red_slots[i]
+                    s = red_slots[it]
                     reduce_peers(part_ptrs, part, G, me, src, wn, stage,
                                  stage_base + s * tile_words, bw, False, rows, wcols)
                     publish(red_flags, s, epoch, False)       # read by this GPU's receive
-                    q = red_chunks[i]
+                    q = red_chunks[it]
                     if q >= 0:
                         chunk_arrive(chunk_count, chunk_ready, q,
                                      (np.int64(call) * chunk_tiles[q]) & _MASK32, epoch)
                 stamp(tr, trace, T_RED_DONE, i)
+            if nodes == 1:
+                move_drain(smem)              # no bulk store outlives the block
         elif blk < send_end:                                        # ---- inter-node send
             if cuda.threadIdx.x == 0:
                 for c in range(blk - reduce_end, cfg[C_NCMDS], send_end - reduce_end):
@@ -182,45 +197,54 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
                     publish_peers(final_flag_ptrs, final_flags, G, me, t, epoch)
                 stamp(tr, trace, T_RECV_DONE, i)
         else:                                                       # ---- pull (AllReduce)
-            for i in range(blk - recv_end, cfg[C_NPULL], cuda.gridDim.x - recv_end):
-                t = pull_tiles[i]
-                if not wait(final_flags, t, epoch, deadline, err, rank, ROLE_INTRA):
+            seq = 0
+            move_init(smem)
+            split = cfg[C_SPLIT]
+            sub = bm // split
+            for i in range(blk - recv_end, cfg[C_NPULL] * split, cuda.gridDim.x - recv_end):
+                it = i // split
+                band = i - it * split
+                t = pull_tiles[it]
+                if not wait(final_flags, t * split + band, epoch, deadline, err, rank,
+                            ROLE_INTRA):
                     return
                 tm = t // tiles_n
-                r0 = tm * bm
+                r0 = tm * bm + band * sub
                 c0 = (t - tm * tiles_n) * bw
-                copy_tile_2d(part, part_base + r0 * wn + c0, wn, out, r0 * wn + c0, wn,
-                             min(bm, m - r0), min(bw, wn - c0))
+                seq = move_copy(smem, seq, part, part_base + r0 * wn + c0, wn, out,
+                                r0 * wn + c0, wn, min(sub, m - r0), min(bw, wn - c0))
                 stamp(tr, trace, T_PULL_DONE, i)
+            move_drain(smem)
         stamp(tr, trace, T_BLOCK_END, blk)
 
     return gemm_reduce_kernel
 
 
 SIMT_THREADS = 32 if SIMULATOR else compute.SIMT_THREADS   # the simulator runs threads in Python
-_KERNELS = {}             # tile build name -> (threads per block, persistent kernel)
+_KERNELS = {}             # (tile build name, moves) -> (threads per block, persistent kernel)
 _SIM_SMS = 6              # the simulator's "device": compute, reduce, send, receive, pull
-_COMPILED = {}            # (kind, argtypes) -> (compiled kernel, blocks per SM)
+_COMPILED = {}            # (kind, moves, argtypes) -> (compiled kernel, blocks per SM)
 _COMPILE_LOCK = threading.Lock()
 
 
-def _build(kind):
-    """(roles.compute.TileBuild, threads per block, kernel) of a tile build name."""
+def _build(kind, moves):
+    """(roles.compute.TileBuild, threads per block, kernel) of a tile build name and a way to
+    move tiles (roles.bulk.MOVES)."""
     b = compute.tile_build(kind)
-    if kind not in _KERNELS:
+    if (kind, moves) not in _KERNELS:
         threads = SIMT_THREADS if kind == "simt" else b.threads
-        _KERNELS[kind] = (threads, _make_kernel(b.init, b.tile, *b.shape, threads))
-    return (b, *_KERNELS[kind])
+        _KERNELS[kind, moves] = (threads, _make_kernel(b.init, b.tile, *b.shape, threads, moves))
+    return (b, *_KERNELS[kind, moves])
 
 
-def _compiled(kind, args):
+def _compiled(kind, moves, args):
     import numba
-    key = (kind, tuple(numba.typeof(x) for x in args))
+    key = (kind, moves, tuple(numba.typeof(x) for x in args))
     with _COMPILE_LOCK:
         if key not in _COMPILED:
-            build, _, disp = _build(kind)
+            build, _, disp = _build(kind, moves)
             # off the simulator every build runs with its own thread count
-            _COMPILED[key] = (disp, 1) if SIMULATOR else _gemm._load(disp, key[1], build)
+            _COMPILED[key] = (disp, 1) if SIMULATOR else _gemm._load(disp, key[2], build)
         return _COMPILED[key]
 
 
@@ -267,6 +291,11 @@ class GemmReduce:
     sweep in ``sched.split``); chunk_bytes: network chunk size (rounded to whole tiles);
     tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else "simt") | "sm90" | "simt"
     (or another build, ``roles.compute.tile_build``);
+    split: row bands per tile in the 1-node reduce and pull roles (default 1, see
+    :meth:`_split`);
+    moves: how the reduce and pull roles move tiles over NVLink: "threads" (plain loads and
+    stores, ``roles.reduce``; the default), or on sm_90a "bulk" / "bulk:w1" (TMA bulk copies,
+    ``roles.bulk``: correct, but slower per block on an H200, benchmarks/NOTES.md);
     trace: stamp every role's steps with the GPU clock (read them with :meth:`trace_events`
     after :meth:`synchronize`). Calls are asynchronous on the stream of the inputs (the
     current PyTorch stream for tensors, else ``stream``); :meth:`synchronize` waits and raises
@@ -277,7 +306,7 @@ class GemmReduce:
     name = "GemmReduce"
 
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, comm_sms=None, chunk_bytes=None,
-                 tile="auto", group_m=None, trace=False):
+                 tile="auto", group_m=None, trace=False, moves=None, split=None):
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
         m, n, k = int(m), int(n), int(k)
@@ -291,6 +320,15 @@ class GemmReduce:
             raise MkValueError(f"{self.name}: tile build {tile!r} leaves the output unwritten "
                                "(timing only)")
         self.bm, self.bn = self.build.shape
+        self.moves = moves or "threads"
+        is_bulk = self.moves.startswith("bulk")
+        if self.moves not in bulk.MOVES or (is_bulk and not self.build.tma):
+            raise MkValueError(f"{self.name}: moves={moves!r}: 'threads', or 'bulk' / "
+                               "'bulk:w1' with an sm_90a tile build")
+        if is_bulk and self.build.smem_bytes < bulk.SMEM_BYTES:
+            raise MkValueError(f"{self.name}: tile build {self.kind!r} launches with "
+                               f"{self.build.smem_bytes} bytes of shared memory; bulk moves "
+                               f"need {bulk.SMEM_BYTES}")
         if n % 4:
             raise MkValueError(f"{self.name}: n={n} must be a multiple of 4")
         G, nodes = comm.local_size, comm.nodes
@@ -311,6 +349,7 @@ class GemmReduce:
                                comm.local_rank, self.chunk_tiles, self.group_m)
         self.out_rows = m if self.allreduce else m // self.world
         self._roles(sms, G, nodes)
+        self.split = self._split(split, nodes)
         self.tracing = bool(trace)
         self._allocate(G, nodes)
         self.err = comm.new_error_record()
@@ -351,12 +390,28 @@ class GemmReduce:
         self.grid = sms
         self.sms = sms
 
+    def _split(self, split, nodes):
+        """Row bands per tile for the 1-node reduce and pull roles (default 1). Meant for the
+        tail of small shapes, where a few last tiles keep a few reduce blocks busy while the
+        rest idle; measured on 2xH200 (benchmarks/NOTES.md, seventh session) 4 bands made the
+        2048-point calls slower (more flags, each behind a system fence), so it is opt-in."""
+        if split in (None, 1):
+            return 1
+        if nodes > 1:     # stage slots and network chunks count whole tiles
+            raise MkValueError(f"{self.name}: split={split} needs one node")
+        split = int(split)
+        if split < 1 or self.bm % split:
+            raise MkValueError(f"{self.name}: split={split} must divide the tile height "
+                               f"{self.bm}")
+        return split
+
     def _allocate(self, G, nodes):
         comm, plan = self.comm, self.plan
         self.words = self.m * self.n // 4
         self.part = comm.alloc_symmetric((2 * self.words,), np.uint64)
         self.tile_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n)
-        self.final_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n if self.allreduce else 1)
+        self.final_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n * self.split
+                                            if self.allreduce else 1)
         self._buffers = [self.part, self.tile_flags, self.final_flags]
         tile_words = self.bm * self.bn // 4
         # Symmetric buffers must have one size on every rank: take the world's largest.
@@ -393,7 +448,7 @@ class GemmReduce:
         reduce_end = rb["compute"] + rb["reduce"]
         send_end = reduce_end + rb["send"]
         recv_end = send_end + rb["recv"]
-        cfg = np.zeros(25, np.int64)
+        cfg = np.zeros(26, np.int64)
         cfg[[C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES]] = (self.m, self.n, plan.tiles_n,
                                                           comm.local_rank, G, nodes)
         cfg[C_OUT_ROW0] = 0 if self.allreduce else comm.rank * self.out_rows
@@ -406,8 +461,9 @@ class GemmReduce:
         cfg[[C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE]] = wins
         cfg[[C_NRED, C_NPULL, C_WORDS]] = (len(plan.red_tiles), len(plan.pull_tiles), self.words)
         cfg[C_TRACE] = int(self.tracing)
-        items = max(self.grid, len(plan.red_tiles), plan.n_cmds, plan.n_final,
-                    len(plan.pull_tiles)) if self.tracing else 1
+        cfg[C_SPLIT] = self.split
+        items = max(self.grid, len(plan.red_tiles) * self.split, plan.n_cmds, plan.n_final,
+                    len(plan.pull_tiles) * self.split) if self.tracing else 1
         self._trace = _to_device(np.zeros((len(TRACE_EVENTS), items), np.int64))
         tables = [plan.order, plan.red_tiles, plan.red_slots, plan.red_chunks, plan.chunk_tiles,
                   plan.cmds, plan.final_tiles, plan.final_slots, plan.pull_tiles]
@@ -478,12 +534,12 @@ class GemmReduce:
                 self.final_flags.ptrs, out_words] + self._tables + self._net + [
                 np.uint32(0), np.uint32(0), np.uint64(self.comm.timeout_ns), self.err,
                 np.int64(self.comm.rank), self._trace]
-        kern, bps = _compiled(self.kind, args)
+        kern, bps = _compiled(self.kind, self.moves, args)
         if bps < 1:
             raise MkError(f"{self.name}: the kernel does not fit on an SM")
         grid = self.sms  # one block per SM: the persistent grid is co-resident
         keep = (a, b, bt, out)
-        _, threads, _ = _build(self.kind)
+        _, threads, _ = _build(self.kind, self.moves)
         return _Prepared(kern, args, grid, threads, self.build.smem_bytes, s, res, keep)
 
     def _output(self, A, out):

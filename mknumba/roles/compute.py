@@ -84,9 +84,9 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False):
     key = (epilogue, bool(publisher))
     if key not in _SM90_BUILDS:
         helper = HELPER
-        if key != (SM90_EPILOGUE, False):   # NVRTC takes no -D via declare_device: a copy does
-            helper = _helper_copy(f"#define MK_EPILOGUE {epilogue}\n"
-                                  f"#define MK_PUBLISHER {key[1]:d}\n")
+        if key != (SM90_EPILOGUE, False):
+            helper = helper_copy(HELPER, f"#define MK_EPILOGUE {epilogue}\n"
+                                         f"#define MK_PUBLISHER {key[1]:d}\n")
         u64, i32 = types.uint64, types.int32
         init_fn = cuda.declare_device("mk_gemm_sm90_init", i32(u64, u64), link=[helper],
                                       abi="c")
@@ -110,15 +110,17 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False):
     return _SM90_BUILDS[key]
 
 
-def _helper_copy(defines):
-    """gemm_tile.cu with ``defines`` prepended, in the temp directory under a name made from its
-    content: every process (and rank) that asks for the same build shares one file."""
+def helper_copy(helper, defines):
+    """A linked helper (``cuda/*.cu``) with ``defines`` prepended, in the temp directory under a
+    name made from its content: every process (and rank) that asks for the same build shares
+    one file (NVRTC takes no -D through declare_device)."""
     import hashlib
     import tempfile
-    with open(HELPER) as f:
+    with open(helper) as f:
         text = defines + f.read()
     digest = hashlib.sha1(text.encode()).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), f"mknumba-gemm_tile-{digest}.cu")
+    stem = os.path.splitext(os.path.basename(helper))[0]
+    path = os.path.join(tempfile.gettempdir(), f"mknumba-{stem}-{digest}.cu")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}"
         with open(tmp, "w") as f:

@@ -14,9 +14,11 @@ Ownership (the GPU of each node that reduces a tile over NVLink, its *local owne
 
 Compute order (the same on every rank of a node): tiles some other node needs come first (the
 network is the slow link, so its chunks must leave early), then the tiles that stay here. Inside
-each class, row bands of ``group_m`` tile rows are taken round-robin over the row blocks (so every
-local owner has tiles to reduce from the start and both directions of every NVLink carry
-traffic), and each band is walked in grouped raster order (row fastest) for L2 reuse of B.
+each class, each row block is walked in bands of ``group_m`` tile rows, each band in grouped
+raster order (row fastest) for L2 reuse of B, and the row blocks' walks are interleaved tile by
+tile: every local owner gets tiles to reduce at the same rate from the start to the end, so both
+directions of every NVLink carry traffic at once (the blocks' bands also walk the columns in
+step, sharing B's tiles in L2).
 
 Network stage (``nodes > 1``): a local owner puts each tile it reduced for another node into a
 tile-major *stage* slot; ``chunk_tiles`` consecutive slots form one network chunk (sized
@@ -42,16 +44,17 @@ def compute_order(tiles_m, tiles_n, blocks, network_block, group_m):
     order = []
     for network in (True, False):
         ids = [b for b in dict.fromkeys(blocks.tolist()) if bool(network_block[b]) == network]
-        bands = {}
+        walks = []
         for b in ids:
             rows = np.flatnonzero(blocks == b)
-            bands[b] = [rows[i:i + group_m] for i in range(0, len(rows), group_m)]
-        for k in range(max((len(v) for v in bands.values()), default=0)):
-            for b in ids:
-                if k < len(bands[b]):
-                    band = bands[b][k]
-                    for tn in range(tiles_n):                 # grouped raster: row fastest
-                        order.extend(int(tm) * tiles_n + tn for tm in band)
+            walk = []
+            for i in range(0, len(rows), group_m):
+                band = rows[i:i + group_m]
+                for tn in range(tiles_n):                     # grouped raster: row fastest
+                    walk.extend(int(tm) * tiles_n + tn for tm in band)
+            walks.append(walk)
+        for j in range(max((len(w) for w in walks), default=0)):
+            order.extend(w[j] for w in walks if j < len(w))   # one tile of each block in turn
     return np.array(order, dtype=np.int32)
 
 

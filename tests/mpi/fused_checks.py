@@ -30,7 +30,7 @@ def bits_f64(b):
     return (np.asarray(b).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles):
+def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split):
     from mknumba.kernels.gemm import Gemm
     from mknumba.roles.compute import tile_build
     chunk = None
@@ -38,7 +38,7 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles):
         bm, bn = tile_build(Gemm()._kind()).shape       # the tile "auto" picks here
         chunk = chunk_tiles * bm * bn * 2
     traced = iterations <= 3        # short runs also check the role trace of the last call
-    op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced)
+    op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced, split=split or None)
     rows = op.out_shape()[0]
     sent, outs = [], []
     for it in range(iterations):
@@ -77,7 +77,7 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles):
         assert err <= 1e-2, f"{op.name} call {it}: relative error {err:.3g}"
         worst = max(worst, err)
     op.free()
-    return worst
+    return worst, op.split
 
 
 def check_trace(op):
@@ -89,10 +89,10 @@ def check_trace(op):
     assert (ev["block_end"][:grid] >= ev["block_start"][:grid]).all()
     p = op.plan
     net = op.comm.nodes > 1
-    for before, after, n in (("reduce_ready", "reduce_done", len(p.red_tiles)),
+    for before, after, n in (("reduce_ready", "reduce_done", len(p.red_tiles) * op.split),
                              ("send_ready", "send_enqueued", p.n_cmds if net else 0),
                              ("recv_arrived", "recv_done", p.n_final if net else 0),
-                             ("block_start", "pull_done", len(p.pull_tiles))):
+                             ("block_start", "pull_done", len(p.pull_tiles) * op.split)):
         b, a = ev[before][:n], ev[after][:n]
         if before == "block_start":       # pull items have one stamp: after the block began
             b = np.full(n, ev["block_start"][:grid].min())
@@ -104,6 +104,7 @@ def main():
     iterations = int(sys.argv[5]) if len(sys.argv) > 5 else 3
     arrays = sys.argv[6] if len(sys.argv) > 6 else "numba"
     chunk_tiles = int(sys.argv[7]) if len(sys.argv) > 7 else 0
+    split = int(sys.argv[8]) if len(sys.argv) > 8 else 0          # 0: the op's choice
     ops = {"rs": [GemmReduceScatter], "ar": [GemmAllReduce],
            "both": [GemmReduceScatter, GemmAllReduce]}[kernel]
     with mk.init() as comm:
@@ -112,9 +113,9 @@ def main():
             torch.cuda.set_device(comm.device_id)
         rng = np.random.default_rng(1000 + comm.rank)
         for Op in ops:
-            worst = run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles)
+            worst, used = run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split)
             print(f"PASS {Op.kernel_name} rank {comm.rank} topology {comm.nodes}x"
-                  f"{comm.local_size} m={m} n={n} k={k} calls={iterations} "
+                  f"{comm.local_size} m={m} n={n} k={k} calls={iterations} split={used} "
                   f"max_rel_err={worst:.2e}", flush=True)
         comm.barrier()
 
