@@ -85,8 +85,10 @@ def bench_topology(comm, dist, args, records, log):
                 sweep, steady = {}, {}
                 err = None
                 sms_total = 132
+                join = {} if args.join is None or comm.nodes > 1 else {"join": args.join == "1"}
                 for sms in args.sweep or SWEEP[(kern, topo)]:
-                    op = Op(comm, m, n, k, comm_sms=sms, tile=args.tile, moves=args.moves)
+                    op = Op(comm, m, n, k, comm_sms=sms, tile=args.tile, moves=args.moves,
+                            **join)
                     sms_total = op.sms
                     if err is None:
                         if ref is None:
@@ -116,7 +118,8 @@ def bench_topology(comm, dist, args, records, log):
                     cublas_ms=t_gemm, nccl_ms=t_nccl, unfused_measured_ms=t_unfused,
                     network_ms=t_net if comm.nodes > 1 else None, nvlink_ms=t_link,
                     comm_share=comm_share, rel_err=err, of_floor=floor / ours,
-                    moves=op.moves, **({} if args.tile == "auto" else {"tile": args.tile}))
+                    moves=op.moves, join=op.join,
+                    **({} if args.tile == "auto" else {"tile": args.tile}))
                 records.append(rec)
                 if comm.rank == 0:
                     common.write(records, args.out)   # keep every point, even if cut short
@@ -144,7 +147,10 @@ def main():
                                                 "e.g. sm90:e2p1")),
         (("--moves",), dict(default=None, choices=("bulk", "bulk:w1", "threads"),
                             help="how the reduce and pull roles move tiles (roles.bulk); "
-                                 "default: the op's"))])
+                                 "default: the op's")),
+        (("--join",), dict(default=None, choices=("0", "1"),
+                           help="idle compute blocks join the reduce and pull queues (1 node "
+                                "only); default: the op's"))])
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.sweep = [int(s) for s in args.sweep.split(",") if s]
     from mpi4py import MPI

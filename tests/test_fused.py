@@ -97,7 +97,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
     sig = (arr(types.int16, 2), arr(types.int16, 2), u64, arr(types.uint16, 3), u64, u64,
            u32, u64, u32, u64, u64, arr(types.int64)) + (i32,) * 5 + (arr(types.int32, 2),) + \\
           (i32,) * 3 + (u64, u64, u32, u32, u32, u32, u32, u32, u32, types.uint32, types.uint32,
-           types.uint64, arr(types.int64), types.int64, arr(types.int64, 2))
+           types.uint64, arr(types.int64), types.int64, arr(types.int64, 2), u32)
     lib, _ = compiler._compile_pyfunc_with_fixup(
         kernel.py_func, sig, device=False, cc=(9, 0, "a"),
         launch_bounds=(threads, 1), lto=True, abi="numba")
@@ -144,6 +144,7 @@ def test_sim_1x2_both_kernels(split):
     out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, split)
     _passes(out, 4)
     assert out.count(f"split={split}") == 4, out[-2000:]
+    assert out.count("join=0") == 4, out[-2000:]       # blocks run one at a time here
 
 
 @pytest.mark.parametrize("mode", ["ordered", "completion"])
@@ -166,13 +167,18 @@ def test_gpu_1x2_hundred_calls_torch():
     out = run_mpi("fused_checks.py", 2, "both", 2048, 1536, 512, 100, "torch",
                   simulator=False, env=GPU_ENV)
     _passes(out, 4)
+    assert out.count("join=1") == 4, out[-2000:]       # the GPU default: idle blocks join
 
 
 @pytest.mark.gpu
-def test_gpu_1x2_ragged_numba():
-    # ragged last tile column and row (AllReduce takes any m), several calls, numba arrays
-    _passes(run_mpi("fused_checks.py", 2, "ar", 1000, 776, 264, 5, "numba", simulator=False,
-                    env=GPU_ENV), 2)
+@pytest.mark.parametrize("join", ["on", "off"])
+def test_gpu_1x2_ragged_numba(join):
+    """Ragged last tile column and row (AllReduce takes any m), several calls, numba arrays;
+    with idle compute blocks joining the reduce and pull queues (the default) and without."""
+    out = run_mpi("fused_checks.py", 2, "ar", 1000, 776, 264, 5, "numba", 0, 0, join,
+                  simulator=False, env=GPU_ENV)
+    _passes(out, 2)
+    assert out.count(f"join={int(join == 'on')}") == 2, out[-2000:]
 
 
 @pytest.mark.gpu

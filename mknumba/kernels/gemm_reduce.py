@@ -2,12 +2,13 @@
 
 Every rank computes a partial product ``A_r @ B_r`` (A_r: [m, k_local], B_r: [k_local, n]); the
 result is the sum over all ranks, scattered by row blocks (ReduceScatter) or everywhere
-(AllReduce). Blocks take roles by index; a block waits only on lower-numbered blocks of its own
-GPU or on other ranks (DESIGN.md §3), so the stages below are in block order:
+(AllReduce). Blocks take roles by index; a role waits only on lower-numbered blocks of its own
+GPU or on other ranks (DESIGN.md §3), so the stages below are in block order (the joiners, last
+paragraph, are the one exception, and only where the whole grid is resident):
 
   compute  [0, C)       for t in order[blk::C]:  part[slot][tile t] <- A @ B (bf16)
                           publish tile_flags[t] = epoch         (sys scope if G > 1: peers read it)
-  reduce   [C, R)       for each tile t this GPU owns (sched.reduce):
+  reduce   [C, R)       for each tile t this GPU owns (sched.reduce), taken from a queue:
                           wait tile_flags[t] of every local GPU (peer_view)
                           sum = sum over local GPUs of part[slot][tile t]    (NVLink loads, fp32)
                           1 node, RS: out[t] <- sum          1 node, AR: out[t] <- sum, and
@@ -22,8 +23,14 @@ GPU or on other ranks (DESIGN.md §3), so the stages below are in block order:
                           from every rail peer and red_flags of its own node's sum;
                           out[t] <- stage + sum of recv (fp32); AR with G > 1: every local
                           peer's part[t] <- same, publish its final_flags[t]
-  pull     [V, grid)    (AR, G > 1) for each tile t another local GPU owns: wait final_flags[t]
-                          (its owner writes it here); out[t] <- part[t], a local copy
+  pull     [V, grid)    (AR, G > 1) for each tile t another local GPU owns, from a queue:
+                          wait final_flags[t] (its owner writes it here); out[t] <- part[t],
+                          a local copy
+
+On one node the compute blocks, once their tiles are done, join the reduce queue, and with
+AllReduce every compute and reduce block then joins the pull queue (``join``): the end of a call
+is NVLink work, and a queue (``roles.blocks.take``) lets every idle SM take the next tile. The
+held-back communication SMs carry the reduction while the GEMM runs; the joiners shorten the tail.
 
 The owner pushes finished AllReduce tiles rather than letting peers pull them: a block stores
 over NVLink about twice as fast as it loads (loads wait a round trip; benchmarks/NOTES.md).
@@ -44,7 +51,7 @@ from .. import primitives as prim
 from .._compat import SIMULATOR
 from ..errors import ROLE_INTRA, ROLE_RECV, ROLE_SEND, MkError, MkValueError
 from ..roles import bulk, compute
-from ..roles.blocks import publish, publish_peers, stamp, wait
+from ..roles.blocks import publish, publish_peers, stamp, take, wait
 from ..roles.reduce import chunk_arrive, combine_remote, reduce_peers
 from ..roles.send import enqueue
 from ..sched import split as sm_split
@@ -56,7 +63,8 @@ from . import gemm as _gemm
 (C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES, C_OUT_ROW0, C_COMPUTE, C_REDUCE_END, C_SEND_END,
  C_RECV_END, C_ALLREDUCE, C_STAGE_SLOTS, C_RECV_SLOTS, C_NFINAL, C_RECV_CHUNKS, C_CHUNK,
  C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS, C_TRACE,
- C_SPLIT) = range(26)
+ C_SPLIT, C_JOIN, C_RED_WORKERS, C_PULL_WORKERS) = range(29)
+Q_REDUCE, Q_PULL = 0, 1          # the work queues (roles.blocks.take)
 
 # trace rows (``trace=True``): globaltimer stamps, one row per event, indexed by the role's item
 (T_BLOCK_START, T_BLOCK_END, T_RED_READY, T_RED_DONE, T_SEND_READY, T_SEND_ENQUEUED,
@@ -83,11 +91,12 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                            final_flags, final_flag_ptrs, out, cfg, order, red_tiles, red_slots,
                            red_chunks, chunk_tiles, cmds, final_tiles, final_slots, pull_tiles,
                            stage, recv, arrive, red_flags, chunk_count, chunk_ready,
-                           ring, head, tail, epoch, call, timeout_ns, err, rank, trace):
+                           ring, head, tail, epoch, call, timeout_ns, err, rank, trace, queue):
         """a [m, k], bt [n, k], part_c [2, m, n]: bf16 bits; part: the same memory as uint64
         words [2 * m * n/4] (symmetric); out: uint64 words of the bf16 output; stage/recv:
         tile-major uint64 [2 * slots * bm * bn/4]; flags uint32; tables int32 (sched.reduce);
-        trace int64 [TRACE_EVENTS, items] (written only when cfg[C_TRACE])."""
+        trace int64 [TRACE_EVENTS, items] (written only when cfg[C_TRACE]); queue uint32 [2]:
+        the reduce and pull work queues' ticket counters."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         blk = cuda.blockIdx.x
         slot = call & 1
@@ -98,8 +107,10 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         if blk < n_compute:                                         # ---- compute
             compute_role(smem, tmaps, a, bt, part_c[slot], order, tile_flags, epoch, blk,
                          n_compute, tiles_n, cfg[C_G] > 1)   # local peers read the flags
-            stamp(tr, trace, T_BLOCK_END, blk)
-            return
+            if cfg[C_JOIN] == 0:
+                stamp(tr, trace, T_BLOCK_END, blk)
+                return
+            cuda.syncthreads()        # then join the reduce (and pull) queues below
         deadline = prim.globaltimer() + timeout_ns
         m = cfg[C_M]
         wn = cfg[C_N] // 4                                          # words per output row
@@ -120,7 +131,11 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                 move_init(smem)
             split = cfg[C_SPLIT]      # items per tile: bands of bm / split rows (1 node only)
             sub = bm // split
-            for i in range(blk - n_compute, cfg[C_NRED] * split, reduce_end - n_compute):
+            n_items = cfg[C_NRED] * split
+            while True:
+                i = take(queue, Q_REDUCE, call, n_items, cfg[C_RED_WORKERS])
+                if i >= n_items:
+                    break
                 it = i // split
                 band = i - it * split
                 t = red_tiles[it]
@@ -196,12 +211,16 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                 if bcast:
                     publish_peers(final_flag_ptrs, final_flags, G, me, t, epoch)
                 stamp(tr, trace, T_RECV_DONE, i)
-        else:                                                       # ---- pull (AllReduce)
-            seq = 0
+        if cfg[C_NPULL] > 0 and (blk >= recv_end or (cfg[C_JOIN] != 0 and blk < reduce_end)):
+            seq = 0                                                 # ---- pull (AllReduce)
             move_init(smem)
             split = cfg[C_SPLIT]
             sub = bm // split
-            for i in range(blk - recv_end, cfg[C_NPULL] * split, cuda.gridDim.x - recv_end):
+            n_items = cfg[C_NPULL] * split
+            while True:
+                i = take(queue, Q_PULL, call, n_items, cfg[C_PULL_WORKERS])
+                if i >= n_items:
+                    break
                 it = i // split
                 band = i - it * split
                 t = pull_tiles[it]
@@ -292,7 +311,8 @@ class GemmReduce:
     tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else "simt") | "sm90" | "simt"
     (or another build, ``roles.compute.tile_build``);
     split: row bands per tile in the 1-node reduce and pull roles (default 1, see
-    :meth:`_split`);
+    :meth:`_split`); join: idle compute blocks help the reduce and pull roles (default: on
+    one node on the GPU, see :meth:`_join`);
     moves: how the reduce and pull roles move tiles over NVLink: "threads" (plain loads and
     stores, ``roles.reduce``; the default), or on sm_90a "bulk" / "bulk:w1" (TMA bulk copies,
     ``roles.bulk``: correct, but slower per block on an H200, benchmarks/NOTES.md);
@@ -306,7 +326,7 @@ class GemmReduce:
     name = "GemmReduce"
 
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, comm_sms=None, chunk_bytes=None,
-                 tile="auto", group_m=None, trace=False, moves=None, split=None):
+                 tile="auto", group_m=None, trace=False, moves=None, split=None, join=None):
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
         m, n, k = int(m), int(n), int(k)
@@ -350,6 +370,7 @@ class GemmReduce:
         self.out_rows = m if self.allreduce else m // self.world
         self._roles(sms, G, nodes)
         self.split = self._split(split, nodes)
+        self.join = self._join(join, nodes)
         self.tracing = bool(trace)
         self._allocate(G, nodes)
         self.err = comm.new_error_record()
@@ -405,6 +426,22 @@ class GemmReduce:
                                f"{self.bm}")
         return split
 
+    def _join(self, join, nodes):
+        """Whether compute blocks, once their tiles are done, join the reduce queue, and (for
+        AllReduce) compute and reduce blocks then join the pull queue: on one node, where the
+        tail of a call is NVLink work that every idle SM can share. Default on, on the GPU.
+
+        A joined block waits on tiles of higher-numbered blocks, which needs the whole grid
+        resident (one block per SM, as launched); the simulator runs blocks one at a time, so
+        there it is off. Bulk moves keep their own barriers in shared memory: off with them."""
+        possible = nodes == 1 and not SIMULATOR and self.moves == "threads"
+        if join is None:
+            return possible
+        if join and not possible:
+            raise MkValueError(f"{self.name}: join=True needs one node, a GPU (not the "
+                               "simulator) and moves='threads'")
+        return bool(join)
+
     def _allocate(self, G, nodes):
         comm, plan = self.comm, self.plan
         self.words = self.m * self.n // 4
@@ -448,7 +485,7 @@ class GemmReduce:
         reduce_end = rb["compute"] + rb["reduce"]
         send_end = reduce_end + rb["send"]
         recv_end = send_end + rb["recv"]
-        cfg = np.zeros(26, np.int64)
+        cfg = np.zeros(29, np.int64)
         cfg[[C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES]] = (self.m, self.n, plan.tiles_n,
                                                           comm.local_rank, G, nodes)
         cfg[C_OUT_ROW0] = 0 if self.allreduce else comm.rank * self.out_rows
@@ -462,6 +499,13 @@ class GemmReduce:
         cfg[[C_NRED, C_NPULL, C_WORDS]] = (len(plan.red_tiles), len(plan.pull_tiles), self.words)
         cfg[C_TRACE] = int(self.tracing)
         cfg[C_SPLIT] = self.split
+        # who draws from the work queues (roles.blocks.take): exactly these blocks, once past
+        # the end each, so the kernel's ticket arithmetic must see the same counts
+        cfg[C_JOIN] = int(self.join)
+        cfg[C_RED_WORKERS] = reduce_end if self.join else rb["reduce"]
+        if len(plan.pull_tiles):
+            cfg[C_PULL_WORKERS] = rb["pull"] + (reduce_end if self.join else 0)
+        self.queue = _to_device(np.zeros(2, np.uint32))
         items = max(self.grid, len(plan.red_tiles) * self.split, plan.n_cmds, plan.n_final,
                     len(plan.pull_tiles) * self.split) if self.tracing else 1
         self._trace = _to_device(np.zeros((len(TRACE_EVENTS), items), np.int64))
@@ -533,7 +577,7 @@ class GemmReduce:
                 self.tile_flags.local, self.tile_flags.ptrs, self.final_flags.local,
                 self.final_flags.ptrs, out_words] + self._tables + self._net + [
                 np.uint32(0), np.uint32(0), np.uint64(self.comm.timeout_ns), self.err,
-                np.int64(self.comm.rank), self._trace]
+                np.int64(self.comm.rank), self._trace, self.queue]
         kern, bps = _compiled(self.kind, self.moves, args)
         if bps < 1:
             raise MkError(f"{self.name}: the kernel does not fit on an SM")

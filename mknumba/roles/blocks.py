@@ -62,6 +62,28 @@ def wait(flags, idx, epoch, deadline, err, rank, role, system=True):
 
 
 @cuda.jit(device=True)
+def take(queue, q, call, n, workers):
+    """Block-wide: this block's next item (0 .. n-1) of a work queue shared by ``workers``
+    blocks, or ``n`` or more once the call's items are all taken. Items go out in index order,
+    so the queue hands out tiles in the order they become ready, each to whichever block is free.
+
+    queue: uint32 ticket counters that only grow (``q`` picks one): every call draws
+    ``n + workers`` tickets (each worker draws once past the end, then stops), so call number
+    ``call`` (1-based, mod 2**32) starts at ``(call - 1) * (n + workers)`` and nothing is reset.
+    A block that returns early (a timeout) leaves the count short; the op is unusable then
+    anyway. Relaxed: an item's data travels behind its own flags.
+    """
+    got = cuda.shared.array(1, np.int64)
+    if cuda.threadIdx.x == 0:
+        first = (np.int64(call) - 1) * (n + workers)
+        got[0] = (np.int64(prim.atomic_add_relaxed(queue, q, np.uint32(1))) - first) & 0xFFFFFFFF
+    cuda.syncthreads()
+    i = got[0]
+    cuda.syncthreads()   # every thread has read it before the next take overwrites it
+    return i
+
+
+@cuda.jit(device=True)
 def stamp(on, trace, event, item):
     """Tracing: ``trace[event, item] = globaltimer`` (ns) from thread 0, when ``on``.
 

@@ -8,8 +8,9 @@ Peer buffers are reached through CUDA IPC. Modes:
   receiving proxy polls it and publishes the flag on its own stream.
 Submission and flag publishing run compiled (:mod:`._cudrv`) inside the proxy's compiled loop,
 so the driver calls never wait for the interpreter.
-Environment: ``MKNUMBA_DMA_COPY`` = ``each`` (one cuMemcpyDtoDAsync per command, default) or
-``batch`` (one cuMemcpyBatchAsync per batch, CUDA 12.8+ drivers); ``MKNUMBA_DMA_STREAMS``
+Environment: ``MKNUMBA_DMA_COPY`` = ``batch`` (one cuMemcpyBatchAsync per batch; the default
+where the driver has it, CUDA 12.8+: ~9x the commands per second of ``each`` on an H200,
+benchmarks/NOTES.md) or ``each`` (one cuMemcpyDtoDAsync per command); ``MKNUMBA_DMA_STREAMS``
 streams the batches take in turn (default 1; more did not help in our runs);
 ``MKNUMBA_DMA_FLAGS`` = ``event`` (a batch moving at least ``MKNUMBA_DMA_EVENT_BYTES``, default
 256 KiB, writes its completions on a second stream behind an event, so its copy stream does not
@@ -44,7 +45,7 @@ class DmaTransport(Transport):
                  streams=None, flags=None, event_bytes=None):
         super().__init__(comm, completion)
         self.drv = driver or drv_mod.Driver()
-        copy = (copy or os.environ.get("MKNUMBA_DMA_COPY", "each")).lower()
+        copy = (copy or os.environ.get("MKNUMBA_DMA_COPY", "batch")).lower()
         if copy not in ("each", "batch"):
             raise MkValueError(f"MKNUMBA_DMA_COPY must be 'each' or 'batch', not {copy!r}")
         if copy == "batch" and self.drv.copy_batch is None:
