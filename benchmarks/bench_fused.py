@@ -85,10 +85,12 @@ def bench_topology(comm, dist, args, records, log):
                 sweep, steady = {}, {}
                 err = None
                 sms_total = 132
-                join = {} if args.join is None or comm.nodes > 1 else {"join": args.join == "1"}
+                opts = {} if comm.nodes > 1 else {
+                    key: val == "1" for key, val in (("join", args.join),
+                                                     ("deliver", args.deliver)) if val}
                 for sms in args.sweep or SWEEP[(kern, topo)]:
                     op = Op(comm, m, n, k, comm_sms=sms, tile=args.tile, moves=args.moves,
-                            **join)
+                            **opts)
                     sms_total = op.sms
                     if err is None:
                         if ref is None:
@@ -118,7 +120,7 @@ def bench_topology(comm, dist, args, records, log):
                     cublas_ms=t_gemm, nccl_ms=t_nccl, unfused_measured_ms=t_unfused,
                     network_ms=t_net if comm.nodes > 1 else None, nvlink_ms=t_link,
                     comm_share=comm_share, rel_err=err, of_floor=floor / ours,
-                    moves=op.moves, join=op.join,
+                    moves=op.moves, join=op.join, deliver=op.deliver,
                     **({} if args.tile == "auto" else {"tile": args.tile}))
                 records.append(rec)
                 if comm.rank == 0:
@@ -150,7 +152,10 @@ def main():
                                  "default: the op's")),
         (("--join",), dict(default=None, choices=("0", "1"),
                            help="idle compute blocks join the reduce and pull queues (1 node "
-                                "only); default: the op's"))])
+                                "only); default: the op's")),
+        (("--deliver",), dict(default=None, choices=("0", "1"),
+                              help="compute blocks write tiles other GPUs own into their "
+                                   "memory (1 node only); default: the op's"))])
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.sweep = [int(s) for s in args.sweep.split(",") if s]
     from mpi4py import MPI

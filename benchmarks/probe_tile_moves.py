@@ -5,7 +5,7 @@
 One node, two GPUs. Blocks of the fused kernel's width (288 threads) move 64 MiB of 64 KiB tiles
 (128 rows x 64 words) with the moves of ``roles.reduce``: ``copy_tile_2d`` local -> local,
 pulled from the peer (NVLink loads) and pushed to the peer (NVLink stores); ``reduce_peers``
-summing the peer's tile and the local one (what the 1x2 reduce role does); ``combine_remote``
+summing the peer's tile and the local one (what the 1x2 reduce role does); ``sum_local``
 summing two local tiles (the 2x1 receive role). Rank 0 moves; rank 1 only hosts its buffers.
 On sm_90a also the TMA bulk moves of ``roles.bulk`` (``w0``: each move waits for its stores
 to be written; ``w1``: only read out of shared memory): pull, push, pull-sum, and pull-sum
@@ -18,7 +18,7 @@ from numba import cuda
 
 import mknumba
 from mknumba import primitives as prim
-from mknumba.roles.reduce import combine_remote, copy_tile_2d, reduce_peers
+from mknumba.roles.reduce import sum_local, copy_tile_2d, reduce_peers
 
 ROWS, WCOLS = 128, 64
 TILE = ROWS * WCOLS
@@ -43,8 +43,8 @@ def move(kind, src, dst, ptrs, dptrs, peer, me):
             reduce_peers(ptrs, src, 2, me, off, WCOLS, dst, off, WCOLS, False, ROWS, WCOLS)
         else:
             o2 = ((t + 1) % TILES) * TILE
-            combine_remote(src, off, src, o2, 0, 1, dst, off, WCOLS, ptrs, src, 2, me, 0, 0,
-                           False, ROWS, WCOLS, WCOLS)
+            sum_local(src, off, src, o2, 0, 1, dst, off, WCOLS, ptrs, src, 2, me, 0, 0,
+                      False, ROWS, WCOLS, WCOLS)
 
 
 BULK_KINDS = ("pull", "push", "pull-sum", "pull-sum-push")

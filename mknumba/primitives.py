@@ -218,7 +218,10 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
         return time.monotonic_ns()
 
     def peer_view(ptrs, peer, template):
-        return _sim_arrays[int(ptrs[peer])]
+        arr = _sim_arrays[int(ptrs[peer])]
+        if arr.shape != tuple(template.shape) or arr.dtype != template.dtype:
+            arr = arr.view(template.dtype).reshape(template.shape)   # as on the GPU
+        return arr
 
     def data_ptr(arr):
         raise NotImplementedError("data_ptr has no meaning in the simulator")

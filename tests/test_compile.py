@@ -61,15 +61,15 @@ def test_tile_moves_use_packed_bf16_and_assemble(monkeypatch, cc):
     import mknumba  # noqa: F401  (numpy compatibility first)
     import numba.cuda.dispatcher as disp
     from conftest import HAVE_GPU
-    from mknumba.roles.reduce import combine_remote, reduce_peers
+    from mknumba.roles.reduce import sum_local, reduce_peers
     if not HAVE_GPU:
         monkeypatch.setattr(disp, "get_current_device",
                             lambda: type("Fake", (), {"compute_capability": cc[:2]})())
 
     def k(ptrs, tmpl, own, recv, dst, members, nsrc):
         reduce_peers(ptrs, tmpl, members, 0, 0, 64, dst, 0, 64, nsrc > 1, 128, 64)
-        combine_remote(own, 0, recv, 0, 8192, nsrc, dst, 0, 64, ptrs, tmpl, members, 0, 0, 64,
-                       nsrc > 2, 128, 64, 64)
+        sum_local(own, 0, recv, 0, 8192, nsrc, dst, 0, 64, ptrs, tmpl, members, 0, 0, 64,
+                  nsrc > 2, 128, 64, 64)
 
     ptx, _ = cuda.compile_ptx(k, (u64, u64, u64, u64, u64, types.int64, types.int64), cc=cc)
     assert "fma.rn.bf16x2" in ptx and "cvt.rn.bf16x2.f32" in ptx

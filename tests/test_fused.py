@@ -94,8 +94,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
     def arr(dt, nd=1):
         return types.Array(dt, nd, "C")
     u64, u32, i32 = arr(types.uint64), arr(types.uint32), arr(types.int32)
-    sig = (arr(types.int16, 2), arr(types.int16, 2), u64, arr(types.uint16, 3), u64, u64,
-           u32, u64, u32, u64, u64, arr(types.int64)) + (i32,) * 5 + (arr(types.int32, 2),) + \\
+    sig = (arr(types.int16, 2), arr(types.int16, 2), u64, arr(types.uint16, 4), u64, u64,
+           u32, u64, u32, u64, u64, arr(types.int64)) + (i32,) * 6 + (arr(types.int32, 2),) + \\
           (i32,) * 3 + (u64, u64, u32, u32, u32, u32, u32, u32, u32, types.uint32, types.uint32,
            types.uint64, arr(types.int64), types.int64, arr(types.int64, 2), u32)
     lib, _ = compiler._compile_pyfunc_with_fixup(
@@ -137,20 +137,31 @@ def _passes(out, n):
     assert out.count("PASS") == n, out[-3000:]
 
 
-@pytest.mark.parametrize("split", [1, 4])
-def test_sim_1x2_both_kernels(split):
+@pytest.mark.parametrize("split,deliver", [(1, "on"), (4, "on"), (1, "off")])
+def test_sim_1x2_both_kernels(split, deliver):
     """split 4: each tile is reduced (and, AllReduce, pulled) as four row bands, each with
-    its own final flag."""
-    out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, split)
+    its own final flag. deliver: compute blocks write the tiles the other GPU owns into its
+    inbox; off: the owner loads them from the other GPU."""
+    out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, split, "auto",
+                  deliver)
     _passes(out, 4)
     assert out.count(f"split={split}") == 4, out[-2000:]
     assert out.count("join=0") == 4, out[-2000:]       # blocks run one at a time here
+    assert out.count(f"deliver={int(deliver == 'on')}") == 4, out[-2000:]
 
 
 @pytest.mark.parametrize("mode", ["ordered", "completion"])
 def test_sim_2x1_both_kernels(mode):
     env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": f"sim:{mode}"}
     _passes(run_mpi("fused_checks.py", 2, "both", 128, 32, 8, 2, "numba", 1, env=env), 4)
+
+
+def test_sim_1x4_both_kernels():
+    """Four GPUs on one node: each owner sums its tile and three delivered inbox planes."""
+    out = run_mpi("fused_checks.py", 4, "both", 128, 32, 8, 2, "numba", 0, 0, "auto", "on",
+                  env={"MKNUMBA_GPUS_PER_NODE": "4"})
+    _passes(out, 8)
+    assert out.count("deliver=1") == 8, out[-2000:]
 
 
 def test_sim_2x2_both_kernels():
@@ -171,14 +182,16 @@ def test_gpu_1x2_hundred_calls_torch():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("join", ["on", "off"])
-def test_gpu_1x2_ragged_numba(join):
+@pytest.mark.parametrize("join,deliver", [("on", "on"), ("off", "off")])
+def test_gpu_1x2_ragged_numba(join, deliver):
     """Ragged last tile column and row (AllReduce takes any m), several calls, numba arrays;
-    with idle compute blocks joining the reduce and pull queues (the default) and without."""
-    out = run_mpi("fused_checks.py", 2, "ar", 1000, 776, 264, 5, "numba", 0, 0, join,
+    idle compute blocks joining the reduce and pull queues and tiles delivered to their owners,
+    and neither."""
+    out = run_mpi("fused_checks.py", 2, "ar", 1000, 776, 264, 5, "numba", 0, 0, join, deliver,
                   simulator=False, env=GPU_ENV)
     _passes(out, 2)
-    assert out.count(f"join={int(join == 'on')}") == 2, out[-2000:]
+    assert out.count(f"join={int(join == 'on')} deliver={int(deliver == 'on')}") == 2, \
+        out[-2000:]
 
 
 @pytest.mark.gpu

@@ -25,7 +25,7 @@ from numba import cuda
 import mknumba
 from mknumba import primitives as prim
 from mknumba._compat import SIMULATOR
-from mknumba.roles.reduce import combine_remote, copy_tile_2d, reduce_peers
+from mknumba.roles.reduce import sum_local, copy_tile_2d, reduce_peers
 
 W, R0, C0, POISON = 80, 3, 5, 0x7FC07FC07FC07FC0
 THREADS, ROWS, WCOLS = (32, 5, 66) if SIMULATOR else (288, 37, 70)
@@ -48,8 +48,8 @@ def k_reduce(ptrs, template, members, me, out, push):
 
 @cuda.jit
 def k_combine(own, recv, nsrc, out, ptrs, template, members, me, push):
-    combine_remote(own, 0, recv, 0, ROWS * WCOLS, nsrc, out, 0, WCOLS, ptrs, template, members,
-                   me, R0 * W + C0, W, push, ROWS, WCOLS, WCOLS)
+    sum_local(own, 0, recv, 0, ROWS * WCOLS, nsrc, out, 0, WCOLS, ptrs, template, members,
+              me, R0 * W + C0, W, push, ROWS, WCOLS, WCOLS)
 
 
 @cuda.jit
@@ -117,7 +117,7 @@ own, recv = cuda.to_device(tiles[0]), cuda.to_device(np.concatenate(tiles[1:]))
 for nsrc, members, me, push in ((2, 3, 1, True), (1, 2, 0, True), (1, 3, 2, False)):
     out = cuda.to_device(np.full(ROWS * WCOLS, POISON, np.uint64))
     k_combine[1, THREADS](own, recv, nsrc, out, ptrs, devs[me], members, me, push)
-    what = f"combine_remote nsrc={nsrc} members={members} push={push}"
+    what = f"sum_local nsrc={nsrc} members={members} push={push}"
     check(out.copy_to_host(), [words_f32(t).reshape(ROWS, -1) for t in tiles[:1 + nsrc]], what)
     check_pushed(me, members, push, out.copy_to_host(), what)
 

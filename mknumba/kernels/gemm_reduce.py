@@ -8,9 +8,13 @@ paragraph, are the one exception, and only where the whole grid is resident):
 
   compute  [0, C)       for t in order[blk::C]:  part[slot][tile t] <- A @ B (bf16)
                           publish tile_flags[t] = epoch         (sys scope if G > 1: peers read it)
+                          1 node, deliver: a tile another local GPU owns goes instead into that
+                          GPU's inbox plane (NVLink stores), its flag set there
   reduce   [C, R)       for each tile t this GPU owns (sched.reduce), taken from a queue:
-                          wait tile_flags[t] of every local GPU (peer_view)
-                          sum = sum over local GPUs of part[slot][tile t]    (NVLink loads, fp32)
+                          wait tile_flags[t] of every local GPU (peer_view; deliver: the own
+                          and inbox planes' flags, all local)
+                          sum = sum over local GPUs of part[slot][tile t]    (NVLink loads, fp32;
+                          deliver: local loads of the planes)
                           1 node, RS: out[t] <- sum          1 node, AR: out[t] <- sum, and
                                                        every local peer's part[t] <- sum (NVLink
                                                        stores); publish its final_flags[t]
@@ -32,14 +36,16 @@ AllReduce every compute and reduce block then joins the pull queue (``join``): t
 is NVLink work, and a queue (``roles.blocks.take``) lets every idle SM take the next tile. The
 held-back communication SMs carry the reduction while the GEMM runs; the joiners shorten the tail.
 
-The owner pushes finished AllReduce tiles rather than letting peers pull them: a block stores
-over NVLink about twice as fast as it loads (loads wait a round trip; benchmarks/NOTES.md).
+Stores rather than loads cross NVLink wherever the roles allow: a block stores over NVLink
+about twice as fast as it loads (loads wait a round trip; benchmarks/NOTES.md). So the owner
+pushes finished AllReduce tiles to the other local GPUs rather than letting them pull, and on
+one node the GEMM's epilogue can deliver each partial tile to its owner (``deliver``, opt-in).
 
 Per GPU only 1/G of the output crosses the network, to its rail peers. Epochs, not resets: flags
 take the call's epoch; ``slot = call & 1`` double-buffers ``part``, ``stage`` and ``recv``: a rank
 cannot start call e+2 before every peer it exchanges with has finished call e (call e+1 waits on
-that peer's call e+1 tiles, which follow its call e in stream order), so a slot is never
-rewritten while a peer still reads it.
+that peer's call e+1 tiles or finished tiles, which follow its call e in stream order), so a
+slot is never rewritten, nor delivered into, while a peer still reads it.
 """
 import threading
 
@@ -52,7 +58,7 @@ from .._compat import SIMULATOR
 from ..errors import ROLE_INTRA, ROLE_RECV, ROLE_SEND, MkError, MkValueError
 from ..roles import bulk, compute
 from ..roles.blocks import publish, publish_peers, stamp, take, wait
-from ..roles.reduce import chunk_arrive, combine_remote, reduce_peers
+from ..roles.reduce import chunk_arrive, sum_local, reduce_peers
 from ..roles.send import enqueue
 from ..sched import split as sm_split
 from ..sched.reduce import ReducePlan, nonempty
@@ -63,8 +69,9 @@ from . import gemm as _gemm
 (C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES, C_OUT_ROW0, C_COMPUTE, C_REDUCE_END, C_SEND_END,
  C_RECV_END, C_ALLREDUCE, C_STAGE_SLOTS, C_RECV_SLOTS, C_NFINAL, C_RECV_CHUNKS, C_CHUNK,
  C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS, C_TRACE,
- C_SPLIT, C_JOIN, C_RED_WORKERS, C_PULL_WORKERS) = range(29)
+ C_SPLIT, C_JOIN, C_RED_WORKERS, C_PULL_WORKERS, C_DELIVER) = range(30)
 Q_REDUCE, Q_PULL = 0, 1          # the work queues (roles.blocks.take)
+DELIVER_DEFAULT = False          # GemmReduce(deliver=None): see GemmReduce._deliver
 
 # trace rows (``trace=True``): globaltimer stamps, one row per event, indexed by the role's item
 (T_BLOCK_START, T_BLOCK_END, T_RED_READY, T_RED_DONE, T_SEND_READY, T_SEND_ENQUEUED,
@@ -77,7 +84,7 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
-    compute_role = compute.make_compute_role(tile_init, tile)
+    compute_role = compute.make_delivering_compute_role(tile_init, tile)
     # how the reduce and pull roles move tiles within the node (roles.bulk): TMA bulk copies on
     # sm_90a, plain loads elsewhere
     move_init, move_reduce, move_copy, move_drain = bulk.move_functions(moves)
@@ -88,12 +95,14 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
 
     @cuda.jit(**bounds)
     def gemm_reduce_kernel(a, bt, tmaps, part_c, part, part_ptrs, tile_flags, tile_flag_ptrs,
-                           final_flags, final_flag_ptrs, out, cfg, order, red_tiles, red_slots,
+                           final_flags, final_flag_ptrs, out, cfg, order, owner_of_row,
+                           red_tiles, red_slots,
                            red_chunks, chunk_tiles, cmds, final_tiles, final_slots, pull_tiles,
                            stage, recv, arrive, red_flags, chunk_count, chunk_ready,
                            ring, head, tail, epoch, call, timeout_ns, err, rank, trace, queue):
-        """a [m, k], bt [n, k], part_c [2, m, n]: bf16 bits; part: the same memory as uint64
-        words [2 * m * n/4] (symmetric); out: uint64 words of the bf16 output; stage/recv:
+        """a [m, k], bt [n, k], part_c [2, P, m, n]: bf16 bits (per slot, plane 0 this GPU's
+        partials, planes 1..G-1 its inbox when delivering); part: the same memory as uint64
+        words [2 * P * m * n/4] (symmetric); out: uint64 words of the bf16 output; stage/recv:
         tile-major uint64 [2 * slots * bm * bn/4]; flags uint32; tables int32 (sched.reduce);
         trace int64 [TRACE_EVENTS, items] (written only when cfg[C_TRACE]); queue uint32 [2]:
         the reduce and pull work queues' ticket counters."""
@@ -105,8 +114,9 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         tr = cfg[C_TRACE] != 0
         stamp(tr, trace, T_BLOCK_START, blk)
         if blk < n_compute:                                         # ---- compute
-            compute_role(smem, tmaps, a, bt, part_c[slot], order, tile_flags, epoch, blk,
-                         n_compute, tiles_n, cfg[C_G] > 1)   # local peers read the flags
+            compute_role(smem, tmaps, a, bt, part_c, part_ptrs, order, owner_of_row,
+                         tile_flags, tile_flag_ptrs, epoch, blk, n_compute, tiles_n, cfg[C_ME],
+                         cfg[C_G], slot, cfg[C_DELIVER] != 0)
             if cfg[C_JOIN] == 0:
                 stamp(tr, trace, T_BLOCK_END, blk)
                 return
@@ -119,6 +129,9 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         nodes = cfg[C_NODES]
         allreduce = cfg[C_ALLREDUCE] != 0
         part_base = slot * cfg[C_WORDS]
+        plane = m * wn                                              # words per plane
+        tiles = order.shape[0]
+        deliver = cfg[C_DELIVER] != 0
         stage_base = slot * cfg[C_STAGE_SLOTS] * tile_words
         recv_base = slot * cfg[C_RECV_SLOTS] * tile_words
         reduce_end = cfg[C_REDUCE_END]
@@ -146,15 +159,24 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                 wcols = min(bw, wn - c0)
                 src = part_base + r0 * wn + c0
                 for j in range(G):
-                    p = prim.peer_after(me, 1 + j, G)
-                    if not wait(prim.peer_view(tile_flag_ptrs, p, tile_flags), t, epoch,
-                                deadline, err, rank, ROLE_INTRA, G > 1):
+                    if deliver:       # plane j of this GPU: its own tile, then its inbox
+                        ok = wait(tile_flags, j * tiles + t, epoch, deadline, err, rank,
+                                  ROLE_INTRA)
+                    else:             # every local GPU's own tile, over NVLink
+                        ok = wait(prim.peer_view(tile_flag_ptrs, prim.peer_after(me, 1 + j, G),
+                                                 tile_flags), t, epoch, deadline, err, rank,
+                                  ROLE_INTRA, G > 1)
+                    if not ok:
                         return
                 stamp(tr, trace, T_RED_READY, i)
                 if nodes == 1:
                     dst = (r0 - cfg[C_OUT_ROW0]) * wn + c0
-                    seq = move_reduce(smem, seq, part_ptrs, part, G, me, src, wn, out, dst, wn,
-                                      allreduce, rows, wcols)
+                    if deliver:       # all G partials are local: plane 0 + planes 1..G-1
+                        sum_local(part, src, part, src + plane, plane, G - 1, out, dst, wn,
+                                  part_ptrs, part, G, me, src, wn, allreduce, rows, wcols, wn)
+                    else:
+                        seq = move_reduce(smem, seq, part_ptrs, part, G, me, src, wn, out, dst,
+                                          wn, allreduce, rows, wcols)
                     if allreduce:
                         move_drain(smem)            # the pushed tile is written, then its flag
                         publish_peers(final_flag_ptrs, final_flags, G, me, t * split + band,
@@ -203,11 +225,11 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                 tm = t // tiles_n
                 r0 = tm * bm
                 c0 = (t - tm * tiles_n) * bw
-                combine_remote(stage, stage_base + fs * tile_words, recv,
-                               recv_base + i * tile_words, nfinal * tile_words, nsrc,
-                               out, (r0 - cfg[C_OUT_ROW0]) * wn + c0, wn,
-                               part_ptrs, part, G, me, part_base + r0 * wn + c0, wn, bcast,
-                               min(bm, m - r0), min(bw, wn - c0), bw)
+                sum_local(stage, stage_base + fs * tile_words, recv,
+                          recv_base + i * tile_words, nfinal * tile_words, nsrc,
+                          out, (r0 - cfg[C_OUT_ROW0]) * wn + c0, wn,
+                          part_ptrs, part, G, me, part_base + r0 * wn + c0, wn, bcast,
+                          min(bm, m - r0), min(bw, wn - c0), bw)
                 if bcast:
                     publish_peers(final_flag_ptrs, final_flags, G, me, t, epoch)
                 stamp(tr, trace, T_RECV_DONE, i)
@@ -312,7 +334,8 @@ class GemmReduce:
     (or another build, ``roles.compute.tile_build``);
     split: row bands per tile in the 1-node reduce and pull roles (default 1, see
     :meth:`_split`); join: idle compute blocks help the reduce and pull roles (default: on
-    one node on the GPU, see :meth:`_join`);
+    one node on the GPU, see :meth:`_join`); deliver: compute blocks write tiles other local
+    GPUs own straight into those GPUs' memory (one node; opt-in, see :meth:`_deliver`);
     moves: how the reduce and pull roles move tiles over NVLink: "threads" (plain loads and
     stores, ``roles.reduce``; the default), or on sm_90a "bulk" / "bulk:w1" (TMA bulk copies,
     ``roles.bulk``: correct, but slower per block on an H200, benchmarks/NOTES.md);
@@ -326,7 +349,8 @@ class GemmReduce:
     name = "GemmReduce"
 
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, comm_sms=None, chunk_bytes=None,
-                 tile="auto", group_m=None, trace=False, moves=None, split=None, join=None):
+                 tile="auto", group_m=None, trace=False, moves=None, split=None, join=None,
+                 deliver=None):
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
         m, n, k = int(m), int(n), int(k)
@@ -371,6 +395,7 @@ class GemmReduce:
         self._roles(sms, G, nodes)
         self.split = self._split(split, nodes)
         self.join = self._join(join, nodes)
+        self.deliver = self._deliver(deliver, nodes, G)
         self.tracing = bool(trace)
         self._allocate(G, nodes)
         self.err = comm.new_error_record()
@@ -442,11 +467,27 @@ class GemmReduce:
                                "simulator) and moves='threads'")
         return bool(join)
 
+    def _deliver(self, deliver, nodes, G):
+        """Whether compute blocks write each tile another local GPU owns straight into that
+        GPU's inbox (NVLink stores from the GEMM's epilogue), so the owner's reduce reads only
+        local memory, instead of leaving it in their own memory for the owner to load over
+        NVLink (a block loads over NVLink at about half the rate it stores). One node, plain
+        tile moves; costs (G - 1) more planes of m x n partials per slot. Opt-in
+        (``DELIVER_DEFAULT``) until it is timed on the GPUs against the default."""
+        possible = nodes == 1 and G > 1 and self.moves == "threads"
+        if deliver is None:
+            return possible and DELIVER_DEFAULT
+        if deliver and not possible:
+            raise MkValueError(f"{self.name}: deliver=True needs one node of several GPUs and "
+                               "moves='threads'")
+        return bool(deliver)
+
     def _allocate(self, G, nodes):
         comm, plan = self.comm, self.plan
         self.words = self.m * self.n // 4
-        self.part = comm.alloc_symmetric((2 * self.words,), np.uint64)
-        self.tile_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n)
+        self.planes = G if self.deliver else 1     # own partials, then an inbox per local peer
+        self.part = comm.alloc_symmetric((2 * self.planes * self.words,), np.uint64)
+        self.tile_flags = comm.alloc_flags(self.planes * plan.tiles_m * plan.tiles_n)
         self.final_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n * self.split
                                             if self.allreduce else 1)
         self._buffers = [self.part, self.tile_flags, self.final_flags]
@@ -485,7 +526,7 @@ class GemmReduce:
         reduce_end = rb["compute"] + rb["reduce"]
         send_end = reduce_end + rb["send"]
         recv_end = send_end + rb["recv"]
-        cfg = np.zeros(29, np.int64)
+        cfg = np.zeros(30, np.int64)
         cfg[[C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES]] = (self.m, self.n, plan.tiles_n,
                                                           comm.local_rank, G, nodes)
         cfg[C_OUT_ROW0] = 0 if self.allreduce else comm.rank * self.out_rows
@@ -496,7 +537,9 @@ class GemmReduce:
             stage_slots, recv_slots, plan.n_final, plan.recv_chunks, plan.chunk_tiles_max,
             plan.n_cmds)
         cfg[[C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE]] = wins
-        cfg[[C_NRED, C_NPULL, C_WORDS]] = (len(plan.red_tiles), len(plan.pull_tiles), self.words)
+        cfg[[C_NRED, C_NPULL, C_WORDS]] = (len(plan.red_tiles), len(plan.pull_tiles),
+                                           self.planes * self.words)     # words per slot
+        cfg[C_DELIVER] = int(self.deliver)
         cfg[C_TRACE] = int(self.tracing)
         cfg[C_SPLIT] = self.split
         # who draws from the work queues (roles.blocks.take): exactly these blocks, once past
@@ -509,8 +552,9 @@ class GemmReduce:
         items = max(self.grid, len(plan.red_tiles) * self.split, plan.n_cmds, plan.n_final,
                     len(plan.pull_tiles) * self.split) if self.tracing else 1
         self._trace = _to_device(np.zeros((len(TRACE_EVENTS), items), np.int64))
-        tables = [plan.order, plan.red_tiles, plan.red_slots, plan.red_chunks, plan.chunk_tiles,
-                  plan.cmds, plan.final_tiles, plan.final_slots, plan.pull_tiles]
+        tables = [plan.order, plan.owner_of_row, plan.red_tiles, plan.red_slots, plan.red_chunks,
+                  plan.chunk_tiles, plan.cmds, plan.final_tiles, plan.final_slots,
+                  plan.pull_tiles]
         self._tables = [_to_device(cfg)] + [_to_device(nonempty(np.ascontiguousarray(t)))
                                             for t in tables]
         self._net = dev + [ring, head, tail]
@@ -572,7 +616,7 @@ class GemmReduce:
             tmaps = self._tmaps[tk]
         else:
             tmaps = _to_device(np.zeros(32, np.uint64))
-        part_c = self.part.local.view(np.uint16).reshape(2, self.m, self.n)
+        part_c = self.part.local.view(np.uint16).reshape(2, self.planes, self.m, self.n)
         args = [A.arr, bt, tmaps, part_c, self.part.local, self.part.ptrs,
                 self.tile_flags.local, self.tile_flags.ptrs, self.final_flags.local,
                 self.final_flags.ptrs, out_words] + self._tables + self._net + [

@@ -32,7 +32,7 @@ from numba import cuda, types
 
 from .._compat import SIMULATOR
 from ..errors import MkValueError
-from ..primitives import data_ptr, release
+from ..primitives import data_ptr, peer_after, peer_view, release
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
 
@@ -223,6 +223,51 @@ def make_compute_role(tile_init, tile):
     return compute_role
 
 
+def make_delivering_compute_role(tile_init, tile):
+    """The fused reductions' compute role on one node: each tile goes where it is summed.
+
+    ``compute_role(smem, tmaps, a, b, planes, ptrs, order, owner_of_row, flags, flag_ptrs,
+    epoch, blk, blocks, tiles_n, me, G, slot, deliver)``: ``planes`` is this GPU's
+    [2, P, m, n] bf16-bits view of the symmetric partials (``ptrs``: its address table), plane
+    0 its own partials, planes 1.. an inbox per other local GPU; ``flags`` [P * tiles] the
+    matching tile flags. ``deliver``: a tile whose row block another local GPU owns
+    (``owner_of_row``) is written straight into that owner's inbox over NVLink, its flag
+    released there (system scope), so the owner sums local memory only; a tile this GPU owns,
+    or every tile when not ``deliver``, goes to plane 0 with a local flag (system scope when
+    ``G > 1`` and not ``deliver``: then the owners read it over NVLink).
+    """
+    @cuda.jit(device=True)
+    def compute_role(smem, tmaps, a, b, planes, ptrs, order, owner_of_row, flags, flag_ptrs,
+                     epoch, blk, blocks, tiles_n, me, G, slot, deliver):
+        m, k = a.shape
+        n = b.shape[0]
+        tiles = order.shape[0]
+        tile_init(smem, tmaps)
+        cuda.syncthreads()
+        seq = 0
+        for i in range(blk, tiles, blocks):
+            t = order[i]
+            tm = t // tiles_n
+            o = owner_of_row[tm]
+            if deliver and o != me:
+                j = 1
+                while peer_after(o, j, G) != me:      # my inbox at the owner: plane j
+                    j += 1
+                c = peer_view(ptrs, o, planes)[slot, j]
+                f = peer_view(flag_ptrs, o, flags)
+                idx = j * tiles + t
+                system = True
+            else:
+                c = planes[slot, 0]
+                f = flags
+                idx = t
+                system = G > 1 and not deliver
+            if tile(smem, tmaps, a, b, c, m, n, k, tm, t - tm * tiles_n, seq):
+                release(f, idx, epoch, system)   # the tile's stores (its barrier) first
+            seq += 1
+    return compute_role
+
+
 # ---- tile builds: what a kernel needs to run one tile implementation ---------------------------
 #: init/tile: the device functions (tile contract above); shape: (BM, BN); threads per block;
 #: smem_bytes: dynamic shared memory per block; tma: reads A and B through tensor maps (sm_90a);
@@ -263,5 +308,6 @@ __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM9
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions",
            "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16",
-           "make_compute_role", "TileBuild", "tile_build", "register_tile",
+           "make_compute_role", "make_delivering_compute_role", "TileBuild", "tile_build",
+           "register_tile",
            "HELPER"] + ([] if SIMULATOR else ["gemm_init_sm90", "gemm_tile_sm90"])

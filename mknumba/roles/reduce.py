@@ -175,12 +175,13 @@ def reduce_peers(ptrs, template, members, me, src_off, src_stride,
 
 
 @cuda.jit(device=True)
-def combine_remote(own, own_off, recv, recv_off, recv_step, nsrc, dst, dst_off, dst_stride,
-                   ptrs, template, members, me, push_off, push_stride, push, rows, wcols, bwords):
-    """dst <- own node's partial (tile-major) + ``nsrc`` rail peers' partials.
-
-    own/recv: tile-major stage buffers (row stride ``bwords`` = bn/4); the s-th rail peer's
-    tile starts at ``recv_off + s * recv_step``. All reads are local memory. ``push``
+def sum_local(own, own_off, recv, recv_off, recv_step, nsrc, dst, dst_off, dst_stride,
+              ptrs, template, members, me, push_off, push_stride, push, rows, wcols, bwords):
+    """dst <- a partial tile + ``nsrc`` more, all in this GPU's memory: the node's sum and the
+    rail peers' (receive role: tile-major stage buffers, row stride ``bwords`` = bn/4), or this
+    GPU's own tile and what the other local GPUs delivered into its inbox planes (1-node
+    reduce: row stride ``bwords`` = n/4). The s-th extra tile starts at
+    ``recv_off + s * recv_step``. ``push``
     (AllReduce, G > 1): the result also goes to ``push_off`` of every other local GPU's
     ``template`` buffer (``ptrs``: its address table), where that GPU copies it out. One
     source: packed bf16 adds; more: fp32 accumulation; each output rounded once.

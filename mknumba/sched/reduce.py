@@ -64,6 +64,7 @@ class ReducePlan:
 
     Device tables (int32 unless noted):
       order [tiles]            compute order of every tile (same on every rank of the node)
+      owner_of_row [tiles_m]   local owner (GPU of the node) of each tile row
       red_tiles [R]            tiles this GPU reduces over NVLink, in processing order
       red_slots [R]            their stage slot (nodes > 1), else -1
       red_chunks [R]           their network chunk (-1: not sent), for the per-chunk counter
@@ -110,6 +111,7 @@ class ReducePlan:
             dest_of_row = blocks // G
             network_block = np.arange(W) // G != self.node
         self.order = compute_order(self.tiles_m, self.tiles_n, blocks, network_block, self.group_m)
+        self.owner_of_row = owner_of_row.astype(np.int32)
         tn_ = self.tiles_n
         owner = owner_of_row[self.order // tn_]
         dest = dest_of_row[self.order // tn_]

@@ -30,7 +30,7 @@ def bits_f64(b):
     return (np.asarray(b).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join):
+def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, deliver):
     from mknumba.kernels.gemm import Gemm
     from mknumba.roles.compute import tile_build
     chunk = None
@@ -38,7 +38,8 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join):
         bm, bn = tile_build(Gemm()._kind()).shape       # the tile "auto" picks here
         chunk = chunk_tiles * bm * bn * 2
     traced = iterations <= 3        # short runs also check the role trace of the last call
-    op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced, split=split or None, join=join)
+    op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced, split=split or None, join=join,
+            deliver=deliver)
     rows = op.out_shape()[0]
     sent, outs = [], []
     for it in range(iterations):
@@ -105,7 +106,9 @@ def main():
     arrays = sys.argv[6] if len(sys.argv) > 6 else "numba"
     chunk_tiles = int(sys.argv[7]) if len(sys.argv) > 7 else 0
     split = int(sys.argv[8]) if len(sys.argv) > 8 else 0          # 0: the op's choice
-    join = {"on": True, "off": False}.get(sys.argv[9] if len(sys.argv) > 9 else "")
+    onoff = {"on": True, "off": False}                         # else: the op's choice
+    join = onoff.get(sys.argv[9] if len(sys.argv) > 9 else "")
+    deliver = onoff.get(sys.argv[10] if len(sys.argv) > 10 else "")
     ops = {"rs": [GemmReduceScatter], "ar": [GemmAllReduce],
            "both": [GemmReduceScatter, GemmAllReduce]}[kernel]
     with mk.init() as comm:
@@ -115,10 +118,11 @@ def main():
         rng = np.random.default_rng(1000 + comm.rank)
         for Op in ops:
             worst, op = run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split,
-                            join)
+                            join, deliver)
             print(f"PASS {Op.kernel_name} rank {comm.rank} topology {comm.nodes}x"
                   f"{comm.local_size} m={m} n={n} k={k} calls={iterations} split={op.split} "
-                  f"join={int(op.join)} max_rel_err={worst:.2e}", flush=True)
+                  f"join={int(op.join)} deliver={int(op.deliver)} max_rel_err={worst:.2e}",
+                  flush=True)
         comm.barrier()
 
 
