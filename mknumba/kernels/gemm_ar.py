@@ -7,7 +7,8 @@ Hierarchical: tile row ``tm`` belongs to local GPU ``tm % G``. The owner pulls t
 partial tiles over NVLink and sums them; with several nodes it sends that node sum to its rail
 peers (1/G of the output per GPU crosses the network, in chunks published by a per-chunk
 counter) and adds theirs; then it stores the finished tile into every other local GPU's
-symmetric buffer, from which that GPU copies it into its output. Roles and waits: :mod:`mknumba.kernels.gemm_reduce`.
+symmetric buffer, from which that GPU copies it into its output. Roles and waits:
+:mod:`mknumba.kernels.gemm_reduce`.
 """
 from .gemm_reduce import GemmReduce
 
