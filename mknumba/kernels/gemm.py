@@ -31,7 +31,7 @@ _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 def _make_kernel(tile_init, tile, bm, bn, threads):
     """The persistent kernel around one tile implementation."""
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
-    compute_role = compute.make_compute_role(tile_init, tile)
+    compute_role = compute.make_compute_role(tile_init, tile, compute.own_tile)
 
     @cuda.jit(**bounds)
     def gemm_kernel(a, b, c, tmaps, tile_flags, epoch, order, compute_blocks):
@@ -40,8 +40,8 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
         smem = cuda.shared.array(0, dtype=_BYTE)
         if cuda.blockIdx.x >= compute_blocks:
             return  # held back for other roles; nothing else runs in a plain GEMM
-        compute_role(smem, tmaps, a, b, c, order, tile_flags, epoch, cuda.blockIdx.x,
-                     compute_blocks, (b.shape[0] + bn - 1) // bn, False)   # read on this GPU
+        compute_role(smem, tmaps, a, b, order, (b.shape[0] + bn - 1) // bn, cuda.blockIdx.x,
+                     compute_blocks, epoch, (c, tile_flags, False))   # flags read on this GPU
 
     return gemm_kernel
 

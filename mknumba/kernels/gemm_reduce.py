@@ -69,7 +69,7 @@ from . import gemm as _gemm
 (C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES, C_OUT_ROW0, C_COMPUTE, C_REDUCE_END, C_SEND_END,
  C_RECV_END, C_ALLREDUCE, C_STAGE_SLOTS, C_RECV_SLOTS, C_NFINAL, C_RECV_CHUNKS, C_CHUNK,
  C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS, C_TRACE,
- C_SPLIT, C_JOIN, C_RED_WORKERS, C_PULL_WORKERS, C_DELIVER) = range(30)
+ C_SPLIT, C_JOIN, C_DELIVER) = range(28)
 Q_REDUCE, Q_PULL = 0, 1          # the work queues (roles.blocks.take)
 DELIVER_DEFAULT = False          # GemmReduce(deliver=None): see GemmReduce._deliver
 
@@ -84,7 +84,7 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
-    compute_role = compute.make_delivering_compute_role(tile_init, tile)
+    compute_role = compute.make_compute_role(tile_init, tile, compute.to_owner)
     # how the reduce and pull roles move tiles within the node (roles.bulk): TMA bulk copies on
     # sm_90a, plain loads elsewhere
     move_init, move_reduce, move_copy, move_drain = bulk.move_functions(moves)
@@ -112,12 +112,13 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         tiles_n = cfg[C_TILES_N]
         n_compute = cfg[C_COMPUTE]
         tr = cfg[C_TRACE] != 0
+        join = cfg[C_JOIN] != 0
         stamp(tr, trace, T_BLOCK_START, blk)
         if blk < n_compute:                                         # ---- compute
-            compute_role(smem, tmaps, a, bt, part_c, part_ptrs, order, owner_of_row,
-                         tile_flags, tile_flag_ptrs, epoch, blk, n_compute, tiles_n, cfg[C_ME],
-                         cfg[C_G], slot, cfg[C_DELIVER] != 0)
-            if cfg[C_JOIN] == 0:
+            compute_role(smem, tmaps, a, bt, order, tiles_n, blk, n_compute, epoch,
+                         (part_c, part_ptrs, owner_of_row, tile_flags, tile_flag_ptrs,
+                          cfg[C_ME], cfg[C_G], slot, cfg[C_DELIVER] != 0))
+            if not join:
                 stamp(tr, trace, T_BLOCK_END, blk)
                 return
             cuda.syncthreads()        # then join the reduce (and pull) queues below
@@ -137,6 +138,12 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         reduce_end = cfg[C_REDUCE_END]
         send_end = cfg[C_SEND_END]
         recv_end = cfg[C_RECV_END]
+        # who draws from the work queues (each worker once past the end: roles.blocks.take
+        # counts them): the role's own blocks, and with join the compute blocks (reduce queue)
+        # and every compute and reduce block (pull queue)
+        red_workers = reduce_end - (0 if join else n_compute)
+        pulls = blk >= recv_end or (join and blk < reduce_end)
+        pull_workers = cuda.gridDim.x - recv_end + (reduce_end if join else 0)
 
         if blk < reduce_end:                                        # ---- intra-node reduce
             seq = 0                   # this block's tile moves so far (roles.bulk)
@@ -146,7 +153,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
             sub = bm // split
             n_items = cfg[C_NRED] * split
             while True:
-                i = take(queue, Q_REDUCE, call, n_items, cfg[C_RED_WORKERS])
+                i = take(queue, Q_REDUCE, call, n_items, red_workers)
                 if i >= n_items:
                     break
                 it = i // split
@@ -233,14 +240,14 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                 if bcast:
                     publish_peers(final_flag_ptrs, final_flags, G, me, t, epoch)
                 stamp(tr, trace, T_RECV_DONE, i)
-        if cfg[C_NPULL] > 0 and (blk >= recv_end or (cfg[C_JOIN] != 0 and blk < reduce_end)):
+        if cfg[C_NPULL] > 0 and pulls:
             seq = 0                                                 # ---- pull (AllReduce)
             move_init(smem)
             split = cfg[C_SPLIT]
             sub = bm // split
             n_items = cfg[C_NPULL] * split
             while True:
-                i = take(queue, Q_PULL, call, n_items, cfg[C_PULL_WORKERS])
+                i = take(queue, Q_PULL, call, n_items, pull_workers)
                 if i >= n_items:
                     break
                 it = i // split
@@ -526,7 +533,7 @@ class GemmReduce:
         reduce_end = rb["compute"] + rb["reduce"]
         send_end = reduce_end + rb["send"]
         recv_end = send_end + rb["recv"]
-        cfg = np.zeros(30, np.int64)
+        cfg = np.zeros(C_DELIVER + 1, np.int64)
         cfg[[C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES]] = (self.m, self.n, plan.tiles_n,
                                                           comm.local_rank, G, nodes)
         cfg[C_OUT_ROW0] = 0 if self.allreduce else comm.rank * self.out_rows
@@ -542,12 +549,7 @@ class GemmReduce:
         cfg[C_DELIVER] = int(self.deliver)
         cfg[C_TRACE] = int(self.tracing)
         cfg[C_SPLIT] = self.split
-        # who draws from the work queues (roles.blocks.take): exactly these blocks, once past
-        # the end each, so the kernel's ticket arithmetic must see the same counts
         cfg[C_JOIN] = int(self.join)
-        cfg[C_RED_WORKERS] = reduce_end if self.join else rb["reduce"]
-        if len(plan.pull_tiles):
-            cfg[C_PULL_WORKERS] = rb["pull"] + (reduce_end if self.join else 0)
         self.queue = _to_device(np.zeros(2, np.uint32))
         items = max(self.grid, len(plan.red_tiles) * self.split, plan.n_cmds, plan.n_final,
                     len(plan.pull_tiles) * self.split) if self.tracing else 1

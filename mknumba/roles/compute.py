@@ -32,7 +32,7 @@ from numba import cuda, types
 
 from .._compat import SIMULATOR
 from ..errors import MkValueError
-from ..primitives import data_ptr, peer_after, peer_view, release
+from ..primitives import data_ptr, peer_view, release
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
 
@@ -198,17 +198,19 @@ def gemm_tile_simt(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq):
     return cuda.threadIdx.x == 0
 
 
-def make_compute_role(tile_init, tile):
-    """The compute role, around one tile implementation (the plain GEMM and the fused kernels).
+def make_compute_role(tile_init, tile, destination):
+    """The compute role around one tile implementation (the plain GEMM and the fused kernels).
 
-    ``compute_role(smem, tmaps, a, b, c, order, flags, epoch, blk, blocks, tiles_n, system)``:
-    compute block ``blk`` of ``blocks`` computes tiles ``order[blk], order[blk + blocks], ...``
-    (linear ids ``tile_m * tiles_n + tile_n``) into ``c`` and publishes ``flags[t] = epoch``
-    after each, with a release at system scope (``system``: other GPUs read the flags over
-    NVLink) or GPU scope (only this GPU's blocks do).
+    ``compute_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where)``: compute
+    block ``blk`` of ``blocks`` computes tiles ``order[blk], order[blk + blocks], ...`` (linear
+    ids ``t = tile_m * tiles_n + tile_n``) and announces each with ``flags[idx] = epoch`` behind
+    a release. ``destination(where, t, tile_m) -> (c, flags, idx, system)`` says where: the
+    [m, n] bf16-bits array the tile goes into, the flag array and index that announce it, and
+    whether the release is at system scope (the flag's reader is another GPU) or GPU scope;
+    ``where`` is the kernel's tuple of what it needs (:func:`own_tile`, :func:`to_owner`).
     """
     @cuda.jit(device=True)
-    def compute_role(smem, tmaps, a, b, c, order, flags, epoch, blk, blocks, tiles_n, system):
+    def compute_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where):
         m, k = a.shape
         n = b.shape[0]
         tile_init(smem, tmaps)
@@ -217,55 +219,41 @@ def make_compute_role(tile_init, tile):
         for i in range(blk, order.shape[0], blocks):
             t = order[i]
             tm = t // tiles_n
+            c, flags, idx, system = destination(where, t, tm)
             if tile(smem, tmaps, a, b, c, m, n, k, tm, t - tm * tiles_n, seq):
-                release(flags, t, epoch, system)   # the tile's stores (its barrier) first
+                release(flags, idx, epoch, system)   # the tile's stores (its barrier) first
             seq += 1
     return compute_role
 
 
-def make_delivering_compute_role(tile_init, tile):
-    """The fused reductions' compute role on one node: each tile goes where it is summed.
+@cuda.jit(device=True, inline=True)
+def own_tile(where, t, tm):
+    """Every tile into one array: ``where = (c, flags, system)``, tile ``t`` announced by
+    ``flags[t]`` (the plain GEMM)."""
+    c, flags, system = where
+    return c, flags, t, system
 
-    ``compute_role(smem, tmaps, a, b, planes, ptrs, order, owner_of_row, flags, flag_ptrs,
-    epoch, blk, blocks, tiles_n, me, G, slot, deliver)``: ``planes`` is this GPU's
-    [2, P, m, n] bf16-bits view of the symmetric partials (``ptrs``: its address table), plane
-    0 its own partials, planes 1.. an inbox per other local GPU; ``flags`` [P * tiles] the
-    matching tile flags. ``deliver``: a tile whose row block another local GPU owns
-    (``owner_of_row``) is written straight into that owner's inbox over NVLink, its flag
-    released there (system scope), so the owner sums local memory only; a tile this GPU owns,
-    or every tile when not ``deliver``, goes to plane 0 with a local flag (system scope when
-    ``G > 1`` and not ``deliver``: then the owners read it over NVLink).
+
+@cuda.jit(device=True, inline=True)
+def to_owner(where, t, tm):
+    """The fused reductions on one node: each tile goes where it is summed.
+
+    ``where = (planes, ptrs, owner_of_row, flags, flag_ptrs, me, G, slot, deliver)``:
+    ``planes`` is this GPU's [2, P, m, n] bf16-bits view of the symmetric partials (``ptrs``:
+    its address table), plane 0 its own partials, planes 1.. an inbox per other local GPU;
+    ``flags`` [P * tiles] the matching tile flags. ``deliver``: a tile whose row block another
+    local GPU owns (``owner_of_row``) is written straight into that owner's inbox over NVLink,
+    its flag released there (system scope), so the owner sums local memory only; a tile this
+    GPU owns, or every tile when not ``deliver``, goes to plane 0 with a local flag (system
+    scope when ``G > 1`` and not ``deliver``: then the owners read it over NVLink).
     """
-    @cuda.jit(device=True)
-    def compute_role(smem, tmaps, a, b, planes, ptrs, order, owner_of_row, flags, flag_ptrs,
-                     epoch, blk, blocks, tiles_n, me, G, slot, deliver):
-        m, k = a.shape
-        n = b.shape[0]
-        tiles = order.shape[0]
-        tile_init(smem, tmaps)
-        cuda.syncthreads()
-        seq = 0
-        for i in range(blk, tiles, blocks):
-            t = order[i]
-            tm = t // tiles_n
-            o = owner_of_row[tm]
-            if deliver and o != me:
-                j = 1
-                while peer_after(o, j, G) != me:      # my inbox at the owner: plane j
-                    j += 1
-                c = peer_view(ptrs, o, planes)[slot, j]
-                f = peer_view(flag_ptrs, o, flags)
-                idx = j * tiles + t
-                system = True
-            else:
-                c = planes[slot, 0]
-                f = flags
-                idx = t
-                system = G > 1 and not deliver
-            if tile(smem, tmaps, a, b, c, m, n, k, tm, t - tm * tiles_n, seq):
-                release(f, idx, epoch, system)   # the tile's stores (its barrier) first
-            seq += 1
-    return compute_role
+    planes, ptrs, owner_of_row, flags, flag_ptrs, me, G, slot, deliver = where
+    o = owner_of_row[tm]
+    if deliver and o != me:
+        j = me - o if me > o else me - o + G         # my inbox there: peer_after(o, j) == me
+        return (peer_view(ptrs, o, planes)[slot, j], peer_view(flag_ptrs, o, flags),
+                j * (flags.shape[0] // planes.shape[1]) + t, True)
+    return planes[slot, 0], flags, t, G > 1 and not deliver
 
 
 # ---- tile builds: what a kernel needs to run one tile implementation ---------------------------
@@ -308,6 +296,6 @@ __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM9
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions",
            "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16",
-           "make_compute_role", "make_delivering_compute_role", "TileBuild", "tile_build",
+           "make_compute_role", "own_tile", "to_owner", "TileBuild", "tile_build",
            "register_tile",
            "HELPER"] + ([] if SIMULATOR else ["gemm_init_sm90", "gemm_tile_sm90"])
