@@ -180,9 +180,6 @@ __device__ __forceinline__ void consumer_barrier() {
 
 }  // namespace
 
-// Bytes of dynamic shared memory the kernel must be launched with (ring + barriers + alignment).
-extern "C" __device__ int mk_gemm_sm90_smem_bytes() { return BAR_OFFSET + 16 * STAGES + 16 + 1024; }
-
 // Once per block, before the first tile; thread 0 initialises the barriers, the caller then
 // runs __syncthreads(). tmaps: address of the two 128-byte CUtensorMaps (A, then B).
 extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned long long tmaps) {

@@ -88,9 +88,6 @@ __device__ __forceinline__ unsigned add_bf16x2(unsigned a, unsigned b) {
 
 }  // namespace
 
-// Bytes of dynamic shared memory a block needs for mk_bulk_move (buffers, barrier, alignment).
-extern "C" __device__ int mk_bulk_smem_bytes() { return BAR_OFFSET + 8 + 128; }
-
 // Once per block before its first move: thread 0 sets up the mbarrier; then a block barrier.
 extern "C" __device__ int mk_bulk_init(unsigned long long smem) {
     if (threadIdx.x == 0) {
