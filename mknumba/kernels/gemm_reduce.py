@@ -57,7 +57,7 @@ from .. import primitives as prim
 from .._compat import SIMULATOR
 from ..errors import ROLE_INTRA, ROLE_RECV, ROLE_SEND, MkError, MkValueError
 from ..roles import bulk, compute
-from ..roles.blocks import publish, publish_peers, stamp, take, wait
+from ..roles.blocks import publish, publish_peers, stamp, take_band, wait
 from ..roles.reduce import chunk_arrive, sum_local, reduce_peers
 from ..roles.send import enqueue
 from ..sched import split as sm_split
@@ -84,14 +84,181 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
+    """The persistent kernel around one tile build and one way to move tiles within the node
+    (``roles.bulk``: TMA bulk copies on sm_90a, plain loads and stores elsewhere). Each role is
+    a device function below; the kernel at the end hands blocks to them in block order."""
     compute_role = compute.make_compute_role(tile_init, tile, compute.to_owner)
-    # how the reduce and pull roles move tiles within the node (roles.bulk): TMA bulk copies on
-    # sm_90a, plain loads elsewhere
     move_init, move_reduce, move_copy, move_drain = bulk.move_functions(moves)
     bw = bn // 4                      # words (4 bf16) per tile row
     tile_words = bm * bw
     tile_bytes = tile_words * 8
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
+
+    # Every role takes ``ctx = (epoch, call, deadline, err, rank, trace)`` and returns False
+    # when one of its waits timed out (the error record holds which), so the block can end.
+    # The roles are inlined into the kernel: compiled apart, each would define the static
+    # shared arrays of roles.blocks.wait and take again, and the link refuses the duplicates.
+
+    @cuda.jit(device=True, inline=True)
+    def origin(t, tiles_n, band, sub):
+        """First row (elements) and column (words) of row band ``band`` of tile ``t``."""
+        tm = t // tiles_n
+        return tm * bm + band * sub, (t - tm * tiles_n) * bw
+
+    @cuda.jit(device=True, inline=True)
+    def reduce_role(smem, cfg, tables, node, net, out, queue, workers, ctx):
+        """Intra-node reduce: for each tile (row band) this GPU owns, taken from the reduce
+        queue, wait until every local GPU's partial is there, sum them (fp32), and write the
+        sum: 1 node, to ``out`` (AllReduce: also into every local peer's partials, then their
+        final flags); nodes > 1, to a stage slot for the network, counting it into its chunk."""
+        order, red_tiles, red_slots, red_chunks, chunk_tiles = tables
+        part, part_ptrs, tile_flags, tile_flag_ptrs, final_flags, final_flag_ptrs = node
+        stage, red_flags, chunk_count, chunk_ready = net
+        epoch, call, deadline, err, rank, trace = ctx
+        tr = cfg[C_TRACE] != 0
+        m, wn, me, G = cfg[C_M], cfg[C_N] // 4, cfg[C_ME], cfg[C_G]
+        nodes, allreduce, deliver = cfg[C_NODES], cfg[C_ALLREDUCE] != 0, cfg[C_DELIVER] != 0
+        part_base = (call & 1) * cfg[C_WORDS]
+        stage_base = (call & 1) * cfg[C_STAGE_SLOTS] * tile_words
+        plane = m * wn                # words per plane of partials
+        tiles = order.shape[0]
+        seq = 0                       # this block's tile moves so far (roles.bulk)
+        if nodes == 1:
+            move_init(smem)
+        split = cfg[C_SPLIT]          # items per tile: bands of bm / split rows (1 node only)
+        sub = bm // split
+        while True:
+            i, it, band = take_band(queue, Q_REDUCE, call, cfg[C_NRED], split, workers)
+            if it >= cfg[C_NRED]:
+                break
+            t = red_tiles[it]
+            r0, c0 = origin(t, cfg[C_TILES_N], band, sub)
+            rows = min(sub, m - r0)   # <= 0 past a ragged edge: no words, flag still set
+            wcols = min(bw, wn - c0)
+            src = part_base + r0 * wn + c0
+            for j in range(G):
+                if deliver:           # plane j of this GPU: its own tile, then its inbox
+                    ok = wait(tile_flags, j * tiles + t, epoch, deadline, err, rank, ROLE_INTRA)
+                else:                 # every local GPU's own tile, over NVLink
+                    ok = wait(prim.peer_view(tile_flag_ptrs, prim.peer_after(me, 1 + j, G),
+                                             tile_flags), t, epoch, deadline, err, rank,
+                              ROLE_INTRA, G > 1)
+                if not ok:
+                    return False
+            stamp(tr, trace, T_RED_READY, i)
+            if nodes == 1:
+                dst = (r0 - cfg[C_OUT_ROW0]) * wn + c0
+                if deliver:           # all G partials are local: plane 0 + planes 1..G-1
+                    sum_local(part, src, part, src + plane, plane, G - 1, out, dst, wn,
+                              part_ptrs, part, G, me, src, wn, allreduce, rows, wcols, wn)
+                else:
+                    seq = move_reduce(smem, seq, part_ptrs, part, G, me, src, wn, out, dst,
+                                      wn, allreduce, rows, wcols)
+                if allreduce:
+                    move_drain(smem)                # the pushed tile is written, then its flag
+                    publish_peers(final_flag_ptrs, final_flags, G, me, t * split + band,
+                                  epoch)
+            else:
+                s = red_slots[it]
+                reduce_peers(part_ptrs, part, G, me, src, wn, stage,
+                             stage_base + s * tile_words, bw, False, rows, wcols)
+                publish(red_flags, s, epoch, False)           # read by this GPU's receive
+                q = red_chunks[it]
+                if q >= 0:
+                    chunk_arrive(chunk_count, chunk_ready, q,
+                                 (np.int64(call) * chunk_tiles[q]) & _MASK32, epoch)
+            stamp(tr, trace, T_RED_DONE, i)
+        if nodes == 1:
+            move_drain(smem)          # no bulk store outlives the block
+        return True
+
+    @cuda.jit(device=True, inline=True)
+    def send_role(cfg, cmds, chunk_ready, proxy, first, step, ctx):
+        """Inter-node send (thread 0): for each of this block's commands (chunk, rail peer),
+        wait until the chunk's tiles are all staged, then enqueue it to the proxy (payload
+        stage -> the rail peer's recv, then its arrival flag)."""
+        ring, head, tail = proxy
+        epoch, call, deadline, err, rank, trace = ctx
+        tr = cfg[C_TRACE] != 0
+        stage_base = (call & 1) * cfg[C_STAGE_SLOTS] * tile_words
+        recv_base = (call & 1) * cfg[C_RECV_SLOTS] * tile_words
+        for c in range(first, cfg[C_NCMDS], step):
+            q = cmds[c, 0]
+            if not prim.wait_flag(chunk_ready, q, epoch, deadline, err, rank, ROLE_SEND, 100,
+                                  False):
+                return False
+            stamp(tr, trace, T_SEND_READY, c)
+            if not enqueue(ring, head, tail, cmds[c, 1], cfg[C_WIN_STAGE],
+                           (stage_base + cmds[c, 2] * tile_words) * 8, cfg[C_WIN_RECV],
+                           (recv_base + cmds[c, 4] * tile_words) * 8, cmds[c, 3] * tile_bytes,
+                           q, cfg[C_WIN_ARRIVE], cmds[c, 5], epoch, deadline, err, rank):
+                return False
+            stamp(tr, trace, T_SEND_ENQUEUED, c)
+        return True
+
+    @cuda.jit(device=True, inline=True)
+    def receive_role(cfg, tables, node, net, out, first, step, ctx):
+        """Inter-node receive: for each tile this GPU finishes, wait for its chunk from every
+        rail peer and for this node's own sum, add them (fp32) into ``out``; AllReduce with
+        G > 1: also into every local peer's partials, then their final flags."""
+        final_tiles, final_slots = tables
+        part, part_ptrs, tile_flags, tile_flag_ptrs, final_flags, final_flag_ptrs = node
+        stage, recv, arrive, red_flags = net
+        epoch, call, deadline, err, rank, trace = ctx
+        tr = cfg[C_TRACE] != 0
+        m, wn, me, G = cfg[C_M], cfg[C_N] // 4, cfg[C_ME], cfg[C_G]
+        part_base = (call & 1) * cfg[C_WORDS]
+        stage_base = (call & 1) * cfg[C_STAGE_SLOTS] * tile_words
+        recv_base = (call & 1) * cfg[C_RECV_SLOTS] * tile_words
+        nsrc = cfg[C_NODES] - 1
+        nfinal = cfg[C_NFINAL]
+        bcast = cfg[C_ALLREDUCE] != 0 and G > 1
+        for i in range(first, nfinal, step):
+            for s in range(nsrc):
+                if not wait(arrive, s * cfg[C_RECV_CHUNKS] + i // cfg[C_CHUNK], epoch, deadline,
+                            err, rank, ROLE_RECV):
+                    return False
+            stamp(tr, trace, T_RECV_ARRIVED, i)
+            fs = final_slots[i]
+            if not wait(red_flags, fs, epoch, deadline, err, rank, ROLE_RECV, False):
+                return False
+            t = final_tiles[i]
+            r0, c0 = origin(t, cfg[C_TILES_N], 0, 0)
+            sum_local(stage, stage_base + fs * tile_words, recv, recv_base + i * tile_words,
+                      nfinal * tile_words, nsrc, out, (r0 - cfg[C_OUT_ROW0]) * wn + c0, wn,
+                      part_ptrs, part, G, me, part_base + r0 * wn + c0, wn, bcast,
+                      min(bm, m - r0), min(bw, wn - c0), bw)
+            if bcast:
+                publish_peers(final_flag_ptrs, final_flags, G, me, t, epoch)
+            stamp(tr, trace, T_RECV_DONE, i)
+        return True
+
+    @cuda.jit(device=True, inline=True)
+    def pull_role(smem, cfg, pull_tiles, part, final_flags, out, queue, workers, ctx):
+        """AllReduce, G > 1: for each tile (row band) another local GPU owns, taken from the
+        pull queue, wait for its final flag (the owner pushed the sum into this GPU's
+        partials), then copy it to ``out`` (local)."""
+        epoch, call, deadline, err, rank, trace = ctx
+        tr = cfg[C_TRACE] != 0
+        m, wn = cfg[C_M], cfg[C_N] // 4
+        part_base = (call & 1) * cfg[C_WORDS]
+        seq = 0
+        move_init(smem)
+        split = cfg[C_SPLIT]
+        sub = bm // split
+        while True:
+            i, it, band = take_band(queue, Q_PULL, call, cfg[C_NPULL], split, workers)
+            if it >= cfg[C_NPULL]:
+                break
+            t = pull_tiles[it]
+            if not wait(final_flags, t * split + band, epoch, deadline, err, rank, ROLE_INTRA):
+                return False
+            r0, c0 = origin(t, cfg[C_TILES_N], band, sub)
+            seq = move_copy(smem, seq, part, part_base + r0 * wn + c0, wn, out, r0 * wn + c0,
+                            wn, min(sub, m - r0), min(bw, wn - c0))
+            stamp(tr, trace, T_PULL_DONE, i)
+        move_drain(smem)
+        return True
 
     @cuda.jit(**bounds)
     def gemm_reduce_kernel(a, bt, tmaps, part_c, part, part_ptrs, tile_flags, tile_flag_ptrs,
@@ -108,162 +275,45 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         the reduce and pull work queues' ticket counters."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         blk = cuda.blockIdx.x
-        slot = call & 1
-        tiles_n = cfg[C_TILES_N]
-        n_compute = cfg[C_COMPUTE]
         tr = cfg[C_TRACE] != 0
         join = cfg[C_JOIN] != 0
+        n_compute = cfg[C_COMPUTE]
+        reduce_end, send_end, recv_end = cfg[C_REDUCE_END], cfg[C_SEND_END], cfg[C_RECV_END]
+        node = (part, part_ptrs, tile_flags, tile_flag_ptrs, final_flags, final_flag_ptrs)
         stamp(tr, trace, T_BLOCK_START, blk)
-        if blk < n_compute:                                         # ---- compute
-            compute_role(smem, tmaps, a, bt, order, tiles_n, blk, n_compute, epoch,
+        if blk < n_compute:
+            compute_role(smem, tmaps, a, bt, order, cfg[C_TILES_N], blk, n_compute, epoch,
                          (part_c, part_ptrs, owner_of_row, tile_flags, tile_flag_ptrs,
-                          cfg[C_ME], cfg[C_G], slot, cfg[C_DELIVER] != 0))
+                          cfg[C_ME], cfg[C_G], call & 1, cfg[C_DELIVER] != 0))
             if not join:
                 stamp(tr, trace, T_BLOCK_END, blk)
                 return
             cuda.syncthreads()        # then join the reduce (and pull) queues below
-        deadline = prim.globaltimer() + timeout_ns
-        m = cfg[C_M]
-        wn = cfg[C_N] // 4                                          # words per output row
-        me = cfg[C_ME]
-        G = cfg[C_G]
-        nodes = cfg[C_NODES]
-        allreduce = cfg[C_ALLREDUCE] != 0
-        part_base = slot * cfg[C_WORDS]
-        plane = m * wn                                              # words per plane
-        tiles = order.shape[0]
-        deliver = cfg[C_DELIVER] != 0
-        stage_base = slot * cfg[C_STAGE_SLOTS] * tile_words
-        recv_base = slot * cfg[C_RECV_SLOTS] * tile_words
-        reduce_end = cfg[C_REDUCE_END]
-        send_end = cfg[C_SEND_END]
-        recv_end = cfg[C_RECV_END]
+        ctx = (epoch, call, prim.globaltimer() + timeout_ns, err, rank, trace)
         # who draws from the work queues (each worker once past the end: roles.blocks.take
         # counts them): the role's own blocks, and with join the compute blocks (reduce queue)
         # and every compute and reduce block (pull queue)
         red_workers = reduce_end - (0 if join else n_compute)
         pulls = blk >= recv_end or (join and blk < reduce_end)
         pull_workers = cuda.gridDim.x - recv_end + (reduce_end if join else 0)
-
-        if blk < reduce_end:                                        # ---- intra-node reduce
-            seq = 0                   # this block's tile moves so far (roles.bulk)
-            if nodes == 1:
-                move_init(smem)
-            split = cfg[C_SPLIT]      # items per tile: bands of bm / split rows (1 node only)
-            sub = bm // split
-            n_items = cfg[C_NRED] * split
-            while True:
-                i = take(queue, Q_REDUCE, call, n_items, red_workers)
-                if i >= n_items:
-                    break
-                it = i // split
-                band = i - it * split
-                t = red_tiles[it]
-                tm = t // tiles_n
-                r0 = tm * bm + band * sub
-                c0 = (t - tm * tiles_n) * bw
-                rows = min(sub, m - r0)       # <= 0 past a ragged edge: no words, flag still set
-                wcols = min(bw, wn - c0)
-                src = part_base + r0 * wn + c0
-                for j in range(G):
-                    if deliver:       # plane j of this GPU: its own tile, then its inbox
-                        ok = wait(tile_flags, j * tiles + t, epoch, deadline, err, rank,
-                                  ROLE_INTRA)
-                    else:             # every local GPU's own tile, over NVLink
-                        ok = wait(prim.peer_view(tile_flag_ptrs, prim.peer_after(me, 1 + j, G),
-                                                 tile_flags), t, epoch, deadline, err, rank,
-                                  ROLE_INTRA, G > 1)
-                    if not ok:
-                        return
-                stamp(tr, trace, T_RED_READY, i)
-                if nodes == 1:
-                    dst = (r0 - cfg[C_OUT_ROW0]) * wn + c0
-                    if deliver:       # all G partials are local: plane 0 + planes 1..G-1
-                        sum_local(part, src, part, src + plane, plane, G - 1, out, dst, wn,
-                                  part_ptrs, part, G, me, src, wn, allreduce, rows, wcols, wn)
-                    else:
-                        seq = move_reduce(smem, seq, part_ptrs, part, G, me, src, wn, out, dst,
-                                          wn, allreduce, rows, wcols)
-                    if allreduce:
-                        move_drain(smem)            # the pushed tile is written, then its flag
-                        publish_peers(final_flag_ptrs, final_flags, G, me, t * split + band,
-                                      epoch)
-                else:
-                    s = red_slots[it]
-                    reduce_peers(part_ptrs, part, G, me, src, wn, stage,
-                                 stage_base + s * tile_words, bw, False, rows, wcols)
-                    publish(red_flags, s, epoch, False)       # read by this GPU's receive
-                    q = red_chunks[it]
-                    if q >= 0:
-                        chunk_arrive(chunk_count, chunk_ready, q,
-                                     (np.int64(call) * chunk_tiles[q]) & _MASK32, epoch)
-                stamp(tr, trace, T_RED_DONE, i)
-            if nodes == 1:
-                move_drain(smem)              # no bulk store outlives the block
-        elif blk < send_end:                                        # ---- inter-node send
+        ok = True
+        if blk < reduce_end:
+            ok = reduce_role(smem, cfg, (order, red_tiles, red_slots, red_chunks, chunk_tiles),
+                             node, (stage, red_flags, chunk_count, chunk_ready), out, queue,
+                             red_workers, ctx)
+        elif blk < send_end:
             if cuda.threadIdx.x == 0:
-                for c in range(blk - reduce_end, cfg[C_NCMDS], send_end - reduce_end):
-                    q = cmds[c, 0]
-                    if not prim.wait_flag(chunk_ready, q, epoch, deadline, err, rank, ROLE_SEND,
-                                          100, False):
-                        return
-                    stamp(tr, trace, T_SEND_READY, c)
-                    if not enqueue(ring, head, tail, cmds[c, 1], cfg[C_WIN_STAGE],
-                                   (stage_base + cmds[c, 2] * tile_words) * 8, cfg[C_WIN_RECV],
-                                   (recv_base + cmds[c, 4] * tile_words) * 8,
-                                   cmds[c, 3] * tile_bytes, q, cfg[C_WIN_ARRIVE], cmds[c, 5],
-                                   epoch, deadline, err, rank):
-                        return
-                    stamp(tr, trace, T_SEND_ENQUEUED, c)
-        elif blk < recv_end:                                        # ---- inter-node receive
-            nsrc = nodes - 1
-            nfinal = cfg[C_NFINAL]
-            bcast = allreduce and G > 1
-            for i in range(blk - send_end, nfinal, recv_end - send_end):
-                for s in range(nsrc):
-                    if not wait(arrive, s * cfg[C_RECV_CHUNKS] + i // cfg[C_CHUNK], epoch,
-                                deadline, err, rank, ROLE_RECV):
-                        return
-                stamp(tr, trace, T_RECV_ARRIVED, i)
-                fs = final_slots[i]
-                if not wait(red_flags, fs, epoch, deadline, err, rank, ROLE_RECV, False):
-                    return
-                t = final_tiles[i]
-                tm = t // tiles_n
-                r0 = tm * bm
-                c0 = (t - tm * tiles_n) * bw
-                sum_local(stage, stage_base + fs * tile_words, recv,
-                          recv_base + i * tile_words, nfinal * tile_words, nsrc,
-                          out, (r0 - cfg[C_OUT_ROW0]) * wn + c0, wn,
-                          part_ptrs, part, G, me, part_base + r0 * wn + c0, wn, bcast,
-                          min(bm, m - r0), min(bw, wn - c0), bw)
-                if bcast:
-                    publish_peers(final_flag_ptrs, final_flags, G, me, t, epoch)
-                stamp(tr, trace, T_RECV_DONE, i)
-        if cfg[C_NPULL] > 0 and pulls:
-            seq = 0                                                 # ---- pull (AllReduce)
-            move_init(smem)
-            split = cfg[C_SPLIT]
-            sub = bm // split
-            n_items = cfg[C_NPULL] * split
-            while True:
-                i = take(queue, Q_PULL, call, n_items, pull_workers)
-                if i >= n_items:
-                    break
-                it = i // split
-                band = i - it * split
-                t = pull_tiles[it]
-                if not wait(final_flags, t * split + band, epoch, deadline, err, rank,
-                            ROLE_INTRA):
-                    return
-                tm = t // tiles_n
-                r0 = tm * bm + band * sub
-                c0 = (t - tm * tiles_n) * bw
-                seq = move_copy(smem, seq, part, part_base + r0 * wn + c0, wn, out,
-                                r0 * wn + c0, wn, min(sub, m - r0), min(bw, wn - c0))
-                stamp(tr, trace, T_PULL_DONE, i)
-            move_drain(smem)
-        stamp(tr, trace, T_BLOCK_END, blk)
+                ok = send_role(cfg, cmds, chunk_ready, (ring, head, tail), blk - reduce_end,
+                               send_end - reduce_end, ctx)
+        elif blk < recv_end:
+            ok = receive_role(cfg, (final_tiles, final_slots), node,
+                              (stage, recv, arrive, red_flags), out, blk - send_end,
+                              recv_end - send_end, ctx)
+        if ok and pulls and cfg[C_NPULL] > 0:
+            ok = pull_role(smem, cfg, pull_tiles, part, final_flags, out, queue, pull_workers,
+                           ctx)
+        if ok:
+            stamp(tr, trace, T_BLOCK_END, blk)
 
     return gemm_reduce_kernel
 

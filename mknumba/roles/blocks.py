@@ -83,6 +83,15 @@ def take(queue, q, call, n, workers):
     return i
 
 
+@cuda.jit(device=True, inline=True)
+def take_band(queue, q, call, n_tiles, bands, workers):
+    """:func:`take` for a queue of ``n_tiles`` tiles cut into ``bands`` row bands each:
+    ``(item, tile index, band)``, item ``n_tiles * bands`` or more once all are taken."""
+    i = take(queue, q, call, n_tiles * bands, workers)
+    it = i // bands
+    return i, it, i - it * bands
+
+
 @cuda.jit(device=True)
 def stamp(on, trace, event, item):
     """Tracing: ``trace[event, item] = globaltimer`` (ns) from thread 0, when ``on``.
