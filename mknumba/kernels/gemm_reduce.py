@@ -223,7 +223,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
             if not wait(red_flags, fs, epoch, deadline, err, rank, ROLE_RECV, False):
                 return False
             t = final_tiles[i]
-            r0, c0 = origin(t, cfg[C_TILES_N], 0, 0)
+            r0, c0 = origin(t, cfg[C_TILES_N], 0, bm)
             sum_local(stage, stage_base + fs * tile_words, recv, recv_base + i * tile_words,
                       nfinal * tile_words, nsrc, out, (r0 - cfg[C_OUT_ROW0]) * wn + c0, wn,
                       part_ptrs, part, G, me, part_base + r0 * wn + c0, wn, bcast,
@@ -284,7 +284,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         if blk < n_compute:
             compute_role(smem, tmaps, a, bt, order, cfg[C_TILES_N], blk, n_compute, epoch,
                          (part_c, part_ptrs, owner_of_row, tile_flags, tile_flag_ptrs,
-                          cfg[C_ME], cfg[C_G], call & 1, cfg[C_DELIVER] != 0))
+                          order.shape[0], cfg[C_ME], cfg[C_G], call & 1, cfg[C_DELIVER] != 0))
             if not join:
                 stamp(tr, trace, T_BLOCK_END, blk)
                 return
@@ -302,6 +302,8 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                              node, (stage, red_flags, chunk_count, chunk_ready), out, queue,
                              red_workers, ctx)
         elif blk < send_end:
+            # one thread sends, so only its ok may turn False: send blocks never reach the
+            # block-wide pull role below, where a split block would hang at a barrier
             if cuda.threadIdx.x == 0:
                 ok = send_role(cfg, cmds, chunk_ready, (ring, head, tail), blk - reduce_end,
                                send_end - reduce_end, ctx)

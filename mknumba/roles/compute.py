@@ -238,7 +238,7 @@ def own_tile(where, t, tm):
 def to_owner(where, t, tm):
     """The fused reductions on one node: each tile goes where it is summed.
 
-    ``where = (planes, ptrs, owner_of_row, flags, flag_ptrs, me, G, slot, deliver)``:
+    ``where = (planes, ptrs, owner_of_row, flags, flag_ptrs, tiles, me, G, slot, deliver)``:
     ``planes`` is this GPU's [2, P, m, n] bf16-bits view of the symmetric partials (``ptrs``:
     its address table), plane 0 its own partials, planes 1.. an inbox per other local GPU;
     ``flags`` [P * tiles] the matching tile flags. ``deliver``: a tile whose row block another
@@ -247,12 +247,12 @@ def to_owner(where, t, tm):
     GPU owns, or every tile when not ``deliver``, goes to plane 0 with a local flag (system
     scope when ``G > 1`` and not ``deliver``: then the owners read it over NVLink).
     """
-    planes, ptrs, owner_of_row, flags, flag_ptrs, me, G, slot, deliver = where
+    planes, ptrs, owner_of_row, flags, flag_ptrs, tiles, me, G, slot, deliver = where
     o = owner_of_row[tm]
     if deliver and o != me:
         j = me - o if me > o else me - o + G         # my inbox there: peer_after(o, j) == me
         return (peer_view(ptrs, o, planes)[slot, j], peer_view(flag_ptrs, o, flags),
-                j * (flags.shape[0] // planes.shape[1]) + t, True)
+                j * tiles + t, True)
     return planes[slot, 0], flags, t, G > 1 and not deliver
 
 
