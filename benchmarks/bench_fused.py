@@ -10,7 +10,9 @@ Shapes: M in {2048, 4096, 8192, 16384}, N = M, K_local in {M/16, M/4}; B is the 
 Baselines in the same process: cuBLAS (torch.matmul) then NCCL reduce_scatter / all_reduce. In
 2x1 NCCL still runs over NVLink (it cannot be paced), so the baseline there is the model
 ``T_cuBLAS + max(T_NCCL, network bytes / pace)``; the measured NCCL time is kept beside it.
-Ours: the mean over back-to-back calls (the ratio uses it); ``ours_median_ms`` is the median of
+With ``--pace-gbps 0`` the 2x1 transfers run unpaced over NVLink through the copy engines
+(two "nodes" on one NVLink pair), and the baseline is the measured cuBLAS + NCCL. Ours: the
+mean over back-to-back calls (the ratio uses it); ``ours_median_ms`` is the median of
 the calls' own times on the stream, without the occasional multi-ms host-side stall (see
 benchmarks/NOTES.md). Floor: ``max(T_cuBLAS, bytes on the slowest link / its rate)`` with NVLink at 380 GB/s (measured
 copy rate, DESIGN.md §6) and the network at the pace. Every point: the fastest of a small sweep
@@ -39,7 +41,8 @@ def iters_for(ms_est):
 def bench_topology(comm, dist, args, records, log):
     import torch
     topo = f"{comm.nodes}x{comm.local_size}"
-    transport = "nvlink" if comm.nodes == 1 else f"dma:{args.mode}@{args.pace_gbps:g}GB/s"
+    transport = "nvlink" if comm.nodes == 1 else (
+        f"dma:{args.mode}@{args.pace_gbps:g}GB/s" if args.pace_gbps > 0 else f"dma:{args.mode}")
     W = comm.size
     for m in args.sizes:
         n = m
@@ -69,9 +72,11 @@ def bench_topology(comm, dist, args, records, log):
                     torch.matmul(a, b, out=c)
                     coll()
                 t_unfused, t_unfused_med = common.time_ms(unfused, 20, mpi=comm.mpi, median=True)
-                t_net = net_bytes / (args.pace_gbps * 1e9) * 1e3
+                paced = comm.nodes > 1 and args.pace_gbps > 0
+                # unpaced 2x1: the "network" is NVLink through the copy engines
+                t_net = net_bytes / ((args.pace_gbps if paced else NVLINK_GBPS) * 1e9) * 1e3
                 t_link = link_bytes / (NVLINK_GBPS * 1e9) * 1e3
-                if comm.nodes > 1:
+                if paced:
                     baseline_ms = t_gemm + max(t_nccl, t_net)
                     baseline = f"cublas+nccl_{'reduce_scatter' if rows < m else 'all_reduce'}" \
                                f"(network modelled at {args.pace_gbps:g} GB/s)"
