@@ -121,7 +121,8 @@ def main():
                             join, deliver)
             print(f"PASS {Op.kernel_name} rank {comm.rank} topology {comm.nodes}x"
                   f"{comm.local_size} m={m} n={n} k={k} calls={iterations} split={op.split} "
-                  f"join={int(op.join)} deliver={int(op.deliver)} max_rel_err={worst:.2e}",
+                  f"join={int(op.join)} deliver={int(op.deliver)} solo={int(op.solo)} "
+                  f"max_rel_err={worst:.2e}",
                   flush=True)
         comm.barrier()
 
