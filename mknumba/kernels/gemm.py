@@ -19,6 +19,7 @@ from .._compat import SIMULATOR
 from ..errors import MkValueError
 from ..roles import compute
 from ..sched.tiles import cdiv, default_group_m, grouped_order, plan_grid
+from .launch import Prepared
 from numba import cuda
 
 __all__ = ["gemm", "Gemm"]
@@ -279,7 +280,8 @@ class Gemm:
         group_m = self.group_m or default_group_m(tiles_m, tiles_n, plan.compute_blocks)
         args[6] = self._order(tiles_m, tiles_n, group_m, stream)
         args[7] = np.int64(plan.compute_blocks)
-        return _Launch(kernel, plan.grid, build.threads, build.smem_bytes, stream, args, c,
+        return _Launch(Prepared(kernel, args, plan.grid, build.threads, build.smem_bytes, stream,
+                                (5,), c),                  # argument 5: the epoch
                        device=A.device, cacheable=out is not None and not copy_b)
 
     def _kind(self):
@@ -363,27 +365,20 @@ class Gemm:
 
 
 class _Launch:
-    """One prepared kernel launch; ``run`` stamps a new epoch and launches."""
+    """One prepared launch (``launch.Prepared``) and the device it runs on; ``run`` stamps the
+    next epoch and launches."""
 
-    def __init__(self, kernel, grid, threads, smem, stream, args, result, device, cacheable):
-        self.kernel, self.grid, self.threads, self.smem = kernel, grid, threads, smem
-        self.stream, self.args, self.result = stream, args, result
-        self.device, self.cacheable = device, cacheable
+    def __init__(self, prepared, device, cacheable):
+        self.prepared, self.device, self.cacheable = prepared, device, cacheable
 
     def run(self, op):
         with op._lock:
             op.epoch = op.epoch % 0xFFFFFFFF + 1  # never 0: fresh flags hold 0
-            self.args[5] = np.uint32(op.epoch)
-        if SIMULATOR:
-            self.kernel[self.grid, self.threads, self.stream, self.smem](*self.args)
-        elif self.device is not None:
-            with cuda.gpus[self.device]:
-                self.kernel.launch(self.args, (self.grid, 1, 1), (self.threads, 1, 1),
-                                   self.stream, self.smem)
-        else:
-            self.kernel.launch(self.args, (self.grid, 1, 1), (self.threads, 1, 1), self.stream,
-                               self.smem)
-        return self.result
+            epoch = op.epoch
+        if self.device is None or SIMULATOR:
+            return self.prepared.run(epoch)
+        with cuda.gpus[self.device]:              # the kernel was loaded in that GPU's context
+            return self.prepared.run(epoch)
 
 
 def _torch_key(a, b, b_layout, out):

@@ -64,6 +64,7 @@ from ..sched import split as sm_split
 from ..sched.reduce import ReducePlan, nonempty
 from ..sched.tiles import cdiv, default_group_m
 from . import gemm as _gemm
+from .launch import Prepared
 
 # cfg: small integers of the launch, one int64 array (keeps the kernel signature readable).
 (C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES, C_OUT_ROW0, C_COMPUTE, C_REDUCE_END, C_SEND_END,
@@ -348,40 +349,6 @@ def _compiled(kind, moves, args):
         return _COMPILED[key]
 
 
-class _Prepared:
-    """One launch whose arguments were marshalled once; later calls only change epoch and call
-    (numba would re-marshal ~35 arguments on every launch: tens of microseconds of host time)."""
-
-    def __init__(self, kern, args, grid, threads, smem, stream, result, keep):
-        self.kern, self.grid, self.threads, self.smem = kern, grid, threads, smem
-        self.stream, self.result, self.keep = stream, result, keep
-        self.args = args
-        if SIMULATOR:
-            return
-        from cuda.core import LaunchConfig
-        self.kernelargs = []
-        retr = []
-        self._scalar = {}
-        for i, (ty, v) in enumerate(zip(kern.argument_types, args)):
-            before = len(self.kernelargs)
-            kern._prepare_args(ty, v, stream, retr, self.kernelargs)
-            self._scalar[i] = before
-        self.config = LaunchConfig(grid=grid, block=threads, shmem_size=smem)
-        self.cukernel = kern._codelibrary.get_cufunc().kernel
-
-    def run(self, epoch, call, epoch_at, call_at):
-        if SIMULATOR:
-            self.args[epoch_at] = np.uint32(epoch)
-            self.args[call_at] = np.uint32(call)
-            self.kern[self.grid, self.threads, self.stream, self.smem](*self.args)
-            return self.result
-        from cuda.core import launch
-        self.kernelargs[self._scalar[epoch_at]].value = epoch
-        self.kernelargs[self._scalar[call_at]].value = call
-        launch(self.stream, self.config, self.cukernel, *self.kernelargs)
-        return self.result
-
-
 class GemmReduce:
     """Plan once, call many times (base of :class:`GemmReduceScatter` and :class:`GemmAllReduce`).
 
@@ -645,7 +612,7 @@ class GemmReduce:
         with self._lock:
             self.epoch = self.epoch % _MASK32 + 1       # never 0: fresh flags hold 0
             self.calls = (self.calls + 1) & _MASK32     # counters and slot parity follow it
-            res = prep.run(self.epoch, self.calls, _EPOCH_ARG, _CALL_ARG)
+            res = prep.run(self.epoch, self.calls)
         return out if out is not None else res
 
     def _prepare(self, a, b, out, stream):
@@ -679,7 +646,8 @@ class GemmReduce:
         grid = self.sms  # one block per SM: the persistent grid is co-resident
         keep = (a, b, bt, out)
         _, threads, _ = _build(self.kind, self.moves)
-        return _Prepared(kern, args, grid, threads, self.build.smem_bytes, s, res, keep)
+        return Prepared(kern, args, grid, threads, self.build.smem_bytes, s,
+                        (_EPOCH_ARG, _CALL_ARG), res, keep)
 
     def _check_inputs(self, A, B, stream):
         """Shapes, layout and device of a and b against the plan; the stream of the call."""
