@@ -349,6 +349,17 @@ def _compiled(kind, moves, args):
         return _COMPILED[key]
 
 
+class _Solo:
+    """One rank's call, in place of a prepared launch: the plain GEMM into ``out`` (``run``
+    takes the fused launch's epoch and call number, which it does not need)."""
+
+    def __init__(self, gemm, a, b, out, stream):
+        self.gemm, self.a, self.b, self.out, self.stream = gemm, a, b, out, stream
+
+    def run(self, epoch, call):
+        return self.gemm(self.a, self.b, b_layout="kn", out=self.out, stream=self.stream)
+
+
 class GemmReduce:
     """Plan once, call many times (base of :class:`GemmReduceScatter` and :class:`GemmAllReduce`).
 
@@ -607,8 +618,6 @@ class GemmReduce:
                 if len(self._prepared) > 16:
                     self._prepared.clear()
                 self._prepared[key] = prep
-        if prep == "solo":
-            return self._solo_gemm(a, b, b_layout="kn", out=out, stream=stream)
         with self._lock:
             self.epoch = self.epoch % _MASK32 + 1       # never 0: fresh flags hold 0
             self.calls = (self.calls + 1) & _MASK32     # counters and slot parity follow it
@@ -621,7 +630,7 @@ class GemmReduce:
         if self.solo:
             if out is not None:
                 self._output(A, out)  # the same checks of ``out`` as the fused launch
-            return "solo"
+            return _Solo(self._solo_gemm, a, b, out, stream)
         bt = _gemm.Gemm._b_as_nk(B, "kn", self.n, self.k, s)
         res, out_words = self._output(A, out)
         if self.build.tma:
