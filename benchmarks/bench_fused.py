@@ -16,7 +16,12 @@ mean over back-to-back calls (the ratio uses it); ``ours_median_ms`` is the medi
 the calls' own times on the stream, without the occasional multi-ms host-side stall (see
 benchmarks/NOTES.md). Floor: ``max(T_cuBLAS, bytes on the slowest link / its rate)`` with NVLink at 380 GB/s (measured
 copy rate, DESIGN.md §6) and the network at the pace. Every point: the fastest of a small sweep
-of comm SMs (all kept under "sweep"), a correctness check against an fp32 reference first.
+of comm SMs (all kept under "sweep"), on one node of several GPUs each with and without
+delivered partials (keys "24" and "24:deliver"), a correctness check against an fp32 reference
+first. AllReduce writes into the op's shared output (``--shared-out 1``, the default: every
+owner writes the finished tile into each local GPU's output, as NCCL's in-place all_reduce
+leaves its result in the GEMM's output) or, with ``--shared-out 0``, into a tensor of ours,
+which costs each GPU a local copy of the tiles others own.
 """
 import os
 import sys
@@ -27,6 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from mknumba.kernels.gemm_ar import GemmAllReduce  # noqa: E402
 from mknumba.kernels.gemm_rs import GemmReduceScatter  # noqa: E402
+from mknumba.sched import split as sm_split  # noqa: E402
 
 NVLINK_GBPS = 380.0
 SWEEP = {("gemm_reducescatter", "1x2"): (8, 16, 24, 32, 48, 64, 80),
@@ -85,53 +91,63 @@ def bench_topology(comm, dist, args, records, log):
                     baseline = f"cublas+nccl_{'reduce_scatter' if rows < m else 'all_reduce'}"
                 floor = max(t_gemm, t_link, t_net if comm.nodes > 1 else 0.0)
                 comm_share = (baseline_ms - t_gemm) / baseline_ms
-                # correctness once per point (fp32 reference of the summed bf16 products)
-                out = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                sweep, steady = {}, {}
-                err = None
+                # correctness once per point and delivery mode (fp32 reference of the summed
+                # bf16 products), into a poisoned output
+                out = torch.empty((rows, n), device="cuda", dtype=torch.bfloat16)
+                sweep, steady, errs = {}, {}, {}
                 sms_total = 132
-                opts = {} if comm.nodes > 1 else {
-                    key: val == "1" for key, val in (("join", args.join),
-                                                     ("deliver", args.deliver)) if val}
-                for sms in args.sweep or SWEEP[(kern, topo)]:
+                opts = {} if comm.nodes > 1 or args.join is None else {"join": args.join == "1"}
+                delivers = [None] if comm.nodes > 1 or comm.local_size < 2 else (
+                    [False, True] if args.deliver == "both" else [args.deliver == "1"])
+                tries = [(s, d) for d in delivers for s in args.sweep or SWEEP[(kern, topo)]]
+                for sms, deliver in tries:
+                    shared = args.shared_out == "1" and Op is GemmAllReduce
                     op = Op(comm, m, n, k, comm_sms=sms, tile=args.tile, moves=args.moves,
-                            **opts)
+                            deliver=deliver, shared_out=shared, **opts)
+                    dst = None if shared else out    # None: into the op's shared output
+                    key = sm_split.sweep_key(sms, op.deliver)
                     sms_total = op.sms
-                    if err is None:
+                    if op.deliver not in errs:
                         if ref is None:
                             ref = a.float() @ w.float().T
                             dist.all_reduce(ref)
                         want = ref[comm.rank * rows:(comm.rank + 1) * rows] if rows < m else ref
-                        op(a, b, out=out)
+                        got = op.output(torch=True) if shared else out
+                        got.fill_(float("nan"))
+                        op(a, b, out=dst)
                         op.synchronize()
-                        err = ((out.float() - want).norm() / want.norm()).item()
-                        ok = bool(torch.isfinite(out).all().item()) and err <= 1e-2
-                        err = comm.mpi.allreduce(err if ok else 1.0, op=_max())
-                        if err > 1e-2:
-                            log(f"WRONG {kern} {topo} m={m} k={k}: rel err {err}")
+                        e = ((got.float() - want).norm() / want.norm()).item()
+                        ok = bool(torch.isfinite(got).all().item()) and e <= 1e-2
+                        errs[op.deliver] = e = comm.mpi.allreduce(e if ok else 1.0, op=_max())
+                        if e > 1e-2:
+                            log(f"WRONG {kern} {topo} m={m} k={k} deliver={op.deliver}: "
+                                f"rel err {e}")
                     est = min(sweep.values()) if sweep else baseline_ms
-                    sweep[sms], steady[sms] = common.time_ms(
-                        lambda: op(a, b, out=out), iters_for(est), mpi=comm.mpi, median=True)
+                    sweep[key], steady[key] = common.time_ms(
+                        lambda: op(a, b, out=dst), iters_for(est), mpi=comm.mpi, median=True)
                     op.synchronize()
                     op.free()
-                best = min(sweep, key=sweep.get)
-                ours = sweep[best]
+                best_key = min(sweep, key=sweep.get)
+                ours = sweep[best_key]
+                best = sm_split.parse_sweep_key(best_key).comm_sms
+                err = max(errs.values())
                 rec = common.record(
                     kern, {"m": m, "n": n, "k": k}, dtype="bfloat16", world=W, topology=topo,
                     transport=transport, ours_ms=ours, baseline=baseline,
                     baseline_ms=baseline_ms, floor_ms=floor, sm_split=f"{sms_total - best}+{best}",
-                    ours_median_ms=steady[best], unfused_median_ms=t_unfused_med,
-                    sms_reserved=best, sweep={str(s): v for s, v in sweep.items()},
+                    ours_median_ms=steady[best_key], unfused_median_ms=t_unfused_med,
+                    sms_reserved=best, sweep=sweep,
                     cublas_ms=t_gemm, nccl_ms=t_nccl, unfused_measured_ms=t_unfused,
                     network_ms=t_net if comm.nodes > 1 else None, nvlink_ms=t_link,
                     comm_share=comm_share, rel_err=err, of_floor=floor / ours,
-                    moves=op.moves, join=op.join, deliver=op.deliver,
+                    moves=op.moves, join=op.join, shared_out=op.shared_out, direct=op.direct,
+                    deliver=sm_split.parse_sweep_key(best_key).deliver,
                     **({} if args.tile == "auto" else {"tile": args.tile}))
                 records.append(rec)
                 if comm.rank == 0:
                     common.write(records, args.out)   # keep every point, even if cut short
                 log(f"{kern:19s} {topo} m={m:5d} k={k:5d} ours {ours:8.3f} ms (median "
-                    f"{steady[best]:7.3f}, comm_sms {best:2d})"
+                    f"{steady[best_key]:7.3f}, comm_sms {best_key:>10s})"
                     f"  base {baseline_ms:8.3f}  x{baseline_ms / ours:5.2f}  floor {floor:8.3f}"
                     f" ({floor / ours:4.0%})  comm {comm_share:4.0%}  err {err:.1e}")
             del ref
@@ -158,9 +174,13 @@ def main():
         (("--join",), dict(default=None, choices=("0", "1"),
                            help="idle compute blocks join the reduce and pull queues (1 node "
                                 "only); default: the op's")),
-        (("--deliver",), dict(default=None, choices=("0", "1"),
+        (("--shared-out",), dict(default="1", choices=("0", "1"),
+                                 help="AllReduce into the op's shared output (shared_out=True, "
+                                      "out=None; NCCL's all_reduce is in place too), else into "
+                                      "a tensor of ours (a copy per tile)")),
+        (("--deliver",), dict(default="both", choices=("0", "1", "both"),
                               help="compute blocks write tiles other GPUs own into their "
-                                   "memory (1 node only); default: the op's"))])
+                                   "memory (1 node of several GPUs only); default: time both"))])
     args.sizes = [int(s) for s in args.sizes.split(",")]
     args.sweep = [int(s) for s in args.sweep.split(",") if s]
     from mpi4py import MPI

@@ -2,9 +2,9 @@
 
     python benchmarks/split_table.py [benchmarks/results/fused.json]
 
-Prints ``RECORDED = {...}``: per (kernel, topology), rows ``(m, k_local, comm_sms)`` with the
-fastest comm_sms of each point's sweep. Paste it into split.py; ``tests/test_fused.py`` checks
-that the two agree.
+Prints ``RECORDED = {...}``: per (kernel, topology), rows ``(m, k_local, comm_sms, deliver)``
+of the fastest entry of each point's sweep, wrapped at 100 columns. Paste it into split.py;
+``tests/test_fused.py`` checks that the two agree.
 """
 import json
 import os
@@ -21,7 +21,15 @@ def main(path):
         t = from_sweep(json.load(f))
     print("RECORDED = {")
     for key, rows in t.items():
-        print(f"    {key!r}: {rows!r},")
+        head = f"    {key!r}: ["
+        line, lines = head, []
+        for i, row in enumerate(rows):
+            item = f"{row!r}" + ("]," if i == len(rows) - 1 else ",")
+            if len(line) + len(item) + 1 > 100:
+                lines.append(line.rstrip())
+                line = " " * len(head)
+            line += item + " "
+        print("\n".join(lines + [line.rstrip()]))
     print("}")
 
 

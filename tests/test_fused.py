@@ -1,6 +1,7 @@
 """GemmReduceScatter / GemmAllReduce: schedule tables, sm_90a compile + link without a GPU,
 multi-rank runs under the simulator (1x2, 2x1 both completion modes, 2x2) and on GPUs."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -95,7 +96,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
         return types.Array(dt, nd, "C")
     u64, u32, i32 = arr(types.uint64), arr(types.uint32), arr(types.int32)
     sig = (arr(types.int16, 2), arr(types.int16, 2), u64, arr(types.uint16, 4), u64, u64,
-           u32, u64, u32, u64, u64, arr(types.int64)) + (i32,) * 6 + (arr(types.int32, 2),) + \\
+           u32, u64, u32, u64, u64, u64, arr(types.int64)) + (i32,) * 6 + (arr(types.int32, 2),) + \\
           (i32,) * 3 + (u64, u64, u32, u32, u32, u32, u32, u32, u32, types.uint32, types.uint32,
            types.uint64, arr(types.int64), types.int64, arr(types.int64, 2), u32)
     lib, _ = compiler._compile_pyfunc_with_fixup(
@@ -137,17 +138,23 @@ def _passes(out, n):
     assert out.count("PASS") == n, out[-3000:]
 
 
-@pytest.mark.parametrize("split,deliver", [(1, "on"), (4, "on"), (1, "off")])
-def test_sim_1x2_both_kernels(split, deliver):
+@pytest.mark.parametrize("split,deliver,shared", [(1, "on", "on"), (4, "on", "off"),
+                                                  (1, "off", "on")])
+def test_sim_1x2_both_kernels(split, deliver, shared):
     """split 4: each tile is reduced (and, AllReduce, pulled) as four row bands, each with
     its own final flag. deliver: compute blocks write the tiles the other GPU owns into its
-    inbox; off: the owner loads them from the other GPU."""
+    inbox; off: the owner loads them from the other GPU. shared: AllReduce into its shared
+    output, which the owner writes on both GPUs when delivering (direct), else through the
+    copy."""
     out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, split, "auto",
-                  deliver)
+                  deliver, shared)
     _passes(out, 4)
     assert out.count(f"split={split}") == 4, out[-2000:]
     assert out.count("join=0") == 4, out[-2000:]       # blocks run one at a time here
     assert out.count(f"deliver={int(deliver == 'on')}") == 4, out[-2000:]
+    direct = int(deliver == "on" and shared == "on")
+    assert re.findall(r"gemm_allreduce rank \d+ .*?direct=(\d)", out) == [str(direct)] * 2, \
+        out[-2000:]
 
 
 def test_sim_one_rank_is_the_plain_gemm():
@@ -177,6 +184,16 @@ def test_sim_2x2_both_kernels():
     _passes(run_mpi("fused_checks.py", 4, "both", 128, 32, 8, 2, "numba", 1, env=env), 8)
 
 
+def test_sim_2x2_allreduce_shared_output():
+    """Between nodes the receive role writes the finished tile into every local GPU's shared
+    output (no copy)."""
+    env = {"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:ordered"}
+    out = run_mpi("fused_checks.py", 4, "ar", 128, 32, 8, 2, "numba", 1, 0, "auto", "auto",
+                  "on", env=env)
+    _passes(out, 4)
+    assert out.count("direct=1") == 4, out[-2000:]
+
+
 # ---- GPUs -------------------------------------------------------------------------------------
 GPU_ENV = {"NCCL_NVLS_ENABLE": "0"}
 
@@ -187,6 +204,16 @@ def test_gpu_1x2_hundred_calls_torch():
                   simulator=False, env=GPU_ENV)
     _passes(out, 4)
     assert out.count("join=1") == 4, out[-2000:]       # the GPU default: idle blocks join
+
+
+@pytest.mark.gpu
+def test_gpu_1x2_allreduce_shared_output_hundred_calls():
+    """The owners write both GPUs' shared output directly; each call's result is copied out on
+    the stream before the next call, whose peer writes must wait for that copy."""
+    out = run_mpi("fused_checks.py", 2, "ar", 2048, 1536, 512, 100, "torch", 0, 0, "auto",
+                  "on", "on", simulator=False, env=GPU_ENV)
+    _passes(out, 2)
+    assert out.count("direct=1") == 2, out[-2000:]
 
 
 @pytest.mark.gpu
@@ -219,8 +246,8 @@ def test_split_table_is_the_recorded_sweep(monkeypatch):
     with open(os.path.join(ROOT, "benchmarks", "results", "fused.json")) as f:
         assert split.RECORDED == split.from_sweep(json.load(f))
     for (kernel, topo), rows in split.RECORDED.items():    # a recorded shape gets its row
-        for m, k, sms in rows:
-            assert split.choose(kernel, topo, m, m, k, 132) == sms, (kernel, topo, m, k)
+        for m, k, sms, deliver in rows:
+            assert split.choose(kernel, topo, m, m, k, 132) == (sms, deliver), (kernel, topo, m, k)
 
 
 def test_role_split_when_a_gpu_owns_no_tiles():

@@ -17,7 +17,8 @@ paragraph, are the one exception, and only where the whole grid is resident):
                           deliver: local loads of the planes)
                           1 node, RS: out[t] <- sum          1 node, AR: out[t] <- sum, and
                                                        every local peer's part[t] <- sum (NVLink
-                                                       stores); publish its final_flags[t]
+                                                       stores; shared output and deliver: its
+                                                       out[t]); publish its final_flags[t]
                           nodes > 1: stage[s] <- sum; publish red_flags[s];
                                      chunk counter += 1, the last tile publishes chunk_ready
                                      (both GPU scope: only this GPU's roles read them)
@@ -29,7 +30,7 @@ paragraph, are the one exception, and only where the whole grid is resident):
                           peer's part[t] <- same, publish its final_flags[t]
   pull     [V, grid)    (AR, G > 1) for each tile t another local GPU owns, from a queue:
                           wait final_flags[t] (its owner writes it here); out[t] <- part[t],
-                          a local copy
+                          a local copy (none when the owner wrote this GPU's out[t] itself)
 
 On one node the compute blocks, once their tiles are done, join the reduce queue, and with
 AllReduce every compute and reduce block then joins the pull queue (``join``): the end of a call
@@ -39,7 +40,10 @@ held-back communication SMs carry the reduction while the GEMM runs; the joiners
 Stores rather than loads cross NVLink wherever the roles allow: a block stores over NVLink
 about twice as fast as it loads (loads wait a round trip; benchmarks/NOTES.md). So the owner
 pushes finished AllReduce tiles to the other local GPUs rather than letting them pull, and on
-one node the GEMM's epilogue can deliver each partial tile to its owner (``deliver``, opt-in).
+one node the GEMM's epilogue can deliver each partial tile to its owner (``deliver``). A user's
+``out`` is not mapped into the other GPUs, so the owner pushes into their partials and each
+copies the tile out; an AllReduce planned with ``shared_out`` owns a symmetric output that
+every owner writes into directly (``C_DIRECT``; with delivery or between nodes).
 
 Per GPU only 1/G of the output crosses the network, to its rail peers. Epochs, not resets: flags
 take the call's epoch; ``slot = call & 1`` double-buffers ``part``, ``stage`` and ``recv``: a rank
@@ -70,9 +74,8 @@ from .launch import Prepared
 (C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES, C_OUT_ROW0, C_COMPUTE, C_REDUCE_END, C_SEND_END,
  C_RECV_END, C_ALLREDUCE, C_STAGE_SLOTS, C_RECV_SLOTS, C_NFINAL, C_RECV_CHUNKS, C_CHUNK,
  C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS, C_TRACE,
- C_SPLIT, C_JOIN, C_DELIVER) = range(28)
+ C_SPLIT, C_JOIN, C_DELIVER, C_DIRECT) = range(29)
 Q_REDUCE, Q_PULL = 0, 1          # the work queues (roles.blocks.take)
-DELIVER_DEFAULT = False          # GemmReduce(deliver=None): see GemmReduce._deliver
 
 # trace rows (``trace=True``): globaltimer stamps, one row per event, indexed by the role's item
 (T_BLOCK_START, T_BLOCK_END, T_RED_READY, T_RED_DONE, T_SEND_READY, T_SEND_ENQUEUED,
@@ -107,11 +110,21 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         return tm * bm + band * sub, (t - tm * tiles_n) * bw
 
     @cuda.jit(device=True, inline=True)
-    def reduce_role(smem, cfg, tables, node, net, out, queue, workers, ctx):
+    def push_target(cfg, out_ptrs, out, out_off, part_ptrs, part, part_off):
+        """Where an AllReduce owner writes a finished tile for the other local GPUs: straight
+        into their ``out`` (the op's shared output, ``C_DIRECT``), else into their partials,
+        which each then copies out (pull role). (address table, this GPU's array, offset)."""
+        if cfg[C_DIRECT] != 0:
+            return out_ptrs, out, out_off
+        return part_ptrs, part, part_off
+
+    @cuda.jit(device=True, inline=True)
+    def reduce_role(smem, cfg, tables, node, net, out, out_ptrs, queue, workers, ctx):
         """Intra-node reduce: for each tile (row band) this GPU owns, taken from the reduce
         queue, wait until every local GPU's partial is there, sum them (fp32), and write the
-        sum: 1 node, to ``out`` (AllReduce: also into every local peer's partials, then their
-        final flags); nodes > 1, to a stage slot for the network, counting it into its chunk."""
+        sum: 1 node, to ``out`` (AllReduce: also into every local peer's partials, or with a
+        shared output and delivery straight into its ``out``, then their final flags); nodes >
+        1, to a stage slot for the network, counting it into its chunk."""
         order, red_tiles, red_slots, red_chunks, chunk_tiles = tables
         part, part_ptrs, tile_flags, tile_flag_ptrs, final_flags, final_flag_ptrs = node
         stage, red_flags, chunk_count, chunk_ready = net
@@ -150,8 +163,10 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
             if nodes == 1:
                 dst = (r0 - cfg[C_OUT_ROW0]) * wn + c0
                 if deliver:           # all G partials are local: plane 0 + planes 1..G-1
+                    to_ptrs, to, to_off = push_target(cfg, out_ptrs, out, dst, part_ptrs,
+                                                      part, src)
                     sum_local(part, src, part, src + plane, plane, G - 1, out, dst, wn,
-                              part_ptrs, part, G, me, src, wn, allreduce, rows, wcols, wn)
+                              to_ptrs, to, G, me, to_off, wn, allreduce, rows, wcols, wn)
                 else:
                     seq = move_reduce(smem, seq, part_ptrs, part, G, me, src, wn, out, dst,
                                       wn, allreduce, rows, wcols)
@@ -198,10 +213,11 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         return True
 
     @cuda.jit(device=True, inline=True)
-    def receive_role(cfg, tables, node, net, out, first, step, ctx):
+    def receive_role(cfg, tables, node, net, out, out_ptrs, first, step, ctx):
         """Inter-node receive: for each tile this GPU finishes, wait for its chunk from every
         rail peer and for this node's own sum, add them (fp32) into ``out``; AllReduce with
-        G > 1: also into every local peer's partials, then their final flags."""
+        G > 1: also into every local peer's partials (a shared output: its ``out``), then
+        their final flags."""
         final_tiles, final_slots = tables
         part, part_ptrs, tile_flags, tile_flag_ptrs, final_flags, final_flag_ptrs = node
         stage, recv, arrive, red_flags = net
@@ -225,10 +241,12 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                 return False
             t = final_tiles[i]
             r0, c0 = origin(t, cfg[C_TILES_N], 0, bm)
+            dst = (r0 - cfg[C_OUT_ROW0]) * wn + c0
+            to_ptrs, to, to_off = push_target(cfg, out_ptrs, out, dst, part_ptrs, part,
+                                              part_base + r0 * wn + c0)
             sum_local(stage, stage_base + fs * tile_words, recv, recv_base + i * tile_words,
-                      nfinal * tile_words, nsrc, out, (r0 - cfg[C_OUT_ROW0]) * wn + c0, wn,
-                      part_ptrs, part, G, me, part_base + r0 * wn + c0, wn, bcast,
-                      min(bm, m - r0), min(bw, wn - c0), bw)
+                      nfinal * tile_words, nsrc, out, dst, wn, to_ptrs, to, G, me, to_off, wn,
+                      bcast, min(bm, m - r0), min(bw, wn - c0), bw)
             if bcast:
                 publish_peers(final_flag_ptrs, final_flags, G, me, t, epoch)
             stamp(tr, trace, T_RECV_DONE, i)
@@ -238,7 +256,8 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
     def pull_role(smem, cfg, pull_tiles, part, final_flags, out, queue, workers, ctx):
         """AllReduce, G > 1: for each tile (row band) another local GPU owns, taken from the
         pull queue, wait for its final flag (the owner pushed the sum into this GPU's
-        partials), then copy it to ``out`` (local)."""
+        partials), then copy it to ``out`` (local); with the sum pushed straight into ``out``
+        (``C_DIRECT``) only wait, so that the call ends with its output complete."""
         epoch, call, deadline, err, rank, trace = ctx
         tr = cfg[C_TRACE] != 0
         m, wn = cfg[C_M], cfg[C_N] // 4
@@ -254,23 +273,25 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
             t = pull_tiles[it]
             if not wait(final_flags, t * split + band, epoch, deadline, err, rank, ROLE_INTRA):
                 return False
-            r0, c0 = origin(t, cfg[C_TILES_N], band, sub)
-            seq = move_copy(smem, seq, part, part_base + r0 * wn + c0, wn, out, r0 * wn + c0,
-                            wn, min(sub, m - r0), min(bw, wn - c0))
+            if cfg[C_DIRECT] == 0:
+                r0, c0 = origin(t, cfg[C_TILES_N], band, sub)
+                seq = move_copy(smem, seq, part, part_base + r0 * wn + c0, wn, out,
+                                r0 * wn + c0, wn, min(sub, m - r0), min(bw, wn - c0))
             stamp(tr, trace, T_PULL_DONE, i)
         move_drain(smem)
         return True
 
     @cuda.jit(**bounds)
     def gemm_reduce_kernel(a, bt, tmaps, part_c, part, part_ptrs, tile_flags, tile_flag_ptrs,
-                           final_flags, final_flag_ptrs, out, cfg, order, owner_of_row,
+                           final_flags, final_flag_ptrs, out, out_ptrs, cfg, order, owner_of_row,
                            red_tiles, red_slots,
                            red_chunks, chunk_tiles, cmds, final_tiles, final_slots, pull_tiles,
                            stage, recv, arrive, red_flags, chunk_count, chunk_ready,
                            ring, head, tail, epoch, call, timeout_ns, err, rank, trace, queue):
         """a [m, k], bt [n, k], part_c [2, P, m, n]: bf16 bits (per slot, plane 0 this GPU's
         partials, planes 1..G-1 its inbox when delivering); part: the same memory as uint64
-        words [2 * P * m * n/4] (symmetric); out: uint64 words of the bf16 output; stage/recv:
+        words [2 * P * m * n/4] (symmetric); out: uint64 words of the bf16 output (out_ptrs:
+        its address table when it is the op's shared output, cfg[C_DIRECT]); stage/recv:
         tile-major uint64 [2 * slots * bm * bn/4]; flags uint32; tables int32 (sched.reduce);
         trace int64 [TRACE_EVENTS, items] (written only when cfg[C_TRACE]); queue uint32 [2]:
         the reduce and pull work queues' ticket counters."""
@@ -300,8 +321,8 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         ok = True
         if blk < reduce_end:
             ok = reduce_role(smem, cfg, (order, red_tiles, red_slots, red_chunks, chunk_tiles),
-                             node, (stage, red_flags, chunk_count, chunk_ready), out, queue,
-                             red_workers, ctx)
+                             node, (stage, red_flags, chunk_count, chunk_ready), out, out_ptrs,
+                             queue, red_workers, ctx)
         elif blk < send_end:
             # one thread sends, so only its ok may turn False: send blocks never reach the
             # block-wide pull role below, where a split block would hang at a barrier
@@ -310,7 +331,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                                send_end - reduce_end, ctx)
         elif blk < recv_end:
             ok = receive_role(cfg, (final_tiles, final_slots), node,
-                              (stage, recv, arrive, red_flags), out, blk - send_end,
+                              (stage, recv, arrive, red_flags), out, out_ptrs, blk - send_end,
                               recv_end - send_end, ctx)
         if ok and pulls and cfg[C_NPULL] > 0:
             ok = pull_role(smem, cfg, pull_tiles, part, final_flags, out, queue, pull_workers,
@@ -372,10 +393,15 @@ class GemmReduce:
     split: row bands per tile in the 1-node reduce and pull roles (default 1, see
     :meth:`_split`); join: idle compute blocks help the reduce and pull roles (default: on
     one node on the GPU, see :meth:`_join`); deliver: compute blocks write tiles other local
-    GPUs own straight into those GPUs' memory (one node; opt-in, see :meth:`_deliver`);
+    GPUs own straight into those GPUs' memory (one node; default per shape from the recorded
+    sweep, see :meth:`_deliver`);
     moves: how the reduce and pull roles move tiles over NVLink: "threads" (plain loads and
     stores, ``roles.reduce``; the default), or on sm_90a "bulk" / "bulk:w1" (TMA bulk copies,
     ``roles.bulk``: correct, but slower per block on an H200, benchmarks/NOTES.md);
+    shared_out (AllReduce): the op owns a symmetric [m, n] output (:meth:`output`) that each
+    tile's owner writes on every local GPU, with no copy at the end (with delivery or
+    between nodes; other outputs still work, through the copy); a call with ``out=None``
+    returns it, valid until the next call, like an in-place all-reduce;
     trace: stamp every role's steps with the GPU clock (read them with :meth:`trace_events`
     after :meth:`synchronize`). Calls are asynchronous on the stream of the inputs (the
     current PyTorch stream for tensors, else ``stream``); :meth:`synchronize` waits and raises
@@ -388,7 +414,7 @@ class GemmReduce:
 
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, comm_sms=None, chunk_bytes=None,
                  tile="auto", group_m=None, trace=False, moves=None, split=None, join=None,
-                 deliver=None):
+                 deliver=None, shared_out=False):
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
         m, n, k = int(m), int(n), int(k)
@@ -418,9 +444,8 @@ class GemmReduce:
         tiles_m, tiles_n = cdiv(m, self.bm), cdiv(n, self.bn)
         sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         self.topology = f"{nodes}x{G}"
-        if comm_sms is None:
-            comm_sms = sm_split.choose(self.kernel_name, self.topology, m, n, k, sms)
-        self.comm_sms = int(comm_sms)
+        recorded = sm_split.choose(self.kernel_name, self.topology, m, n, k, sms)
+        self.comm_sms = int(recorded.comm_sms if comm_sms is None else comm_sms)
         tile_bytes = self.bm * self.bn * 2
         if chunk_bytes is None:
             chunk_bytes = sm_split.default_chunk_bytes(self.topology)
@@ -430,18 +455,27 @@ class GemmReduce:
         self.plan = ReducePlan(self.allreduce, m, n, self.bm, self.bn, nodes, G, comm.node,
                                comm.local_rank, self.chunk_tiles, self.group_m)
         self.out_rows = m if self.allreduce else m // self.world
-        self._roles(sms, G, nodes)
         self.split = self._split(split, nodes)
         self.join = self._join(join, nodes)
-        self.deliver = self._deliver(deliver, nodes, G)
+        self.deliver = self._deliver(deliver, nodes, G, recorded.deliver)
         self.tracing = bool(trace)
         # One rank: nothing to reduce, so the op is the plain persistent GEMM into ``out`` (no
         # partials to write and copy back: ~0.5 ms of a 1.3 ms call at m = n = 16384, k = 1024).
         # trace=True keeps the fused kernel, whose roles it stamps.
         self.solo = self.world == 1 and not self.tracing
+        if shared_out and not self.allreduce:
+            raise MkValueError(f"{self.name}: shared_out is for AllReduce (each rank's "
+                               "ReduceScatter output is written by its own GPU only)")
+        self.shared_out = bool(shared_out)
+        # the owners write the shared output of every local GPU (sum_local's push target)
+        self.direct = self.shared_out and not self.solo and G > 1 and (self.deliver or nodes > 1)
+        self._roles(sms, G, nodes)
         self._solo_gemm = _gemm.Gemm(tile=tile, group_m=group_m) if self.solo else None
+        self._views = {}      # the shared output as the caller's array type
         if self.solo:
             self._buffers = []
+            self.shared = (cuda.device_array(self.m * self.n // 4, np.uint64)
+                           if self.shared_out else None)
         else:
             self._allocate(G, nodes)
         self.err = comm.new_error_record()
@@ -464,7 +498,9 @@ class GemmReduce:
         send = 1 if nodes > 1 else 0
         p = self.plan
         pull = 0
-        if self.allreduce and G > 1 and nodes > 1:
+        if self.direct:                   # nothing to copy: the pull role only waits
+            pull = 1
+        elif self.allreduce and G > 1 and nodes > 1:
             pull = max(1, (s - send) // 4)
         elif self.allreduce and G > 1:    # by words moved: the reduce reads G tiles and writes
             red = len(p.red_tiles) * 2 * G      # G (one here, G - 1 pushed); a pull copies one
@@ -513,16 +549,17 @@ class GemmReduce:
                                "simulator) and moves='threads'")
         return bool(join)
 
-    def _deliver(self, deliver, nodes, G):
+    def _deliver(self, deliver, nodes, G, recorded):
         """Whether compute blocks write each tile another local GPU owns straight into that
         GPU's inbox (NVLink stores from the GEMM's epilogue), so the owner's reduce reads only
         local memory, instead of leaving it in their own memory for the owner to load over
         NVLink (a block loads over NVLink at about half the rate it stores). One node, plain
-        tile moves; costs (G - 1) more planes of m x n partials per slot. Opt-in
-        (``DELIVER_DEFAULT``) until it is timed on the GPUs against the default."""
+        tile moves; costs (G - 1) more planes of m x n partials per slot. Default: what the
+        recorded sweep chose for the nearest shape (``sched.split``: on 2xH200 it was faster
+        at every 1x2 point but RS at m = 2048)."""
         possible = nodes == 1 and G > 1 and self.moves == "threads"
         if deliver is None:
-            return possible and DELIVER_DEFAULT
+            return possible and recorded
         if deliver and not possible:
             raise MkValueError(f"{self.name}: deliver=True needs one node of several GPUs and "
                                "moves='threads'")
@@ -537,6 +574,10 @@ class GemmReduce:
         self.final_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n * self.split
                                             if self.allreduce else 1)
         self._buffers = [self.part, self.tile_flags, self.final_flags]
+        self.shared = None
+        if self.shared_out:
+            self.shared = comm.alloc_symmetric((self.m * self.n // 4,), np.uint64)
+            self._buffers.append(self.shared)
         tile_words = self.bm * self.bn // 4
         # Symmetric buffers must have one size on every rank: take the world's largest.
         from mpi4py import MPI
@@ -572,7 +613,7 @@ class GemmReduce:
         reduce_end = rb["compute"] + rb["reduce"]
         send_end = reduce_end + rb["send"]
         recv_end = send_end + rb["recv"]
-        cfg = np.zeros(C_DELIVER + 1, np.int64)
+        cfg = np.zeros(C_DIRECT + 1, np.int64)
         cfg[[C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES]] = (self.m, self.n, plan.tiles_n,
                                                           comm.local_rank, G, nodes)
         cfg[C_OUT_ROW0] = 0 if self.allreduce else comm.rank * self.out_rows
@@ -589,6 +630,9 @@ class GemmReduce:
         cfg[C_TRACE] = int(self.tracing)
         cfg[C_SPLIT] = self.split
         cfg[C_JOIN] = int(self.join)
+        direct = cfg.copy()           # for calls into the shared output
+        direct[C_DIRECT] = int(self.direct)
+        self._cfg = {False: _to_device(cfg), True: _to_device(direct)}
         self.queue = _to_device(np.zeros(2, np.uint32))
         items = max(self.grid, len(plan.red_tiles) * self.split, plan.n_cmds, plan.n_final,
                     len(plan.pull_tiles) * self.split) if self.tracing else 1
@@ -596,20 +640,43 @@ class GemmReduce:
         tables = [plan.order, plan.owner_of_row, plan.red_tiles, plan.red_slots, plan.red_chunks,
                   plan.chunk_tiles, plan.cmds, plan.final_tiles, plan.final_slots,
                   plan.pull_tiles]
-        self._tables = [_to_device(cfg)] + [_to_device(nonempty(np.ascontiguousarray(t)))
-                                            for t in tables]
+        self._tables = [_to_device(nonempty(np.ascontiguousarray(t))) for t in tables]
         self._net = dev + [ring, head, tail]
 
     # -- calls ------------------------------------------------------------------------------------
     def out_shape(self):
         return (self.out_rows, self.n)
 
+    def output(self, torch=False):
+        """The shared output (``shared_out=True``): [m, n] bf16 on this GPU, as a PyTorch
+        tensor (``torch=True``) or a numba array of bf16 bits (uint16), no copy. Each call into
+        it overwrites it: read it before the next call (in stream order, as that call's
+        kernel only starts after earlier work on the stream)."""
+        if not self.shared_out:
+            raise MkValueError(f"{self.name}: planned without shared_out=True")
+        if self.shared is None:
+            raise MkValueError(f"{self.name}: freed")
+        kind = "torch" if torch else "numba"
+        if kind not in self._views:
+            mem = self.shared if self.solo else self.shared.local
+            view = mem.view(np.uint16).reshape(self.out_shape())
+            if torch:
+                import torch as _torch
+                view = _torch.as_tensor(mem.view(np.int16).reshape(self.out_shape()),
+                                        device=f"cuda:{self.comm.device_id}")
+                view = view.view(_torch.bfloat16)
+            self._views[kind] = view
+        return self._views[kind]
+
     def __call__(self, a, b, out=None, stream=None):
         """a: [m, k] bf16, b: [k, n] bf16 (row-major, or a column-major view such as ``w.T``
         of a row-major [n, k] ``w``: no copy) -> out [m / world, n] (ReduceScatter) or [m, n]
         (AllReduce), bf16. PyTorch tensors in -> tensor out; numba/CuPy arrays of bf16 bits
-        (uint16/int16) in -> numba array out."""
+        (uint16/int16) in -> numba array out. ``out=None``: a new array, or with
+        ``shared_out`` the shared output (:meth:`output`)."""
         self.comm.check(self.err, f"{self.name} (an earlier call)")
+        if out is None and self.shared_out:
+            out = self.output(torch=type(a).__module__.split(".")[0] == "torch")
         key = _key(a, b, out, stream)
         prep = self._prepared.get(key) if key is not None else None
         if prep is None:
@@ -644,9 +711,12 @@ class GemmReduce:
         else:
             tmaps = _to_device(np.zeros(32, np.uint64))
         part_c = self.part.local.view(np.uint16).reshape(2, self.planes, self.m, self.n)
+        direct = self.direct and _address(out_words) == _address(self.shared.local)
+        out_ptrs = (self.shared or self.part).ptrs     # read only when direct
         args = [A.arr, bt, tmaps, part_c, self.part.local, self.part.ptrs,
                 self.tile_flags.local, self.tile_flags.ptrs, self.final_flags.local,
-                self.final_flags.ptrs, out_words] + self._tables + self._net + [
+                self.final_flags.ptrs, out_words, out_ptrs, self._cfg[direct]] + \
+            self._tables + self._net + [
                 np.uint32(0), np.uint32(0), np.uint64(self.comm.timeout_ns), self.err,
                 np.int64(self.comm.rank), self._trace, self.queue]
         kern, bps = _compiled(self.kind, self.moves, args)
@@ -722,6 +792,8 @@ class GemmReduce:
             self.comm.free(buf)
         self._buffers = []
         self._prepared.clear()
+        self._views.clear()
+        self.shared = None
 
 
 def _arg_positions():
@@ -737,6 +809,11 @@ _EPOCH_ARG, _CALL_ARG = _arg_positions()
 
 def _to_device(x):
     return cuda.to_device(x)
+
+
+def _address(arr):
+    """Device address of a numba (or simulator) array's first element."""
+    return arr._ary.__array_interface__["data"][0] if SIMULATOR else _gemm._ptr(arr)
 
 
 def _key(a, b, out, stream):

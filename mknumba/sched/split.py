@@ -1,28 +1,31 @@
 """The static SM split of the fused GEMM + reduction kernels, chosen per shape from a recorded sweep.
 
-``RECORDED`` maps (kernel, topology) to rows ``(m, k_local, comm_sms)``: the number of SMs held
-back from the GEMM for the communication roles that was fastest in ``benchmarks/bench_fused.py``
-(see ``benchmarks/results/fused.json``, field ``sweep``). A shape between recorded rows takes the
-row with the nearest ``m * k_local`` (log scale; on a tie, the nearest m); a shape the table does
-not cover gets a rule of thumb. Callers override with ``comm_sms=``.
+``RECORDED`` maps (kernel, topology) to rows ``(m, k_local, comm_sms, deliver)``: the number of
+SMs held back from the GEMM for the communication roles, and whether compute blocks delivered
+partial tiles to their owners (one node of several GPUs only), that together were fastest in
+``benchmarks/bench_fused.py`` (see ``benchmarks/results/fused.json``, field ``sweep``). A shape
+between recorded rows takes the row with the nearest ``m * k_local`` (log scale; on a tie, the
+nearest m); a shape the table does not cover gets a rule of thumb. Callers override with
+``comm_sms=`` and ``deliver=``.
 """
 import math
+from typing import NamedTuple
 
-# From the sweep in benchmarks/results/fused.json (2x H200, 2026-12-01; regenerate with
-# benchmarks/split_table.py): (kernel, topology) -> [(m, k_local, comm_sms)].
+# From the sweep in benchmarks/results/fused.json (2x H200, 2026-12-01, tenth session;
+# regenerate with benchmarks/split_table.py): (kernel, topology) -> [(m, k_local, comm_sms, deliver)].
 RECORDED = {
-    ('gemm_allreduce', '1x2'): [(2048, 128, 96), (2048, 512, 64), (4096, 256, 24), (4096, 1024, 64),
-                                (8192, 512, 64), (8192, 2048, 48), (16384, 1024, 64),
-                                (16384, 4096, 32)],
-    ('gemm_allreduce', '2x1'): [(2048, 128, 64), (2048, 512, 48), (4096, 256, 64), (4096, 1024, 64),
-                                (8192, 512, 32), (8192, 2048, 48), (16384, 1024, 64),
-                                (16384, 4096, 64)],
-    ('gemm_reducescatter', '1x2'): [(2048, 128, 64), (2048, 512, 64), (4096, 256, 64),
-                                    (4096, 1024, 48), (8192, 512, 64), (8192, 2048, 32),
-                                    (16384, 1024, 48), (16384, 4096, 16)],
-    ('gemm_reducescatter', '2x1'): [(2048, 128, 64), (2048, 512, 48), (4096, 256, 48),
-                                    (4096, 1024, 48), (8192, 512, 32), (8192, 2048, 64),
-                                    (16384, 1024, 64), (16384, 4096, 64)],
+    ('gemm_allreduce', '1x2'): [(2048, 128, 16, 1), (2048, 512, 8, 0), (4096, 256, 8, 1),
+                                (4096, 1024, 8, 1), (8192, 512, 32, 1), (8192, 2048, 24, 1),
+                                (16384, 1024, 24, 1), (16384, 4096, 16, 1)],
+    ('gemm_allreduce', '2x1'): [(2048, 128, 48, 0), (2048, 512, 32, 0), (4096, 256, 48, 0),
+                                (4096, 1024, 48, 0), (8192, 512, 64, 0), (8192, 2048, 32, 0),
+                                (16384, 1024, 64, 0), (16384, 4096, 64, 0)],
+    ('gemm_reducescatter', '1x2'): [(2048, 128, 24, 1), (2048, 512, 8, 1), (4096, 256, 8, 1),
+                                    (4096, 1024, 24, 1), (8192, 512, 32, 1), (8192, 2048, 16, 1),
+                                    (16384, 1024, 24, 1), (16384, 4096, 8, 1)],
+    ('gemm_reducescatter', '2x1'): [(2048, 128, 48, 0), (2048, 512, 64, 0), (4096, 256, 64, 0),
+                                    (4096, 1024, 64, 0), (8192, 512, 64, 0), (8192, 2048, 64, 0),
+                                    (16384, 1024, 48, 0), (16384, 4096, 48, 0)],
 }
 
 #: Network chunk size per topology kind (paper: 256 KiB for GEMM+AllReduce; the emulated
@@ -30,9 +33,27 @@ RECORDED = {
 CHUNK_BYTES = {"network": 1 << 20}
 
 
+class Split(NamedTuple):
+    """A shape's plan: SMs held back for the communication roles, delivered partials or not."""
+    comm_sms: int
+    deliver: bool
+
+
+def sweep_key(comm_sms, deliver):
+    """A benchmark sweep entry's name: ``"24"``, or ``"24:deliver"`` with delivered partials."""
+    return f"{comm_sms}:deliver" if deliver else str(comm_sms)
+
+
+def parse_sweep_key(key):
+    sms, _, mode = str(key).partition(":")
+    return Split(int(sms), mode == "deliver")
+
+
 def rule_of_thumb(kernel, topology, m, n, k, sms):
-    """Communication SMs when no sweep covers the shape: more when communication is a larger
-    share (small k: little compute per output byte), fewer for compute-heavy shapes."""
+    """The split when no sweep covers the shape: more communication SMs when communication is
+    a larger share (small k: little compute per output byte), fewer for compute-heavy shapes;
+    delivered partials on one node of several GPUs (faster at 14 of the 16 recorded 1x2
+    points, benchmarks/NOTES.md, tenth session)."""
     nodes, gpus = (int(x) for x in topology.split("x"))
     per_byte_flops = k  # GEMM flops per output element ~ 2k; bytes moved per element ~ const
     base = 16 if per_byte_flops <= 1024 else 8
@@ -40,32 +61,33 @@ def rule_of_thumb(kernel, topology, m, n, k, sms):
         base += 8                      # reduce and broadcast both need NVLink bandwidth
     if nodes > 1:
         base += 4                      # send and receive roles
-    return max(2, min(base, sms // 4))
+    return Split(max(2, min(base, sms // 4)), nodes == 1 and gpus > 1)
 
 
 def choose(kernel, topology, m, n, k, sms):
-    """comm_sms for this shape: the recorded sweep's nearest row, else the rule of thumb."""
+    """The Split for this shape: the recorded sweep's nearest row, else the rule of thumb."""
     from .._compat import SIMULATOR
-    if SIMULATOR:
-        return sms - 2                 # the simulator's small grid: two compute blocks
+    if SIMULATOR:                      # the simulator's small grid: two compute blocks
+        return rule_of_thumb(kernel, topology, m, n, k, sms)._replace(comm_sms=sms - 2)
     rows = RECORDED.get((kernel, topology))
     if rows:
         target = math.log2(m * k)     # ties (2048 x 512 and 4096 x 256): the nearer m
         best = min(rows, key=lambda r: (abs(math.log2(r[0] * r[1]) - target),
                                         abs(math.log2(r[0] / m))))
-        return min(best[2], sms - 1)
+        return Split(min(best[2], sms - 1), bool(best[3]))
     return rule_of_thumb(kernel, topology, m, n, k, sms)
 
 
 def from_sweep(records):
-    """The RECORDED table from benchmark records (each with ``sweep``: comm_sms -> ms): per
-    (kernel, topology), rows ``(m, k_local, fastest comm_sms)`` sorted by shape."""
+    """The RECORDED table from benchmark records (each with ``sweep``: :func:`sweep_key` ->
+    ms): per (kernel, topology), rows ``(m, k_local, comm_sms, deliver)`` of the fastest entry,
+    sorted by shape."""
     out = {}
     for r in records:
         if r.get("sweep"):
-            best = min(r["sweep"], key=r["sweep"].get)
+            best = parse_sweep_key(min(r["sweep"], key=r["sweep"].get))
             out.setdefault((r["kernel"], r["topology"]), []).append(
-                (r["shape"]["m"], r["shape"]["k"], int(best)))
+                (r["shape"]["m"], r["shape"]["k"], best.comm_sms, int(best.deliver)))
     return {key: sorted(rows) for key, rows in sorted(out.items())}
 
 

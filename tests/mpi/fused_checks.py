@@ -1,9 +1,13 @@
 """Multi-rank checks of GemmReduceScatter and GemmAllReduce, run under mpiexec.
 
     mpiexec -n N python tests/mpi/fused_checks.py KERNEL M N K [ITERATIONS] [ARRAYS] [CHUNK_TILES]
+        [SPLIT] [JOIN] [DELIVER] [SHARED]
 
 KERNEL: rs | ar | both. ARRAYS: numba (bf16 bits in uint16 device arrays) or torch (GPU only).
 CHUNK_TILES: tiles per network chunk (default: the op's; small values exercise the counters).
+SPLIT, JOIN, DELIVER: the ops' options (0 / "auto": the op's choice). SHARED=on: AllReduce
+into its shared output (``shared_out``, ``out=None``), copied after each call on the stream:
+the next call's peers write into it, and must not before that copy is done.
 Each call gets fresh random inputs (never zeros) and a poisoned (NaN) output; the calls run
 back to back with no host synchronisation (short runs check the role trace of the last call,
 with one synchronisation before it), then every output is compared with a float64 NumPy
@@ -30,7 +34,8 @@ def bits_f64(b):
     return (np.asarray(b).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, deliver):
+def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, deliver,
+        shared=False):
     from mknumba.kernels.gemm import Gemm
     from mknumba.roles.compute import tile_build
     chunk = None
@@ -38,8 +43,9 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, de
         bm, bn = tile_build(Gemm()._kind()).shape       # the tile "auto" picks here
         chunk = chunk_tiles * bm * bn * 2
     traced = iterations <= 3        # short runs also check the role trace of the last call
+    shared = shared and Op is GemmAllReduce
     op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced, split=split or None, join=join,
-            deliver=deliver)
+            deliver=deliver, shared_out=shared)
     rows = op.out_shape()[0]
     sent, outs = [], []
     for it in range(iterations):
@@ -53,11 +59,21 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, de
             import torch
             ta = torch.from_numpy(a.view(np.int16)).cuda().view(torch.bfloat16)
             tb = torch.from_numpy(b.view(np.int16)).cuda().view(torch.bfloat16)
-            out = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            outs.append(op(ta, tb, out=out))
+            if shared:
+                op.output(torch=True).fill_(float("nan"))   # poisoned, in stream order
+                outs.append(op(ta, tb).clone())
+            else:
+                out = torch.full((rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                outs.append(op(ta, tb, out=out))
         else:
             out = cuda.to_device(np.full((rows, n), 0x7FC0, np.uint16))   # NaN bits
-            outs.append(op(cuda.to_device(a), cuda.to_device(b), out=out))
+            if shared:
+                op.output().copy_to_device(out)
+                res = op(cuda.to_device(a), cuda.to_device(b))
+                out.copy_to_device(res)
+                outs.append(out)
+            else:
+                outs.append(op(cuda.to_device(a), cuda.to_device(b), out=out))
     op.synchronize()
     if traced:
         check_trace(op)
@@ -109,6 +125,7 @@ def main():
     onoff = {"on": True, "off": False}                         # else: the op's choice
     join = onoff.get(sys.argv[9] if len(sys.argv) > 9 else "")
     deliver = onoff.get(sys.argv[10] if len(sys.argv) > 10 else "")
+    shared = len(sys.argv) > 11 and sys.argv[11] == "on"
     ops = {"rs": [GemmReduceScatter], "ar": [GemmAllReduce],
            "both": [GemmReduceScatter, GemmAllReduce]}[kernel]
     with mk.init() as comm:
@@ -118,10 +135,11 @@ def main():
         rng = np.random.default_rng(1000 + comm.rank)
         for Op in ops:
             worst, op = run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split,
-                            join, deliver)
+                            join, deliver, shared)
             print(f"PASS {Op.kernel_name} rank {comm.rank} topology {comm.nodes}x"
                   f"{comm.local_size} m={m} n={n} k={k} calls={iterations} split={op.split} "
                   f"join={int(op.join)} deliver={int(op.deliver)} solo={int(op.solo)} "
+                  f"direct={int(op.direct)} "
                   f"max_rel_err={worst:.2e}",
                   flush=True)
         comm.barrier()
