@@ -21,13 +21,16 @@ The fused ops run one persistent kernel whose blocks take roles
             it, and the chunk goes to the host proxy's command ring for the rail peer
   receive   (several nodes) wait for a chunk's arrival flag, add the remote partial sums
   pull      (AllReduce, several GPUs a node) copy out the finished tiles that the other GPUs own
-            and pushed here
+            and pushed here (with ``shared_out=True`` the owners write them straight into this
+            GPU's output, and pull only waits for them)
 
 so the reduction of the first tiles overlaps the GEMM of the last ones.
 
-Knobs worth trying: ``comm_sms`` (SMs held back from the GEMM for the other roles; the default
-comes from the sweep recorded in ``mknumba/sched/split.py``), ``chunk_bytes`` (network chunk
-size) and ``trace=True``, which stamps every role's steps with the GPU clock
+Knobs worth trying: ``comm_sms`` (SMs held back from the GEMM for the other roles) and
+``deliver`` (on one node, the GEMM writes each tile straight into its owner's memory; both
+default to the sweep recorded in ``mknumba/sched/split.py``), ``shared_out`` (AllReduce into
+an output the op owns, see ``op.output()``: valid until the next call), ``chunk_bytes``
+(network chunk size) and ``trace=True``, which stamps every role's steps with the GPU clock
 (``op.trace_events()``; ``benchmarks/trace_fused.py`` prints them as a timeline).
 
 Without a GPU this runs in numba's CUDA simulator at a small size. Either way it checks both ops

@@ -250,15 +250,18 @@ def test_split_table_is_the_recorded_sweep(monkeypatch):
             assert split.choose(kernel, topo, m, m, k, 132) == (sms, deliver), (kernel, topo, m, k)
 
 
-def test_role_split_when_a_gpu_owns_no_tiles():
+@pytest.mark.parametrize("direct", [False, True])
+def test_role_split_when_a_gpu_owns_no_tiles(direct):
     """AllReduce with fewer tile rows than GPUs per node: some GPU reduces and finishes
-    nothing, and still gets a valid split (one block per communication role at least)."""
+    nothing, and still gets a valid split (one block per communication role at least; with
+    the shared output written directly, pull only waits: one block)."""
     from types import SimpleNamespace
     from mknumba.kernels.gemm_ar import GemmAllReduce
     plan = ReducePlan(True, 32, 64, 32, 32, 2, 2, 0, 1, 4, 1)   # 1 tile row, G = 2, local 1
     assert len(plan.red_tiles) == 0 and plan.n_final == 0
-    op = SimpleNamespace(comm_sms=8, plan=plan, allreduce=True, topology="2x2",
-                         name="GemmAllReduce")
+    op = SimpleNamespace(comm_sms=16, plan=plan, allreduce=True, topology="2x2",
+                         name="GemmAllReduce", direct=direct)
     GemmAllReduce._roles(op, 132, 2, 2)
     rb = op.role_blocks
     assert sum(rb.values()) == 132 and min(rb["reduce"], rb["send"], rb["recv"], rb["pull"]) >= 1
+    assert rb["pull"] == (1 if direct else (16 - rb["send"]) // 4)
