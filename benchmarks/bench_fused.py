@@ -17,7 +17,8 @@ the calls' own times on the stream, without the occasional multi-ms host-side st
 benchmarks/NOTES.md). Floor: ``max(T_cuBLAS, bytes on the slowest link / its rate)`` with NVLink at 380 GB/s (measured
 copy rate, DESIGN.md §6) and the network at the pace. Every point: the fastest of a small sweep
 of comm SMs (all kept under "sweep"), on one node of several GPUs each with and without
-delivered partials (keys "24" and "24:deliver"), a correctness check against an fp32 reference
+delivered partials (keys "24" and "24:deliver"; ReduceScatter also with the delivered partials
+folded into the owner's epilogue, "2:fold"), a correctness check against an fp32 reference
 first. AllReduce writes into the op's shared output (``--shared-out 1``, the default: every
 owner writes the finished tile into each local GPU's output, as NCCL's in-place all_reduce
 leaves its result in the GEMM's output) or, with ``--shared-out 0``, into a tensor of ours,
@@ -38,6 +39,8 @@ NVLINK_GBPS = 380.0
 SWEEP = {("gemm_reducescatter", "1x2"): (8, 16, 24, 32, 48, 64, 80),
          ("gemm_allreduce", "1x2"): (8, 16, 24, 32, 48, 64, 96),
          ("gemm_reducescatter", "2x1"): (32, 48, 64), ("gemm_allreduce", "2x1"): (32, 48, 64)}
+#: with fold the reduce role has nothing to do: the fewest comm SMs the op accepts, and a few more
+FOLD_SWEEP = (1, 2, 4)
 
 
 def iters_for(ms_est):
@@ -99,15 +102,21 @@ def bench_topology(comm, dist, args, records, log):
                 opts = {} if comm.nodes > 1 or args.join is None else {"join": args.join == "1"}
                 delivers = [None] if comm.nodes > 1 or comm.local_size < 2 else (
                     [False, True] if args.deliver == "both" else [args.deliver == "1"])
-                tries = [(s, d) for d in delivers for s in args.sweep or SWEEP[(kern, topo)]]
-                for sms, deliver in tries:
+                modes = [(d, False) for d in delivers]       # (deliver, fold)
+                if Op is GemmReduceScatter and True in delivers and args.fold != "0":
+                    modes = [x for x in modes if args.fold == "both"] + [(True, True)]
+                tries = [(s, d, f) for d, f in modes
+                         for s in (args.sweep or (FOLD_SWEEP if f else SWEEP[(kern, topo)]))]
+                for sms, deliver, fold in tries:
                     shared = args.shared_out == "1" and Op is GemmAllReduce
                     op = Op(comm, m, n, k, comm_sms=sms, tile=args.tile, moves=args.moves,
-                            deliver=deliver, shared_out=shared, **opts)
+                            deliver=deliver, shared_out=shared,
+                            fold=fold if Op is GemmReduceScatter else None, **opts)
                     dst = None if shared else out    # None: into the op's shared output
-                    key = sm_split.sweep_key(sms, op.deliver)
+                    mode = (op.deliver, op.fold)
+                    key = sm_split.sweep_key(sms, *mode)
                     sms_total = op.sms
-                    if op.deliver not in errs:
+                    if mode not in errs:
                         if ref is None:
                             ref = a.float() @ w.float().T
                             dist.all_reduce(ref)
@@ -118,10 +127,10 @@ def bench_topology(comm, dist, args, records, log):
                         op.synchronize()
                         e = ((got.float() - want).norm() / want.norm()).item()
                         ok = bool(torch.isfinite(got).all().item()) and e <= 1e-2
-                        errs[op.deliver] = e = comm.mpi.allreduce(e if ok else 1.0, op=_max())
+                        errs[mode] = e = comm.mpi.allreduce(e if ok else 1.0, op=_max())
                         if e > 1e-2:
-                            log(f"WRONG {kern} {topo} m={m} k={k} deliver={op.deliver}: "
-                                f"rel err {e}")
+                            log(f"WRONG {kern} {topo} m={m} k={k} deliver={op.deliver} "
+                                f"fold={op.fold}: rel err {e}")
                     est = min(sweep.values()) if sweep else baseline_ms
                     sweep[key], steady[key] = common.time_ms(
                         lambda: op(a, b, out=dst), iters_for(est), mpi=comm.mpi, median=True)
@@ -142,6 +151,7 @@ def bench_topology(comm, dist, args, records, log):
                     comm_share=comm_share, rel_err=err, of_floor=floor / ours,
                     moves=op.moves, join=op.join, shared_out=op.shared_out, direct=op.direct,
                     deliver=sm_split.parse_sweep_key(best_key).deliver,
+                    fold=sm_split.parse_sweep_key(best_key).fold,
                     **({} if args.tile == "auto" else {"tile": args.tile}))
                 records.append(rec)
                 if comm.rank == 0:
@@ -178,6 +188,10 @@ def main():
                                  help="AllReduce into the op's shared output (shared_out=True, "
                                       "out=None; NCCL's all_reduce is in place too), else into "
                                       "a tensor of ours (a copy per tile)")),
+        (("--fold",), dict(default="both", choices=("0", "1", "both"),
+                           help="ReduceScatter with delivery: the owner adds the delivered "
+                                "partials in its GEMM epilogue (1 node of several GPUs only); "
+                                "default: time it beside delivery without it")),
         (("--deliver",), dict(default="both", choices=("0", "1", "both"),
                               help="compute blocks write tiles other GPUs own into their "
                                    "memory (1 node of several GPUs only); default: time both"))])

@@ -49,8 +49,9 @@ VARIANTS = {"direct": ("sm90:e0p0", True), "direct-noflag": ("sm90:e0p0", False)
 
 def _without_flag(tile):
     @cuda.jit(device=True)
-    def tile_without_flag(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq):
-        tile(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq)
+    def tile_without_flag(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, tile_n,
+                          seq):
+        tile(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, tile_n, seq)
         return 0    # no thread publishes: the compute role skips the fence and the flag
     return tile_without_flag
 

@@ -76,6 +76,20 @@ def test_compute_order_feeds_every_local_owner_evenly():
     assert (q.order == p.order).all() and (q.red_tiles == p.order[owner == 1]).all()
 
 
+def test_fold_order_puts_own_row_block_last():
+    """fold: each GPU computes the row blocks other GPUs own first (so their partials reach
+    the owners early) and its own last; it has no reduce pass."""
+    for local in range(2):
+        p = ReducePlan(False, 1024, 256, 32, 32, 1, 2, 0, local, 4, 2, fold=True)
+        owner = (p.order // p.tiles_n) // (p.tiles_m // 2)
+        half = len(p.order) // 2
+        assert (owner[:half] != local).all() and (owner[half:] == local).all()
+        assert sorted(p.order.tolist()) == list(range(p.tiles_m * p.tiles_n))
+        assert len(p.red_tiles) == 0
+    with pytest.raises(mknumba.MkValueError, match="fold"):
+        ReducePlan(True, 1024, 256, 32, 32, 1, 2, 0, 0, 4, 2, fold=True)
+
+
 def test_reduce_scatter_needs_whole_tile_row_blocks():
     with pytest.raises(mknumba.MkValueError, match="row blocks"):
         ReducePlan(False, 100, 64, 32, 32, 1, 2, 0, 0, 4, 2)
@@ -96,7 +110,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
         return types.Array(dt, nd, "C")
     u64, u32, i32 = arr(types.uint64), arr(types.uint32), arr(types.int32)
     sig = (arr(types.int16, 2), arr(types.int16, 2), u64, arr(types.uint16, 4), u64, u64,
-           u32, u64, u32, u64, u64, u64, arr(types.int64)) + (i32,) * 6 + (arr(types.int32, 2),) + \\
+           u32, u64, u32, u64, u64, u64, arr(types.uint16, 2), arr(types.int64)) + (i32,) * 6 + (arr(types.int32, 2),) + \\
           (i32,) * 3 + (u64, u64, u32, u32, u32, u32, u32, u32, u32, types.uint32, types.uint32,
            types.uint64, arr(types.int64), types.int64, arr(types.int64, 2), u32)
     lib, _ = compiler._compile_pyfunc_with_fixup(
@@ -138,16 +152,17 @@ def _passes(out, n):
     assert out.count("PASS") == n, out[-3000:]
 
 
-@pytest.mark.parametrize("split,deliver,shared", [(1, "on", "on"), (4, "on", "off"),
-                                                  (1, "off", "on")])
-def test_sim_1x2_both_kernels(split, deliver, shared):
+@pytest.mark.parametrize("split,deliver,shared,fold", [(1, "on", "on", "on"),
+                                                       (4, "on", "off", "off"),
+                                                       (1, "off", "on", "off")])
+def test_sim_1x2_both_kernels(split, deliver, shared, fold):
     """split 4: each tile is reduced (and, AllReduce, pulled) as four row bands, each with
     its own final flag. deliver: compute blocks write the tiles the other GPU owns into its
     inbox; off: the owner loads them from the other GPU. shared: AllReduce into its shared
     output, which the owner writes on both GPUs when delivering (direct), else through the
-    copy."""
+    copy. fold: ReduceScatter's owner adds the delivered tile in its own tile's epilogue."""
     out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, split, "auto",
-                  deliver, shared)
+                  deliver, shared, fold)
     _passes(out, 4)
     assert out.count(f"split={split}") == 4, out[-2000:]
     assert out.count("join=0") == 4, out[-2000:]       # blocks run one at a time here
@@ -155,6 +170,8 @@ def test_sim_1x2_both_kernels(split, deliver, shared):
     direct = int(deliver == "on" and shared == "on")
     assert re.findall(r"gemm_allreduce rank \d+ .*?direct=(\d)", out) == [str(direct)] * 2, \
         out[-2000:]
+    assert re.findall(r"gemm_reducescatter rank \d+ .*?fold=(\d)", out) == \
+        [str(int(fold == "on"))] * 2, out[-2000:]
 
 
 def test_sim_one_rank_is_the_plain_gemm():
@@ -172,11 +189,13 @@ def test_sim_2x1_both_kernels(mode):
 
 
 def test_sim_1x4_both_kernels():
-    """Four GPUs on one node: each owner sums its tile and three delivered inbox planes."""
+    """Four GPUs on one node: each owner sums its tile and three delivered inbox planes
+    (ReduceScatter: in its own tile's epilogue, fold)."""
     out = run_mpi("fused_checks.py", 4, "both", 128, 32, 8, 2, "numba", 0, 0, "auto", "on",
-                  env={"MKNUMBA_GPUS_PER_NODE": "4"})
+                  "off", "on", env={"MKNUMBA_GPUS_PER_NODE": "4"})
     _passes(out, 8)
     assert out.count("deliver=1") == 8, out[-2000:]
+    assert out.count("fold=1") == 4, out[-2000:]
 
 
 def test_sim_2x2_both_kernels():
@@ -204,6 +223,16 @@ def test_gpu_1x2_hundred_calls_torch():
                   simulator=False, env=GPU_ENV)
     _passes(out, 4)
     assert out.count("join=1") == 4, out[-2000:]       # the GPU default: idle blocks join
+
+
+@pytest.mark.gpu
+def test_gpu_1x2_reduce_scatter_fold_hundred_calls():
+    """Each owner computes its row block last and adds the delivered partials in the GEMM
+    epilogue: 100 back-to-back calls, torch tensors."""
+    out = run_mpi("fused_checks.py", 2, "rs", 2048, 1536, 512, 100, "torch", 0, 0, "auto",
+                  "on", "off", "on", simulator=False, env=GPU_ENV)
+    _passes(out, 2)
+    assert out.count("fold=1") == 2, out[-2000:]
 
 
 @pytest.mark.gpu
@@ -246,8 +275,9 @@ def test_split_table_is_the_recorded_sweep(monkeypatch):
     with open(os.path.join(ROOT, "benchmarks", "results", "fused.json")) as f:
         assert split.RECORDED == split.from_sweep(json.load(f))
     for (kernel, topo), rows in split.RECORDED.items():    # a recorded shape gets its row
-        for m, k, sms, deliver in rows:
-            assert split.choose(kernel, topo, m, m, k, 132) == (sms, deliver), (kernel, topo, m, k)
+        for m, k, sms, deliver, fold in rows:
+            assert split.choose(kernel, topo, m, m, k, 132) == (sms, deliver, fold), \
+                (kernel, topo, m, k)
 
 
 @pytest.mark.parametrize("direct", [False, True])

@@ -113,7 +113,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
     build, kernel = G._build(name)
     A = types.Array(types.int16, 2, "C")
     sig = (A, A, A, types.Array(types.uint64, 1, "C"), types.Array(types.uint32, 1, "C"),
-           types.uint32, types.Array(types.int32, 1, "C"), types.int64)
+           types.uint32, types.Array(types.int32, 1, "C"), types.int64,
+           types.Array(types.int16, 3, "C"))
     lib, _ = compiler._compile_pyfunc_with_fixup(
         kernel.py_func, sig, device=False, cc=(9, 0, "a"),
         launch_bounds=(build.threads, 1), lto=True, abi="numba")

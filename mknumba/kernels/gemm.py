@@ -32,17 +32,18 @@ _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 def _make_kernel(tile_init, tile, bm, bn, threads):
     """The persistent kernel around one tile implementation."""
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
-    compute_role = compute.make_compute_role(tile_init, tile, compute.own_tile)
+    compute_role = compute.make_compute_role(tile_init, tile, compute.OWN_TILE)
 
     @cuda.jit(**bounds)
-    def gemm_kernel(a, b, c, tmaps, tile_flags, epoch, order, compute_blocks):
+    def gemm_kernel(a, b, c, tmaps, tile_flags, epoch, order, compute_blocks, c_planes):
         """a [m, k], b [n, k], c [m, n]: bf16 bits; order int32[tiles] (sched.grouped_order);
-        tile_flags uint32[tiles] := epoch when done."""
+        tile_flags uint32[tiles] := epoch when done; c_planes: c as [1, m, n] (the tile's
+        addend argument, which the plain GEMM never reads)."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         if cuda.blockIdx.x >= compute_blocks:
             return  # held back for other roles; nothing else runs in a plain GEMM
         compute_role(smem, tmaps, a, b, order, (b.shape[0] + bn - 1) // bn, cuda.blockIdx.x,
-                     compute_blocks, epoch, (c, tile_flags, False))   # flags read on this GPU
+                     compute_blocks, epoch, (c, tile_flags, False, c_planes))  # flags: this GPU
 
     return gemm_kernel
 
@@ -269,7 +270,8 @@ class Gemm:
         tmaps = (self._tensor_maps(A.arr, bt, m, n, k, stream) if build.tma
                  else cuda.to_device(np.zeros(32, np.uint64), stream=stream))
         order = self._order(1, 1, 1, stream)      # the argument types; replaced below
-        args = [A.arr, bt, c_arr, tmaps, self.tile_flags, np.uint32(1), order, np.int64(0)]
+        args = [A.arr, bt, c_arr, tmaps, self.tile_flags, np.uint32(1), order, np.int64(0),
+                c_arr.reshape((1, m, n))]
         kernel, bps = self._kernel(kind, args)
         sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         try:

@@ -10,6 +10,8 @@ paragraph, are the one exception, and only where the whole grid is resident):
                           publish tile_flags[t] = epoch         (sys scope if G > 1: peers read it)
                           1 node, deliver: a tile another local GPU owns goes instead into that
                           GPU's inbox plane (NVLink stores), its flag set there
+                          RS, fold: an own tile (computed last) waits for its inbox flags, and
+                          out[t] <- A @ B + the inbox planes, in the epilogue (no reduce pass)
   reduce   [C, R)       for each tile t this GPU owns (sched.reduce), taken from a queue:
                           wait tile_flags[t] of every local GPU (peer_view; deliver: the own
                           and inbox planes' flags, all local)
@@ -74,7 +76,7 @@ from .launch import Prepared
 (C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES, C_OUT_ROW0, C_COMPUTE, C_REDUCE_END, C_SEND_END,
  C_RECV_END, C_ALLREDUCE, C_STAGE_SLOTS, C_RECV_SLOTS, C_NFINAL, C_RECV_CHUNKS, C_CHUNK,
  C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS, C_TRACE,
- C_SPLIT, C_JOIN, C_DELIVER, C_DIRECT) = range(29)
+ C_SPLIT, C_JOIN, C_DELIVER, C_DIRECT, C_FOLD) = range(30)
 Q_REDUCE, Q_PULL = 0, 1          # the work queues (roles.blocks.take)
 
 # trace rows (``trace=True``): globaltimer stamps, one row per event, indexed by the role's item
@@ -91,7 +93,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
     """The persistent kernel around one tile build and one way to move tiles within the node
     (``roles.bulk``: TMA bulk copies on sm_90a, plain loads and stores elsewhere). Each role is
     a device function below; the kernel at the end hands blocks to them in block order."""
-    compute_role = compute.make_compute_role(tile_init, tile, compute.to_owner)
+    compute_role = compute.make_compute_role(tile_init, tile, compute.TO_OWNER)
     move_init, move_reduce, move_copy, move_drain = bulk.move_functions(moves)
     bw = bn // 4                      # words (4 bf16) per tile row
     tile_words = bm * bw
@@ -283,7 +285,8 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
 
     @cuda.jit(**bounds)
     def gemm_reduce_kernel(a, bt, tmaps, part_c, part, part_ptrs, tile_flags, tile_flag_ptrs,
-                           final_flags, final_flag_ptrs, out, out_ptrs, cfg, order, owner_of_row,
+                           final_flags, final_flag_ptrs, out, out_ptrs, out_c, cfg, order,
+                           owner_of_row,
                            red_tiles, red_slots,
                            red_chunks, chunk_tiles, cmds, final_tiles, final_slots, pull_tiles,
                            stage, recv, arrive, red_flags, chunk_count, chunk_ready,
@@ -291,7 +294,8 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         """a [m, k], bt [n, k], part_c [2, P, m, n]: bf16 bits (per slot, plane 0 this GPU's
         partials, planes 1..G-1 its inbox when delivering); part: the same memory as uint64
         words [2 * P * m * n/4] (symmetric); out: uint64 words of the bf16 output (out_ptrs:
-        its address table when it is the op's shared output, cfg[C_DIRECT]); stage/recv:
+        its address table when it is the op's shared output, cfg[C_DIRECT]; out_c: the same
+        memory as bf16 bits [out rows, n], where a folding compute role writes); stage/recv:
         tile-major uint64 [2 * slots * bm * bn/4]; flags uint32; tables int32 (sched.reduce);
         trace int64 [TRACE_EVENTS, items] (written only when cfg[C_TRACE]); queue uint32 [2]:
         the reduce and pull work queues' ticket counters."""
@@ -303,15 +307,17 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         reduce_end, send_end, recv_end = cfg[C_REDUCE_END], cfg[C_SEND_END], cfg[C_RECV_END]
         node = (part, part_ptrs, tile_flags, tile_flag_ptrs, final_flags, final_flag_ptrs)
         stamp(tr, trace, T_BLOCK_START, blk)
+        deadline = prim.globaltimer() + timeout_ns
         if blk < n_compute:
             compute_role(smem, tmaps, a, bt, order, cfg[C_TILES_N], blk, n_compute, epoch,
                          (part_c, part_ptrs, owner_of_row, tile_flags, tile_flag_ptrs,
-                          order.shape[0], cfg[C_ME], cfg[C_G], call & 1, cfg[C_DELIVER] != 0))
+                          order.shape[0], cfg[C_ME], cfg[C_G], call & 1, cfg[C_DELIVER] != 0,
+                          cfg[C_FOLD] != 0, out_c, cfg[C_OUT_ROW0], (deadline, err, rank)))
             if not join:
                 stamp(tr, trace, T_BLOCK_END, blk)
                 return
             cuda.syncthreads()        # then join the reduce (and pull) queues below
-        ctx = (epoch, call, prim.globaltimer() + timeout_ns, err, rank, trace)
+        ctx = (epoch, call, deadline, err, rank, trace)
         # who draws from the work queues (each worker once past the end: roles.blocks.take
         # counts them): the role's own blocks, and with join the compute blocks (reduce queue)
         # and every compute and reduce block (pull queue)
@@ -394,7 +400,8 @@ class GemmReduce:
     :meth:`_split`); join: idle compute blocks help the reduce and pull roles (default: on
     one node on the GPU, see :meth:`_join`); deliver: compute blocks write tiles other local
     GPUs own straight into those GPUs' memory (one node; default per shape from the recorded
-    sweep, see :meth:`_deliver`);
+    sweep, see :meth:`_deliver`); fold (ReduceScatter, with deliver): each GPU computes its
+    own tiles last and adds the delivered partials in their epilogue (:meth:`_fold`);
     moves: how the reduce and pull roles move tiles over NVLink: "threads" (plain loads and
     stores, ``roles.reduce``; the default), or on sm_90a "bulk" / "bulk:w1" (TMA bulk copies,
     ``roles.bulk``: correct, but slower per block on an H200, benchmarks/NOTES.md);
@@ -414,7 +421,7 @@ class GemmReduce:
 
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, comm_sms=None, chunk_bytes=None,
                  tile="auto", group_m=None, trace=False, moves=None, split=None, join=None,
-                 deliver=None, shared_out=False):
+                 deliver=None, shared_out=False, fold=None):
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
         m, n, k = int(m), int(n), int(k)
@@ -452,12 +459,13 @@ class GemmReduce:
         self.chunk_tiles = max(1, int(chunk_bytes) // tile_bytes)
         self.group_m = int(group_m or default_group_m(tiles_m, tiles_n, 128 if not SIMULATOR
                                                       else 2))
-        self.plan = ReducePlan(self.allreduce, m, n, self.bm, self.bn, nodes, G, comm.node,
-                               comm.local_rank, self.chunk_tiles, self.group_m)
-        self.out_rows = m if self.allreduce else m // self.world
         self.split = self._split(split, nodes)
         self.join = self._join(join, nodes)
         self.deliver = self._deliver(deliver, nodes, G, recorded.deliver)
+        self.fold = self._fold(fold, recorded.fold)
+        self.plan = ReducePlan(self.allreduce, m, n, self.bm, self.bn, nodes, G, comm.node,
+                               comm.local_rank, self.chunk_tiles, self.group_m, self.fold)
+        self.out_rows = m if self.allreduce else m // self.world
         self.tracing = bool(trace)
         # One rank: nothing to reduce, so the op is the plain persistent GEMM into ``out`` (no
         # partials to write and copy back: ~0.5 ms of a 1.3 ms call at m = n = 16384, k = 1024).
@@ -541,13 +549,9 @@ class GemmReduce:
         A joined block waits on tiles of higher-numbered blocks, which needs the whole grid
         resident (one block per SM, as launched); the simulator runs blocks one at a time, so
         there it is off. Bulk moves keep their own barriers in shared memory: off with them."""
-        possible = nodes == 1 and not SIMULATOR and self.moves == "threads"
-        if join is None:
-            return possible
-        if join and not possible:
-            raise MkValueError(f"{self.name}: join=True needs one node, a GPU (not the "
-                               "simulator) and moves='threads'")
-        return bool(join)
+        return self._option(join, nodes == 1 and not SIMULATOR and self.moves == "threads",
+                            True, "join=True needs one node, a GPU (not the simulator) and "
+                                  "moves='threads'")
 
     def _deliver(self, deliver, nodes, G, recorded):
         """Whether compute blocks write each tile another local GPU owns straight into that
@@ -557,13 +561,28 @@ class GemmReduce:
         tile moves; costs (G - 1) more planes of m x n partials per slot. Default: what the
         recorded sweep chose for the nearest shape (``sched.split``: on 2xH200 it was faster
         at every 1x2 point but RS at m = 2048)."""
-        possible = nodes == 1 and G > 1 and self.moves == "threads"
-        if deliver is None:
-            return possible and recorded
-        if deliver and not possible:
-            raise MkValueError(f"{self.name}: deliver=True needs one node of several GPUs and "
-                               "moves='threads'")
-        return bool(deliver)
+        return self._option(deliver, nodes == 1 and G > 1 and self.moves == "threads",
+                            recorded, "deliver=True needs one node of several GPUs and "
+                                      "moves='threads'")
+
+    def _fold(self, fold, recorded):
+        """Whether the owner of a ReduceScatter tile adds the other local GPUs' delivered
+        partials in its own GEMM epilogue and writes the sum to ``out`` (it computes its own
+        row block last, ``sched.reduce``), instead of a reduce pass over three planes. Needs
+        ``deliver`` (one node of several GPUs) and row bands of whole tiles (``split`` 1).
+        Default: the recorded sweep's choice for the nearest shape."""
+        return self._option(fold, not self.allreduce and self.deliver and self.split == 1,
+                            recorded, "fold=True needs ReduceScatter with deliver=True (one "
+                                      "node of several GPUs) and split=1")
+
+    def _option(self, value, possible, default, needs):
+        """An on/off option: None takes ``default`` where ``possible`` (else off); True where
+        it is not possible is an error that says what it ``needs``."""
+        if value is None:
+            return bool(possible and default)
+        if value and not possible:
+            raise MkValueError(f"{self.name}: {needs}")
+        return bool(value)
 
     def _allocate(self, G, nodes):
         comm, plan = self.comm, self.plan
@@ -613,7 +632,7 @@ class GemmReduce:
         reduce_end = rb["compute"] + rb["reduce"]
         send_end = reduce_end + rb["send"]
         recv_end = send_end + rb["recv"]
-        cfg = np.zeros(C_DIRECT + 1, np.int64)
+        cfg = np.zeros(C_FOLD + 1, np.int64)
         cfg[[C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES]] = (self.m, self.n, plan.tiles_n,
                                                           comm.local_rank, G, nodes)
         cfg[C_OUT_ROW0] = 0 if self.allreduce else comm.rank * self.out_rows
@@ -627,6 +646,7 @@ class GemmReduce:
         cfg[[C_NRED, C_NPULL, C_WORDS]] = (len(plan.red_tiles), len(plan.pull_tiles),
                                            self.planes * self.words)     # words per slot
         cfg[C_DELIVER] = int(self.deliver)
+        cfg[C_FOLD] = int(self.fold)
         cfg[C_TRACE] = int(self.tracing)
         cfg[C_SPLIT] = self.split
         cfg[C_JOIN] = int(self.join)
@@ -699,7 +719,7 @@ class GemmReduce:
                 self._output(A, out)  # the same checks of ``out`` as the fused launch
             return _Solo(self._solo_gemm, a, b, out, stream)
         bt = _gemm.Gemm._b_as_nk(B, "kn", self.n, self.k, s)
-        res, out_words = self._output(A, out)
+        res, out_words, out_c = self._output(A, out)
         if self.build.tma:
             tk = (_gemm._ptr(A.arr), _gemm._ptr(bt))
             if tk not in self._tmaps:
@@ -715,7 +735,7 @@ class GemmReduce:
         out_ptrs = (self.shared or self.part).ptrs     # read only when direct
         args = [A.arr, bt, tmaps, part_c, self.part.local, self.part.ptrs,
                 self.tile_flags.local, self.tile_flags.ptrs, self.final_flags.local,
-                self.final_flags.ptrs, out_words, out_ptrs, self._cfg[direct]] + \
+                self.final_flags.ptrs, out_words, out_ptrs, out_c, self._cfg[direct]] + \
             self._tables + self._net + [
                 np.uint32(0), np.uint32(0), np.uint64(self.comm.timeout_ns), self.err,
                 np.int64(self.comm.rank), self._trace, self.queue]
@@ -764,7 +784,8 @@ class GemmReduce:
         if A.torch is not None and O.torch is None:
             raise MkValueError(f"{self.name}: out must be a PyTorch tensor like the inputs")
         _gemm.check_aligned(O.arr, "out", self.name)
-        return out, O.arr.reshape(shape[0] * shape[1]).view(np.uint64)
+        return (out, O.arr.reshape(shape[0] * shape[1]).view(np.uint64),
+                O.arr.reshape(shape).view(np.uint16))
 
     def synchronize(self, stream=None):
         """Wait for this rank's calls; raise MkTimeoutError if a device wait expired."""

@@ -3,11 +3,15 @@
 Tile contract (shared by both implementations; the persistent kernel calls it once per tile with
 every thread of the block):
 
-    tile(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq) -> 1 in exactly one thread, else 0
+    tile(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, tile_n, seq)
+        -> 1 in exactly one thread, else 0
 
     a: [m, k] bf16 bits (uint16/int16), row-major     — A, K contiguous
     b: [n, k] bf16 bits, row-major                     — B given as [N, K] (K contiguous)
-    c: [m, n] bf16 bits, row-major                     — rows [tile_m*BM, +BM), cols [tile_n*BN, +BN)
+    c: [*, n] bf16 bits, row-major, from global row c_row0 on — the tile's rows
+       [tile_m*BM, +BM) and cols [tile_n*BN, +BN) land in c[row - c_row0, col]
+    addend: [P, m, n] bf16 bits; adds > 0: planes 1..adds are added to the tile before it is
+       stored (the fused ReduceScatter's owner folds the delivered partials in, ``to_owner``)
     smem: the block's dynamic shared memory (uint8); tmaps: uint64[32], the two CUtensorMaps
     seq: how many tiles this block has already computed (the sm_90a ring's phase follows from it)
 
@@ -31,8 +35,8 @@ import numpy as np
 from numba import cuda, types
 
 from .._compat import SIMULATOR
-from ..errors import MkValueError
-from ..primitives import data_ptr, peer_view, release
+from ..errors import ROLE_COMPUTE, MkValueError
+from ..primitives import data_ptr, peer_view, release, wait_flag
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
 
@@ -91,7 +95,8 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False):
         init_fn = cuda.declare_device("mk_gemm_sm90_init", i32(u64, u64), link=[helper],
                                       abi="c")
         tile_fn = cuda.declare_device(
-            "mk_gemm_sm90_tile", i32(u64, u64, u64, i32, i32, i32, i32, i32, i32, i32),
+            "mk_gemm_sm90_tile",
+            i32(u64, u64, u64, i32, i32, u64, i32, i32, i32, i32, i32, i32, i32),
             link=[helper], abi="c")
 
         @cuda.jit(device=True)
@@ -100,12 +105,14 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False):
             init_fn(data_ptr(smem), data_ptr(tmaps))
 
         @cuda.jit(device=True)
-        def gemm_tile(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq):
+        def gemm_tile(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, tile_n,
+                      seq):
             """One 128 x 256 tile through TMA + wgmma; a and b are read through ``tmaps``."""
             k_iters = (k + SM90_BK - 1) // SM90_BK
             return tile_fn(data_ptr(smem), data_ptr(tmaps), data_ptr(c), np.int32(c.shape[1]),
-                           np.int32(m), np.int32(n), np.int32(tile_m), np.int32(tile_n),
-                           np.int32(k_iters), np.int32(seq))
+                           np.int32(c_row0), data_ptr(addend), np.int32(adds), np.int32(m),
+                           np.int32(n), np.int32(tile_m), np.int32(tile_n), np.int32(k_iters),
+                           np.int32(seq))
         _SM90_BUILDS[key] = (gemm_init, gemm_tile)
     return _SM90_BUILDS[key]
 
@@ -181,8 +188,10 @@ def gemm_init_simt(smem, tmaps):
 
 
 @cuda.jit(device=True)
-def gemm_tile_simt(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq):
-    """One SIMT_TILE tile of C = A @ B^T: threads stride over its elements, fp32 dot products."""
+def gemm_tile_simt(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, tile_n, seq):
+    """One SIMT_TILE tile of C = A @ B^T: threads stride over its elements, fp32 dot products
+    (plus ``adds`` planes of ``addend``: the product rounded to bf16 first, as the sm90 tile's
+    partial is, then the sum rounded once)."""
     r0 = tile_m * SIMT_TILE[0]
     c0 = tile_n * SIMT_TILE[1]
     rows = min(SIMT_TILE[0], m - r0)
@@ -193,7 +202,11 @@ def gemm_tile_simt(smem, tmaps, a, b, c, m, n, k, tile_m, tile_n, seq):
         acc = np.float32(0.0)
         for kk in range(k):
             acc += bf16_to_f32(a[i, kk]) * bf16_to_f32(b[j, kk])
-        c[i, j] = f32_to_bf16(acc)
+        if adds > 0:
+            acc = bf16_to_f32(f32_to_bf16(acc))
+            for p in range(1, adds + 1):
+                acc += bf16_to_f32(addend[p, i, j])
+        c[i - c_row0, j] = f32_to_bf16(acc)
     cuda.syncthreads()  # every store of the tile is issued before thread 0 reports it
     return cuda.threadIdx.x == 0
 
@@ -204,11 +217,16 @@ def make_compute_role(tile_init, tile, destination):
     ``compute_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where)``: compute
     block ``blk`` of ``blocks`` computes tiles ``order[blk], order[blk + blocks], ...`` (linear
     ids ``t = tile_m * tiles_n + tile_n``) and announces each with ``flags[idx] = epoch`` behind
-    a release. ``destination(where, t, tile_m) -> (c, flags, idx, system)`` says where: the
-    [m, n] bf16-bits array the tile goes into, the flag array and index that announce it, and
-    whether the release is at system scope (the flag's reader is another GPU) or GPU scope;
-    ``where`` is the kernel's tuple of what it needs (:func:`own_tile`, :func:`to_owner`).
+    a release. ``destination = (place, ready)``: ``place(where, t, tile_m) -> (c, c_row0,
+    addend, adds, flags, idx, system)`` says where the tile goes (``c`` from global row
+    ``c_row0`` on; ``adds`` planes of ``addend`` to fold in, see the tile contract), the flag
+    array and index that announce it, and whether the release is at system scope (the flag's
+    reader is another GPU) or GPU scope; ``ready(where, t, adds, epoch)`` waits, in every
+    thread, until the planes to fold in are there. ``where`` is the kernel's tuple of what they
+    need (:data:`OWN_TILE`, :data:`TO_OWNER`).
     """
+    place, ready = destination
+
     @cuda.jit(device=True)
     def compute_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where):
         m, k = a.shape
@@ -219,8 +237,11 @@ def make_compute_role(tile_init, tile, destination):
         for i in range(blk, order.shape[0], blocks):
             t = order[i]
             tm = t // tiles_n
-            c, flags, idx, system = destination(where, t, tm)
-            if tile(smem, tmaps, a, b, c, m, n, k, tm, t - tm * tiles_n, seq):
+            c, c_row0, addend, adds, flags, idx, system = place(where, t, tm)
+            if adds > 0:
+                ready(where, t, adds, epoch)    # each thread acquires what it will read
+            if tile(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tm, t - tm * tiles_n,
+                    seq):
                 release(flags, idx, epoch, system)   # the tile's stores (its barrier) first
             seq += 1
     return compute_role
@@ -228,32 +249,59 @@ def make_compute_role(tile_init, tile, destination):
 
 @cuda.jit(device=True, inline=True)
 def own_tile(where, t, tm):
-    """Every tile into one array: ``where = (c, flags, system)``, tile ``t`` announced by
-    ``flags[t]`` (the plain GEMM)."""
-    c, flags, system = where
-    return c, flags, t, system
+    """Every tile into one array: ``where = (c, flags, system, planes)``, tile ``t`` announced
+    by ``flags[t]`` (the plain GEMM); nothing to fold in (``planes``: any [P, m, n] array, the
+    tile's unread addend)."""
+    c, flags, system, planes = where
+    return c, 0, planes, 0, flags, t, system
+
+
+@cuda.jit(device=True, inline=True)
+def nothing_to_wait(where, t, adds, epoch):
+    pass
 
 
 @cuda.jit(device=True, inline=True)
 def to_owner(where, t, tm):
     """The fused reductions on one node: each tile goes where it is summed.
 
-    ``where = (planes, ptrs, owner_of_row, flags, flag_ptrs, tiles, me, G, slot, deliver)``:
-    ``planes`` is this GPU's [2, P, m, n] bf16-bits view of the symmetric partials (``ptrs``:
-    its address table), plane 0 its own partials, planes 1.. an inbox per other local GPU;
-    ``flags`` [P * tiles] the matching tile flags. ``deliver``: a tile whose row block another
-    local GPU owns (``owner_of_row``) is written straight into that owner's inbox over NVLink,
-    its flag released there (system scope), so the owner sums local memory only; a tile this
-    GPU owns, or every tile when not ``deliver``, goes to plane 0 with a local flag (system
-    scope when ``G > 1`` and not ``deliver``: then the owners read it over NVLink).
+    ``where = (planes, ptrs, owner_of_row, flags, flag_ptrs, tiles, me, G, slot, deliver,
+    fold, out, out_row0, wait)``: ``planes`` is this GPU's [2, P, m, n] bf16-bits view of the
+    symmetric partials (``ptrs``: its address table), plane 0 its own partials, planes 1.. an
+    inbox per other local GPU; ``flags`` [P * tiles] the matching tile flags. ``deliver``: a
+    tile whose row block another local GPU owns (``owner_of_row``) is written straight into
+    that owner's inbox over NVLink, its flag released there (system scope), so the owner sums
+    local memory only; a tile this GPU owns, or every tile when not ``deliver``, goes to plane
+    0 with a local flag (system scope when ``G > 1`` and not ``deliver``: then the owners read
+    it over NVLink). ``fold`` (ReduceScatter, with ``deliver``): a tile this GPU owns is
+    finished here, its inbox planes added in the epilogue, straight into ``out`` (this rank's
+    rows from ``out_row0``); ``wait = (deadline, err, rank)`` bounds :func:`inbox_ready`.
     """
-    planes, ptrs, owner_of_row, flags, flag_ptrs, tiles, me, G, slot, deliver = where
+    planes, ptrs, owner_of_row, flags, flag_ptrs, tiles, me, G, slot, deliver = where[:10]
+    fold, out, out_row0 = where[10:13]
     o = owner_of_row[tm]
     if deliver and o != me:
         j = me - o if me > o else me - o + G         # my inbox there: peer_after(o, j) == me
-        return (peer_view(ptrs, o, planes)[slot, j], peer_view(flag_ptrs, o, flags),
-                j * tiles + t, True)
-    return planes[slot, 0], flags, t, G > 1 and not deliver
+        return (peer_view(ptrs, o, planes)[slot, j], 0, planes[slot], 0,
+                peer_view(flag_ptrs, o, flags), j * tiles + t, True)
+    if fold:
+        return out, out_row0, planes[slot], G - 1, flags, t, False
+    return planes[slot, 0], 0, planes[slot], 0, flags, t, G > 1 and not deliver
+
+
+@cuda.jit(device=True, inline=True)
+def inbox_ready(where, t, adds, epoch):
+    """Wait (this thread, acquire at system scope) until every other local GPU has delivered
+    tile ``t`` into its inbox plane here (:func:`to_owner` with ``fold``)."""
+    flags, tiles = where[3], where[5]
+    deadline, err, rank = where[13]
+    for j in range(1, adds + 1):
+        wait_flag(flags, j * tiles + t, epoch, deadline, err, rank, ROLE_COMPUTE)
+
+
+#: (place, ready) pairs for make_compute_role
+OWN_TILE = (own_tile, nothing_to_wait)
+TO_OWNER = (to_owner, inbox_ready)
 
 
 # ---- tile builds: what a kernel needs to run one tile implementation ---------------------------

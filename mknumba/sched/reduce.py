@@ -12,8 +12,12 @@ Ownership (the GPU of each node that reduces a tile over NVLink, its *local owne
   ``j``'s local owner is ``j % G`` on every node, and its *destination node* is ``j // G``;
 - AllReduce: tile row ``tm`` is owned by local GPU ``tm % G``; every node needs every tile.
 
-Compute order (the same on every rank of a node): tiles some other node needs come first (the
-network is the slow link, so its chunks must leave early), then the tiles that stay here. Inside
+Compute order (the same on every rank of a node, but with ``fold``): tiles some other node needs
+come first (the network is the slow link, so its chunks must leave early), then the tiles that
+stay here. ``fold`` (ReduceScatter on one node, partials delivered to their owners): each GPU
+computes the other GPUs' row blocks first and its own last, so that when it computes one of
+its own tiles the others' partials of it are already in its inbox, and it adds them in the
+tile's epilogue: no reduce pass (``red_tiles`` is empty). Inside
 each class, each row block is walked in bands of ``group_m`` tile rows, each band in grouped
 raster order (row fastest) for L2 reuse of B, and the row blocks' walks are interleaved tile by
 tile: every local owner gets tiles to reduce at the same rate from the start to the end, so both
@@ -35,15 +39,18 @@ from ..errors import MkValueError
 from .tiles import cdiv
 
 
-def compute_order(tiles_m, tiles_n, blocks, network_block, group_m):
+def compute_order(tiles_m, tiles_n, blocks, network_block, group_m, late_block=None):
     """Linear tile ids in compute order.
 
     blocks: int array [tiles_m], the row block of each tile row; network_block: bool per row
-    block id (True: another node needs it, so it goes first); group_m: band height in tile rows.
+    block id (True: another node needs it, so it goes first); group_m: band height in tile rows;
+    late_block: bool per row block id (True: after the other blocks of its class).
     """
     order = []
-    for network in (True, False):
-        ids = [b for b in dict.fromkeys(blocks.tolist()) if bool(network_block[b]) == network]
+    late_block = np.zeros(len(network_block), bool) if late_block is None else late_block
+    for network, late in ((True, False), (True, True), (False, False), (False, True)):
+        ids = [b for b in dict.fromkeys(blocks.tolist())
+               if bool(network_block[b]) == network and bool(late_block[b]) == late]
         walks = []
         for b in ids:
             rows = np.flatnonzero(blocks == b)
@@ -86,6 +93,7 @@ class ReducePlan:
     local: int
     chunk_tiles_max: int
     group_m: int
+    fold: bool = False
     tiles_m: int = 0
     tiles_n: int = 0
 
@@ -110,7 +118,13 @@ class ReducePlan:
             owner_of_row = blocks % G
             dest_of_row = blocks // G
             network_block = np.arange(W) // G != self.node
-        self.order = compute_order(self.tiles_m, self.tiles_n, blocks, network_block, self.group_m)
+        late_block = None
+        if self.fold:
+            if self.allreduce or nodes > 1 or G < 2:
+                raise MkValueError("fold: ReduceScatter on one node of several GPUs only")
+            late_block = np.arange(W) % G == self.local          # my own row block last
+        self.order = compute_order(self.tiles_m, self.tiles_n, blocks, network_block,
+                                   self.group_m, late_block)
         self.owner_of_row = owner_of_row.astype(np.int32)
         tn_ = self.tiles_n
         owner = owner_of_row[self.order // tn_]
@@ -129,6 +143,8 @@ class ReducePlan:
         self.n_final = len(final)
         self.recv_chunks = cdiv(self.n_final, k) if nodes > 1 else 0
 
+        if self.fold:                 # finished in the compute role's epilogue
+            mine = mine[:0]
         R = len(mine)
         self.red_tiles = mine.astype(np.int32)
         self.red_slots = np.full(R, -1, np.int32)

@@ -1,13 +1,14 @@
 """Multi-rank checks of GemmReduceScatter and GemmAllReduce, run under mpiexec.
 
     mpiexec -n N python tests/mpi/fused_checks.py KERNEL M N K [ITERATIONS] [ARRAYS] [CHUNK_TILES]
-        [SPLIT] [JOIN] [DELIVER] [SHARED]
+        [SPLIT] [JOIN] [DELIVER] [SHARED] [FOLD]
 
 KERNEL: rs | ar | both. ARRAYS: numba (bf16 bits in uint16 device arrays) or torch (GPU only).
 CHUNK_TILES: tiles per network chunk (default: the op's; small values exercise the counters).
 SPLIT, JOIN, DELIVER: the ops' options (0 / "auto": the op's choice). SHARED=on: AllReduce
 into its shared output (``shared_out``, ``out=None``), copied after each call on the stream:
-the next call's peers write into it, and must not before that copy is done.
+the next call's peers write into it, and must not before that copy is done. FOLD=on:
+ReduceScatter's owners add the delivered partials in their GEMM epilogue (``fold``).
 Each call gets fresh random inputs (never zeros) and a poisoned (NaN) output; the calls run
 back to back with no host synchronisation (short runs check the role trace of the last call,
 with one synchronisation before it), then every output is compared with a float64 NumPy
@@ -35,7 +36,7 @@ def bits_f64(b):
 
 
 def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, deliver,
-        shared=False):
+        shared=False, fold=None):
     from mknumba.kernels.gemm import Gemm
     from mknumba.roles.compute import tile_build
     chunk = None
@@ -44,8 +45,9 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, de
         chunk = chunk_tiles * bm * bn * 2
     traced = iterations <= 3        # short runs also check the role trace of the last call
     shared = shared and Op is GemmAllReduce
+    fold = fold if Op is GemmReduceScatter else None
     op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced, split=split or None, join=join,
-            deliver=deliver, shared_out=shared)
+            deliver=deliver, shared_out=shared, fold=fold)
     rows = op.out_shape()[0]
     sent, outs = [], []
     for it in range(iterations):
@@ -126,6 +128,7 @@ def main():
     join = onoff.get(sys.argv[9] if len(sys.argv) > 9 else "")
     deliver = onoff.get(sys.argv[10] if len(sys.argv) > 10 else "")
     shared = len(sys.argv) > 11 and sys.argv[11] == "on"
+    fold = onoff.get(sys.argv[12] if len(sys.argv) > 12 else "")
     ops = {"rs": [GemmReduceScatter], "ar": [GemmAllReduce],
            "both": [GemmReduceScatter, GemmAllReduce]}[kernel]
     with mk.init() as comm:
@@ -135,11 +138,11 @@ def main():
         rng = np.random.default_rng(1000 + comm.rank)
         for Op in ops:
             worst, op = run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split,
-                            join, deliver, shared)
+                            join, deliver, shared, fold)
             print(f"PASS {Op.kernel_name} rank {comm.rank} topology {comm.nodes}x"
                   f"{comm.local_size} m={m} n={n} k={k} calls={iterations} split={op.split} "
                   f"join={int(op.join)} deliver={int(op.deliver)} solo={int(op.solo)} "
-                  f"direct={int(op.direct)} "
+                  f"direct={int(op.direct)} fold={int(op.fold)} "
                   f"max_rel_err={worst:.2e}",
                   flush=True)
         comm.barrier()

@@ -145,7 +145,50 @@ __device__ __forceinline__ void fence_operands(float (&d)[128]) {
     for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
+// Folded partials (the fused ReduceScatter's owner, see compute.py): the word w of bf16x2 at
+// element offset off, plus the same word of planes 1..adds of ``addend`` (planes of plane_elems
+// elements). One plane: a packed add (the exact sum, rounded once); more: fp32, rounded once.
+// Plain loads: the calling thread has acquired each plane's flag itself.
+__device__ __forceinline__ unsigned add_planes(unsigned w, unsigned long long addend, int adds,
+                                               long long plane_elems, long long off) {
+    const __nv_bfloat16 *base = (const __nv_bfloat16 *)addend + off;
+    __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162 *>(&w);
+    if (adds == 1) {
+        v = __hadd2(v, *(const __nv_bfloat162 *)(base + plane_elems));
+    } else {
+        float2 f = __bfloat1622float2(v);
+        for (int p = 1; p <= adds; ++p) {
+            const float2 x = __bfloat1622float2(*(const __nv_bfloat162 *)(base + p * plane_elems));
+            f.x += x.x;
+            f.y += x.y;
+        }
+        v = __floats2bfloat162_rn(f.x, f.y);
+    }
+    return *reinterpret_cast<unsigned *>(&v);
+}
+
 #if MK_EPILOGUE == 2
+// add_planes for 8 bf16 (16 bytes, 16-byte aligned): one vector load per plane.
+__device__ __forceinline__ uint4 add_planes_v4(uint4 v, unsigned long long addend, int adds,
+                                               long long plane_elems, long long off) {
+    const __nv_bfloat16 *base = (const __nv_bfloat16 *)addend + off;
+    unsigned w[4] = {v.x, v.y, v.z, v.w};
+    if (adds == 1) {
+        const uint4 x = *(const uint4 *)(base + plane_elems);
+        const unsigned xw[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            __nv_bfloat162 s = __hadd2(*reinterpret_cast<__nv_bfloat162 *>(&w[i]),
+                                       *reinterpret_cast<const __nv_bfloat162 *>(&xw[i]));
+            w[i] = *reinterpret_cast<unsigned *>(&s);
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = add_planes(w[i], addend, adds, plane_elems, off + 2 * i);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
 __device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
     __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low half: the lower column
     return *reinterpret_cast<unsigned *>(&v);
@@ -201,13 +244,16 @@ extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned lo
 }
 
 // One 128 x 256 output tile; every thread of the block calls it for every tile.
-//   c, ldc: bf16 output (row-major, ldc elements per row); m, n bound the stores.
+//   c, ldc: bf16 output (row-major, ldc elements per row) holding global rows from c_row0 on;
+//   m, n bound the stores. adds > 0: add planes 1..adds of ``addend`` ([P, m, n] bf16, plane
+//   stride m * n) at the same element before storing (add_planes).
 //   tile_m, tile_n: tile coordinates; k_iters = ceil(K / 64); seq: tiles this block already ran.
 // Returns 1 in exactly one thread (consumer thread 0, or the publisher's lane 0) once all of this
 // tile's stores are issued by every consumer thread: that thread publishes the tile's completion
 // flag. Other threads return 0; the producer warp returns as soon as it has queued the loads.
 extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned long long tmaps,
-                                            unsigned long long c, int ldc, int m, int n,
+                                            unsigned long long c, int ldc, int c_row0,
+                                            unsigned long long addend, int adds, int m, int n,
                                             int tile_m, int tile_n, int k_iters, int seq) {
     const Ring r = ring_at(smem);
     const int tid = threadIdx.x;
@@ -265,7 +311,8 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     // 16w + lane/4 (+8), and d[4j..4j+3] are columns 8j + 2*(lane%4) (+1) of those two rows.
     const int lane = tid % 32, warp = (tid % 128) / 32;
 #if MK_EPILOGUE != 1
-    __nv_bfloat16 *out = (__nv_bfloat16 *)c;
+    __nv_bfloat16 *out = (__nv_bfloat16 *)c - (long long)c_row0 * ldc;  // indexed by global row
+    const long long plane_elems = (long long)m * n;
 #endif
 #if MK_EPILOGUE == 0
     // straight from the accumulator layout to global memory
@@ -277,9 +324,12 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int row = row0 + 8 * h;
-            if (row < m && col < n)  // n is even (the op checks), so col + 1 < n as well
-                *(__nv_bfloat162 *)(out + (long long)row * ldc + col) =
-                    __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+            if (row < m && col < n) {  // n is even (the op checks), so col + 1 < n as well
+                __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
+                unsigned w = *reinterpret_cast<unsigned *>(&v);
+                if (adds > 0) w = add_planes(w, addend, adds, plane_elems, (long long)row * n + col);
+                *(unsigned *)(out + (long long)row * ldc + col) = w;
+            }
         }
     }
 #elif MK_EPILOGUE == 2
@@ -305,15 +355,18 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
 #pragma unroll
         for (int it = 0; it < 4; ++it) {  // 8 lanes per row: each warp store covers 4 rows
             const int row = 4 * it + lane / 8, unit = lane % 8;
-            const uint4 v = ld_shared_v4(stage + row * 128 + ((unit ^ (row % 8)) * 16));
+            uint4 v = ld_shared_v4(stage + row * 128 + ((unit ^ (row % 8)) * 16));
             const int grow = row_base + row, gcol = tile_n * BN + 64 * cc + 8 * unit;
-            if (grow < m && gcol < n)  // n is a multiple of 8 (the op checks): 8 columns fit
+            if (grow < m && gcol < n) {  // n is a multiple of 8 (the op checks): 8 columns fit
+                if (adds > 0)
+                    v = add_planes_v4(v, addend, adds, plane_elems, (long long)grow * n + gcol);
                 *(uint4 *)(out + (long long)grow * ldc + gcol) = v;
+            }
         }
         __syncwarp();  // the chunk is read before the next one overwrites it
     }
 #else
-    (void)lane, (void)warp, (void)c;  // 1: timing only, nothing stored
+    (void)lane, (void)warp, (void)c, (void)c_row0, (void)addend, (void)adds;  // 1: timing only
 #endif
 #if MK_PUBLISHER
     // Hand the tile to the publisher and go on. Waiting first until tile seq - 1 was published
