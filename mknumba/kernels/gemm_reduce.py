@@ -307,8 +307,8 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         reduce_end, send_end, recv_end = cfg[C_REDUCE_END], cfg[C_SEND_END], cfg[C_RECV_END]
         node = (part, part_ptrs, tile_flags, tile_flag_ptrs, final_flags, final_flag_ptrs)
         stamp(tr, trace, T_BLOCK_START, blk)
-        deadline = prim.globaltimer() + timeout_ns
         if blk < n_compute:
+            deadline = prim.globaltimer() + timeout_ns       # bounds fold's inbox waits
             compute_role(smem, tmaps, a, bt, order, cfg[C_TILES_N], blk, n_compute, epoch,
                          (part_c, part_ptrs, owner_of_row, tile_flags, tile_flag_ptrs,
                           order.shape[0], cfg[C_ME], cfg[C_G], call & 1, cfg[C_DELIVER] != 0,
@@ -317,7 +317,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                 stamp(tr, trace, T_BLOCK_END, blk)
                 return
             cuda.syncthreads()        # then join the reduce (and pull) queues below
-        ctx = (epoch, call, deadline, err, rank, trace)
+        ctx = (epoch, call, prim.globaltimer() + timeout_ns, err, rank, trace)
         # who draws from the work queues (each worker once past the end: roles.blocks.take
         # counts them): the role's own blocks, and with join the compute blocks (reduce queue)
         # and every compute and reduce block (pull queue)
