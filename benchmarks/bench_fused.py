@@ -138,7 +138,8 @@ def bench_topology(comm, dist, args, records, log):
                     op.free()
                 best_key = min(sweep, key=sweep.get)
                 ours = sweep[best_key]
-                best = sm_split.parse_sweep_key(best_key).comm_sms
+                chosen = sm_split.parse_sweep_key(best_key)
+                best = chosen.comm_sms
                 err = max(errs.values())
                 rec = common.record(
                     kern, {"m": m, "n": n, "k": k}, dtype="bfloat16", world=W, topology=topo,
@@ -149,9 +150,10 @@ def bench_topology(comm, dist, args, records, log):
                     cublas_ms=t_gemm, nccl_ms=t_nccl, unfused_measured_ms=t_unfused,
                     network_ms=t_net if comm.nodes > 1 else None, nvlink_ms=t_link,
                     comm_share=comm_share, rel_err=err, of_floor=floor / ours,
-                    moves=op.moves, join=op.join, shared_out=op.shared_out, direct=op.direct,
-                    deliver=sm_split.parse_sweep_key(best_key).deliver,
-                    fold=sm_split.parse_sweep_key(best_key).fold,
+                    moves=op.moves, join=op.join, shared_out=op.shared_out,
+                    direct=op.shared_out and comm.local_size > 1 and (chosen.deliver
+                                                                      or comm.nodes > 1),
+                    deliver=chosen.deliver, fold=chosen.fold,
                     **({} if args.tile == "auto" else {"tile": args.tile}))
                 records.append(rec)
                 if comm.rank == 0:

@@ -152,7 +152,7 @@ def _passes(out, n):
     assert out.count("PASS") == n, out[-3000:]
 
 
-@pytest.mark.parametrize("split,deliver,shared,fold", [(1, "on", "on", "on"),
+@pytest.mark.parametrize("split,deliver,shared,fold", [(1, "on", "mixed", "on"),
                                                        (4, "on", "off", "off"),
                                                        (1, "off", "on", "off")])
 def test_sim_1x2_both_kernels(split, deliver, shared, fold):
@@ -160,14 +160,16 @@ def test_sim_1x2_both_kernels(split, deliver, shared, fold):
     its own final flag. deliver: compute blocks write the tiles the other GPU owns into its
     inbox; off: the owner loads them from the other GPU. shared: AllReduce into its shared
     output, which the owner writes on both GPUs when delivering (direct), else through the
-    copy. fold: ReduceScatter's owner adds the delivered tile in its own tile's epilogue."""
+    copy; mixed: rank 0 into its shared output, rank 1 into an array of its own, which it
+    copies out of its shared output. fold: ReduceScatter's owner adds the delivered tile in
+    its own tile's epilogue."""
     out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, split, "auto",
                   deliver, shared, fold)
     _passes(out, 4)
     assert out.count(f"split={split}") == 4, out[-2000:]
     assert out.count("join=0") == 4, out[-2000:]       # blocks run one at a time here
     assert out.count(f"deliver={int(deliver == 'on')}") == 4, out[-2000:]
-    direct = int(deliver == "on" and shared == "on")
+    direct = int(deliver == "on" and shared != "off")
     assert re.findall(r"gemm_allreduce rank \d+ .*?direct=(\d)", out) == [str(direct)] * 2, \
         out[-2000:]
     assert re.findall(r"gemm_reducescatter rank \d+ .*?fold=(\d)", out) == \
@@ -278,6 +280,21 @@ def test_split_table_is_the_recorded_sweep(monkeypatch):
         for m, k, sms, deliver, fold in rows:
             assert split.choose(kernel, topo, m, m, k, 132) == (sms, deliver, fold), \
                 (kernel, topo, m, k)
+
+
+def test_ranks_must_plan_the_same_exchange():
+    """An op whose ranks disagree on what they write into each other's memory is refused at
+    construction, naming the difference (here one rank delivers partials, the other not)."""
+    from types import SimpleNamespace
+    from mknumba.kernels.gemm_rs import GemmReduceScatter
+    op = SimpleNamespace(name="GemmReduceScatter", m=256, n=64, bm=32, bn=32, chunk_tiles=4,
+                         split=1, deliver=True, fold=False, shared_out=False)
+    agree = SimpleNamespace(rank=0, mpi=SimpleNamespace(allgather=lambda mine: [mine, mine]))
+    GemmReduceScatter._check_agreement(op, agree)
+    differ = SimpleNamespace(rank=0, mpi=SimpleNamespace(
+        allgather=lambda mine: [mine, dict(mine, deliver=False)]))
+    with pytest.raises(mknumba.MkValueError, match=r"rank 1.*'deliver': \(True, False\)"):
+        GemmReduceScatter._check_agreement(op, differ)
 
 
 @pytest.mark.parametrize("direct", [False, True])

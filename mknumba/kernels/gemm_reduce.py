@@ -76,7 +76,7 @@ from .launch import Prepared
 (C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES, C_OUT_ROW0, C_COMPUTE, C_REDUCE_END, C_SEND_END,
  C_RECV_END, C_ALLREDUCE, C_STAGE_SLOTS, C_RECV_SLOTS, C_NFINAL, C_RECV_CHUNKS, C_CHUNK,
  C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS, C_TRACE,
- C_SPLIT, C_JOIN, C_DELIVER, C_DIRECT, C_FOLD) = range(30)
+ C_SPLIT, C_JOIN, C_DELIVER, C_DIRECT, C_FOLD, C_OUT_SHARED) = range(31)
 Q_REDUCE, Q_PULL = 0, 1          # the work queues (roles.blocks.take)
 
 # trace rows (``trace=True``): globaltimer stamps, one row per event, indexed by the role's item
@@ -114,9 +114,10 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
     @cuda.jit(device=True, inline=True)
     def push_target(cfg, out_ptrs, out, out_off, part_ptrs, part, part_off):
         """Where an AllReduce owner writes a finished tile for the other local GPUs: straight
-        into their ``out`` (the op's shared output, ``C_DIRECT``), else into their partials,
+        into their shared output (``C_DIRECT``, fixed when the op is planned, so every GPU
+        agrees), else into their partials,
         which each then copies out (pull role). (address table, this GPU's array, offset)."""
-        if cfg[C_DIRECT] != 0:
+        if cfg[C_DIRECT] != 0:        # out may be the caller's array: only its type is used
             return out_ptrs, out, out_off
         return part_ptrs, part, part_off
 
@@ -255,11 +256,13 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         return True
 
     @cuda.jit(device=True, inline=True)
-    def pull_role(smem, cfg, pull_tiles, part, final_flags, out, queue, workers, ctx):
+    def pull_role(smem, cfg, pull_tiles, part, final_flags, out, out_ptrs, queue, workers,
+                  ctx):
         """AllReduce, G > 1: for each tile (row band) another local GPU owns, taken from the
         pull queue, wait for its final flag (the owner pushed the sum into this GPU's
-        partials), then copy it to ``out`` (local); with the sum pushed straight into ``out``
-        (``C_DIRECT``) only wait, so that the call ends with its output complete."""
+        partials, or with ``C_DIRECT`` into its shared output), then copy it to ``out``
+        (local); when ``out`` is that shared output (``C_OUT_SHARED``) only wait, so that the
+        call ends with its output complete."""
         epoch, call, deadline, err, rank, trace = ctx
         tr = cfg[C_TRACE] != 0
         m, wn = cfg[C_M], cfg[C_N] // 4
@@ -275,10 +278,13 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
             t = pull_tiles[it]
             if not wait(final_flags, t * split + band, epoch, deadline, err, rank, ROLE_INTRA):
                 return False
-            if cfg[C_DIRECT] == 0:
+            if cfg[C_OUT_SHARED] == 0:
                 r0, c0 = origin(t, cfg[C_TILES_N], band, sub)
-                seq = move_copy(smem, seq, part, part_base + r0 * wn + c0, wn, out,
-                                r0 * wn + c0, wn, min(sub, m - r0), min(bw, wn - c0))
+                src, src_off = part, part_base + r0 * wn + c0
+                if cfg[C_DIRECT] != 0:        # the owner wrote it into my shared output
+                    src, src_off = prim.peer_view(out_ptrs, cfg[C_ME], out), r0 * wn + c0
+                seq = move_copy(smem, seq, src, src_off, wn, out, r0 * wn + c0, wn,
+                                min(sub, m - r0), min(bw, wn - c0))
             stamp(tr, trace, T_PULL_DONE, i)
         move_drain(smem)
         return True
@@ -340,8 +346,8 @@ def _make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                               (stage, recv, arrive, red_flags), out, out_ptrs, blk - send_end,
                               recv_end - send_end, ctx)
         if ok and pulls and cfg[C_NPULL] > 0:
-            ok = pull_role(smem, cfg, pull_tiles, part, final_flags, out, queue, pull_workers,
-                           ctx)
+            ok = pull_role(smem, cfg, pull_tiles, part, final_flags, out, out_ptrs, queue,
+                           pull_workers, ctx)
         if ok:
             stamp(tr, trace, T_BLOCK_END, blk)
 
@@ -463,6 +469,13 @@ class GemmReduce:
         self.join = self._join(join, nodes)
         self.deliver = self._deliver(deliver, nodes, G, recorded.deliver)
         self.fold = self._fold(fold, recorded.fold)
+        # nothing to reduce: the one block the reduce role needs. Not in the simulator, whose
+        # blocks run one at a time: there a compute block waiting on a peer's delivery can
+        # hang if that comes from a later block of the peer (with its two compute blocks and
+        # the tests' shapes it comes from the same block or an earlier one; else the bounded
+        # wait reports it)
+        if self.fold and comm_sms is None and not recorded.fold and not SIMULATOR:
+            self.comm_sms = 1
         self.plan = ReducePlan(self.allreduce, m, n, self.bm, self.bn, nodes, G, comm.node,
                                comm.local_rank, self.chunk_tiles, self.group_m, self.fold)
         self.out_rows = m if self.allreduce else m // self.world
@@ -478,6 +491,8 @@ class GemmReduce:
         # the owners write the shared output of every local GPU (sum_local's push target)
         self.direct = self.shared_out and not self.solo and G > 1 and (self.deliver or nodes > 1)
         self._roles(sms, G, nodes)
+        if not self.solo:
+            self._check_agreement(comm)
         self._solo_gemm = _gemm.Gemm(tile=tile, group_m=group_m) if self.solo else None
         self._views = {}      # the shared output as the caller's array type
         if self.solo:
@@ -565,6 +580,19 @@ class GemmReduce:
                             recorded, "deliver=True needs one node of several GPUs and "
                                       "moves='threads'")
 
+    def _check_agreement(self, comm):
+        """Collective: every rank must plan the same exchange (the flags and buffers it writes
+        into on other GPUs follow from these); SM splits and joining are each rank's own."""
+        mine = dict(op=self.name, m=self.m, n=self.n, tile=(self.bm, self.bn),
+                    chunk_tiles=self.chunk_tiles, split=self.split, deliver=self.deliver,
+                    fold=self.fold, shared_out=self.shared_out)
+        plans = comm.mpi.allgather(mine)
+        for r, p in enumerate(plans):
+            if p != mine:
+                diff = {key: (mine[key], p[key]) for key in mine if p[key] != mine[key]}
+                raise MkValueError(f"{self.name}: rank {comm.rank} and rank {r} planned "
+                                   f"different exchanges (this rank's vs theirs): {diff}")
+
     def _fold(self, fold, recorded):
         """Whether the owner of a ReduceScatter tile adds the other local GPUs' delivered
         partials in its own GEMM epilogue and writes the sum to ``out`` (it computes its own
@@ -632,7 +660,7 @@ class GemmReduce:
         reduce_end = rb["compute"] + rb["reduce"]
         send_end = reduce_end + rb["send"]
         recv_end = send_end + rb["recv"]
-        cfg = np.zeros(C_FOLD + 1, np.int64)
+        cfg = np.zeros(C_OUT_SHARED + 1, np.int64)
         cfg[[C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES]] = (self.m, self.n, plan.tiles_n,
                                                           comm.local_rank, G, nodes)
         cfg[C_OUT_ROW0] = 0 if self.allreduce else comm.rank * self.out_rows
@@ -650,9 +678,10 @@ class GemmReduce:
         cfg[C_TRACE] = int(self.tracing)
         cfg[C_SPLIT] = self.split
         cfg[C_JOIN] = int(self.join)
-        direct = cfg.copy()           # for calls into the shared output
-        direct[C_DIRECT] = int(self.direct)
-        self._cfg = {False: _to_device(cfg), True: _to_device(direct)}
+        cfg[C_DIRECT] = int(self.direct)
+        into_shared = cfg.copy()      # for calls into the shared output: no copy at the end
+        into_shared[C_OUT_SHARED] = int(self.direct)
+        self._cfg = {False: _to_device(cfg), True: _to_device(into_shared)}
         self.queue = _to_device(np.zeros(2, np.uint32))
         items = max(self.grid, len(plan.red_tiles) * self.split, plan.n_cmds, plan.n_final,
                     len(plan.pull_tiles) * self.split) if self.tracing else 1
@@ -669,9 +698,11 @@ class GemmReduce:
 
     def output(self, torch=False):
         """The shared output (``shared_out=True``): [m, n] bf16 on this GPU, as a PyTorch
-        tensor (``torch=True``) or a numba array of bf16 bits (uint16), no copy. Each call into
-        it overwrites it: read it before the next call (in stream order, as that call's
-        kernel only starts after earlier work on the stream)."""
+        tensor (``torch=True``) or a numba array of bf16 bits (uint16), no copy. Each call
+        into it overwrites it: read it before the next call (in stream order, as that call's
+        kernel only starts after earlier work on the stream), and not after :meth:`free`. The
+        owners write it directly only with delivery or between nodes (``op.direct``); else it
+        is an ordinary output, filled by the copy at the end."""
         if not self.shared_out:
             raise MkValueError(f"{self.name}: planned without shared_out=True")
         if self.shared is None:
@@ -731,11 +762,13 @@ class GemmReduce:
         else:
             tmaps = _to_device(np.zeros(32, np.uint64))
         part_c = self.part.local.view(np.uint16).reshape(2, self.planes, self.m, self.n)
-        direct = self.direct and _address(out_words) == _address(self.shared.local)
+        # the owners write every GPU's shared output (C_DIRECT, planned); a call into another
+        # array copies it out of this GPU's shared output at the end
+        into_shared = self.direct and _address(out_words) == _address(self.shared.local)
         out_ptrs = (self.shared or self.part).ptrs     # read only when direct
         args = [A.arr, bt, tmaps, part_c, self.part.local, self.part.ptrs,
                 self.tile_flags.local, self.tile_flags.ptrs, self.final_flags.local,
-                self.final_flags.ptrs, out_words, out_ptrs, out_c, self._cfg[direct]] + \
+                self.final_flags.ptrs, out_words, out_ptrs, out_c, self._cfg[into_shared]] + \
             self._tables + self._net + [
                 np.uint32(0), np.uint32(0), np.uint64(self.comm.timeout_ns), self.err,
                 np.int64(self.comm.rank), self._trace, self.queue]

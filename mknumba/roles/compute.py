@@ -222,7 +222,7 @@ def make_compute_role(tile_init, tile, destination):
     ``c_row0`` on; ``adds`` planes of ``addend`` to fold in, see the tile contract), the flag
     array and index that announce it, and whether the release is at system scope (the flag's
     reader is another GPU) or GPU scope; ``ready(where, t, adds, epoch)`` waits, in every
-    thread, until the planes to fold in are there. ``where`` is the kernel's tuple of what they
+    thread, until the planes to fold in are there (False: timed out, error recorded). ``where`` is the kernel's tuple of what they
     need (:data:`OWN_TILE`, :data:`TO_OWNER`).
     """
     place, ready = destination
@@ -238,8 +238,8 @@ def make_compute_role(tile_init, tile, destination):
             t = order[i]
             tm = t // tiles_n
             c, c_row0, addend, adds, flags, idx, system = place(where, t, tm)
-            if adds > 0:
-                ready(where, t, adds, epoch)    # each thread acquires what it will read
+            if adds > 0 and not ready(where, t, adds, epoch):   # each thread acquires them
+                adds = 0              # timed out (recorded): store the product alone, go on
             if tile(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tm, t - tm * tiles_n,
                     seq):
                 release(flags, idx, epoch, system)   # the tile's stores (its barrier) first
@@ -258,7 +258,7 @@ def own_tile(where, t, tm):
 
 @cuda.jit(device=True, inline=True)
 def nothing_to_wait(where, t, adds, epoch):
-    pass
+    return True
 
 
 @cuda.jit(device=True, inline=True)
@@ -296,7 +296,9 @@ def inbox_ready(where, t, adds, epoch):
     flags, tiles = where[3], where[5]
     deadline, err, rank = where[13]
     for j in range(1, adds + 1):
-        wait_flag(flags, j * tiles + t, epoch, deadline, err, rank, ROLE_COMPUTE)
+        if not wait_flag(flags, j * tiles + t, epoch, deadline, err, rank, ROLE_COMPUTE):
+            return False
+    return True
 
 
 #: (place, ready) pairs for make_compute_role

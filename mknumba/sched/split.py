@@ -7,7 +7,9 @@ added them in its own GEMM epilogue (``fold``, ReduceScatter), that together wer
 ``benchmarks/bench_fused.py`` (see ``benchmarks/results/fused.json``, field ``sweep``). A shape
 between recorded rows takes the row with the nearest ``m * k_local`` (log scale; on a tie, the
 nearest m); a shape the table does not cover gets a rule of thumb. Callers override with
-``comm_sms=``, ``deliver=`` and ``fold=``.
+``comm_sms=``, ``deliver=`` and ``fold=``. The AllReduce rows were swept with the op's shared
+output (``bench_fused.py --shared-out 1``): into an array of the caller's, the owners' pushes
+are copied out at the end, so a little more may go to communication there.
 """
 import math
 from typing import NamedTuple

@@ -7,7 +7,8 @@ KERNEL: rs | ar | both. ARRAYS: numba (bf16 bits in uint16 device arrays) or tor
 CHUNK_TILES: tiles per network chunk (default: the op's; small values exercise the counters).
 SPLIT, JOIN, DELIVER: the ops' options (0 / "auto": the op's choice). SHARED=on: AllReduce
 into its shared output (``shared_out``, ``out=None``), copied after each call on the stream:
-the next call's peers write into it, and must not before that copy is done. FOLD=on:
+the next call's peers write into it, and must not before that copy is done; SHARED=mixed:
+rank 0 so, the others into arrays of their own (copied out of their shared outputs). FOLD=on:
 ReduceScatter's owners add the delivered partials in their GEMM epilogue (``fold``).
 Each call gets fresh random inputs (never zeros) and a poisoned (NaN) output; the calls run
 back to back with no host synchronisation (short runs check the role trace of the last call,
@@ -45,9 +46,10 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, de
         chunk = chunk_tiles * bm * bn * 2
     traced = iterations <= 3        # short runs also check the role trace of the last call
     shared = shared and Op is GemmAllReduce
+    into_shared = shared and (shared != "mixed" or comm.rank == 0)   # else: our own arrays
     fold = fold if Op is GemmReduceScatter else None
     op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced, split=split or None, join=join,
-            deliver=deliver, shared_out=shared, fold=fold)
+            deliver=deliver, shared_out=bool(shared), fold=fold)
     rows = op.out_shape()[0]
     sent, outs = [], []
     for it in range(iterations):
@@ -61,7 +63,7 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, de
             import torch
             ta = torch.from_numpy(a.view(np.int16)).cuda().view(torch.bfloat16)
             tb = torch.from_numpy(b.view(np.int16)).cuda().view(torch.bfloat16)
-            if shared:
+            if into_shared:
                 op.output(torch=True).fill_(float("nan"))   # poisoned, in stream order
                 outs.append(op(ta, tb).clone())
             else:
@@ -69,7 +71,7 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, de
                 outs.append(op(ta, tb, out=out))
         else:
             out = cuda.to_device(np.full((rows, n), 0x7FC0, np.uint16))   # NaN bits
-            if shared:
+            if into_shared:
                 op.output().copy_to_device(out)
                 res = op(cuda.to_device(a), cuda.to_device(b))
                 out.copy_to_device(res)
@@ -127,7 +129,8 @@ def main():
     onoff = {"on": True, "off": False}                         # else: the op's choice
     join = onoff.get(sys.argv[9] if len(sys.argv) > 9 else "")
     deliver = onoff.get(sys.argv[10] if len(sys.argv) > 10 else "")
-    shared = len(sys.argv) > 11 and sys.argv[11] == "on"
+    shared = {"on": True, "mixed": "mixed"}.get(sys.argv[11] if len(sys.argv) > 11 else "",
+                                                 False)
     fold = onoff.get(sys.argv[12] if len(sys.argv) > 12 else "")
     ops = {"rs": [GemmReduceScatter], "ar": [GemmAllReduce],
            "both": [GemmReduceScatter, GemmAllReduce]}[kernel]
