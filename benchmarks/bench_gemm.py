@@ -62,7 +62,7 @@ def time_ms(fn, iters):
 
 def sass_report(op, sass_dir):
     """Dump the sm_90a cubin; count HGMMA and local-memory instructions; resource usage."""
-    kern = next(v[0] for key, v in op._compiled.items() if key[0] == "sm90")
+    kern = next(iter(op._plans.values())).launch.compiled
     cubin = kern._codelibrary.get_cubin()
     data = getattr(cubin, "code", cubin)
     path = os.path.join(sass_dir, "gemm_sm90.cubin")
@@ -102,8 +102,9 @@ def main():
         errs[shape] = check(ops[0], *shape)
     errs["kn"] = check(ops[0], 1000, 776, 1096, "kn")
     errs["kn_view"] = check(ops[0], 1000, 776, 1096, "kn_view")
-    flags = ops[0].tile_flags.copy_to_host()  # the last call had 8 x 4 tiles
-    assert (flags[:8 * 4] == ops[0].epoch).all(), "a tile flag did not reach the epoch"
+    flags = ops[0].tile_flags(1000, 776, 1096, "kn").copy_to_host()   # 8 x 4 tiles
+    assert len(flags) == 8 * 4 and (flags == flags[0]).all() and \
+        0 < flags[0] <= ops[0].calls()[1], "a tile flag did not reach its call's epoch"
     errs["reserved32"] = check(ops[32], 4160, 8184, 1032)
     errs["simt_twin"] = check(Gemm(tile="simt"), 300, 264, 136)
     for key, e in errs.items():

@@ -108,7 +108,7 @@ def main():
         for blocks in (1, 16, 32, 64):
             time_kind(comm, move, kind, name, blocks, 0, args)
     if cuda.get_current_device().compute_capability == (9, 0):
-        from mknumba.kernels.gemm import _set_max_dynamic_smem
+        from mknumba.kernels.launch import _set_max_dynamic_smem
         for wait in (0, 1):
             kern, smem = bulk_kernel(wait)
             for kind, name in enumerate(BULK_KINDS):

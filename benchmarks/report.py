@@ -23,6 +23,8 @@ def main(paths):
     for r in rows(paths):
         of_floor = r["floor_ms"] / r["ours_ms"] if r.get("floor_ms") and r.get("ours_ms") else None
         extra = f" sms_reserved={r['sms_reserved']}" if r.get("sms_reserved") else ""
+        if r["kernel"] == "host_cost":
+            extra += f" op={r['op']} graph={int(r['graph'])} host_us={r['host_us']:.2f}"
         table.append([r["kernel"], shape_str(r["shape"]) + extra, r.get("topology", ""),
                       r.get("transport", ""), r.get("ours_ms"), r.get("baseline", ""),
                       r.get("baseline_ms"), r.get("speedup"), r.get("floor_ms"), of_floor])

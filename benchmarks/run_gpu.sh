@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one call: GPU tests, then every benchmark, then a short table.
-#   OUT=/some/dir bash benchmarks/run_gpu.sh [pytest -k expression]
+# The whole GPU suite in one call: GPU tests, compute-sanitizer, every benchmark, a short table.
+#   OUT=/some/dir bash benchmarks/run_gpu.sh [pytest -k expression] [benchmark name pattern]
 # Writes under $OUT: env.txt, tests.log, bench.log and one JSON per benchmark
 # (DESIGN.md §8 records); copy the JSON into benchmarks/results/ to commit it.
 set -uo pipefail
@@ -15,16 +15,31 @@ NGPU=$(nvidia-smi -L | wc -l)
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv; nvidia-smi topo -m
   $PY -c "import numba, numba_cuda, numpy; print('numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'numpy', numpy.__version__)"; } > "$OUT/env.txt" 2>&1
 
+# With one GPU the multi-rank tests run their ranks on the shared GPU (correctness only).
+[ "$NGPU" -lt 2 ] && export MKNUMBA_ALLOW_SHARED_GPU=1
 $PY -m pytest -q -m gpu -rs ${1:+-k "$1"} tests 2>&1 | tee "$OUT/tests.log" | tail -25
 tests_rc=${PIPESTATUS[0]}
 
+: > "$OUT/sanitizer.log"
+# compute-sanitizer on a two-rank fused run (both ops, 3 calls): memcheck, then racecheck.
+for tool in memcheck racecheck; do
+  MKNUMBA_ALLOW_SHARED_GPU=1 MKNUMBA_TIMEOUT_S=300 timeout 400 mpirun --allow-run-as-root \
+    --oversubscribe -x MKNUMBA_ALLOW_SHARED_GPU -x MKNUMBA_TIMEOUT_S -x PYTHONPATH -n 2 \
+    compute-sanitizer --tool $tool --print-limit 20 --error-exitcode 9 \
+    $PY -m mpi4py tests/mpi/fused_checks.py both 1024 512 256 3 torch > "$OUT/sanitizer_$tool.log" 2>&1
+  echo "compute-sanitizer $tool: exit $? ($(grep -cE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitizer_$tool.log")/2 ranks clean)" | tee -a "$OUT/sanitizer.log"
+done
+
 MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x PYTHONPATH"
 : > "$OUT/bench.log"
-for b in benchmarks/bench_*.py; do
+for b in benchmarks/bench_${2:-*}.py; do
   name=$(basename "$b" .py); name=${name#bench_}
   echo "== $name" | tee -a "$OUT/bench.log"
-  ranks=$($PY "$b" --ranks 2>/dev/null || echo 1)
-  [ "$ranks" -gt "$NGPU" ] && { echo "skip $name: needs $ranks GPUs" | tee -a "$OUT/bench.log"; continue; }
+  # "--ranks" prints the ranks a benchmark needs, and "shared" when they may share GPUs
+  read -r ranks shared <<< "$($PY "$b" --ranks 2>/dev/null || echo 1)"
+  if [ "$ranks" -gt "$NGPU" ] && [ "$shared" != shared ]; then
+    echo "skip $name: needs $ranks GPUs" | tee -a "$OUT/bench.log"; continue
+  fi
   if [ "$ranks" -gt 1 ]; then
     # the records' "command" names the launcher (benchmarks/common.py: command_line)
     MKNUMBA_LAUNCHER="mpirun --bind-to none -n $ranks" timeout 400 $MPIRUN -x MKNUMBA_LAUNCHER \
@@ -34,5 +49,6 @@ for b in benchmarks/bench_*.py; do
   fi || echo "FAILED $name (exit $?)" | tee -a "$OUT/bench.log"
 done
 $PY benchmarks/report.py "$OUT"/*.json
+cat "$OUT/sanitizer.log"
 echo "tests exit code: $tests_rc"
 exit $tests_rc

@@ -11,7 +11,7 @@ then a collective sums the partials: reduce_scatter when the next layer is seque
 collective starts only when the whole GEMM is done, and the GEMM's SMs wait while it runs.
 
 The fused ops run one persistent kernel whose blocks take roles
-(``mknumba/kernels/gemm_reduce.py`` reads like this list):
+(``mknumba/kernels/gemm_reduce/kernel.py`` reads like this list):
 
   compute   the GEMM, tile by tile, in an order that finishes what others need first; after each
             tile, publish its flag (the call's epoch)

@@ -6,6 +6,7 @@
     out = op(x)                             # x: [1024] on this rank's GPU -> out: [ranks, 1024]
 """
 from . import _compat  # noqa: F401  (must run before numba.cuda compiles anything)
+from .arrays import from_bf16_bits, to_bf16_bits
 from .errors import MkError, MkPerformanceWarning, MkTimeoutError, MkValueError
 from .kernels.allgather import AllGather
 from .kernels.gemm import Gemm, gemm
@@ -17,4 +18,5 @@ from .topology import Topology, make_topology
 __version__ = "0.1.0"
 __all__ = ["init", "finalize", "Comm", "AllGather", "Gemm", "gemm", "GemmReduceScatter",
            "GemmAllReduce", "Topology", "make_topology",
-           "MkError", "MkValueError", "MkTimeoutError", "MkPerformanceWarning"]
+           "MkError", "MkValueError", "MkTimeoutError", "MkPerformanceWarning",
+           "to_bf16_bits", "from_bf16_bits"]

@@ -1,84 +1,231 @@
-"""Arrays in and out: accept any CUDA array (numba, CuPy, PyTorch: ``__cuda_array_interface__``
-or DLPack) without copies, and check it before anything is launched."""
+"""Arrays in and out, for every op: one check of what a caller hands us, before any launch.
+
+Any CUDA array goes in without a copy: PyTorch tensors, numba and CuPy device arrays (the CUDA
+array interface), anything else that speaks DLPack (through CuPy). Under numba's simulator NumPy
+arrays stand in for device arrays. :func:`operand` checks one argument against what the op
+takes (dtype, shape, layout, device, alignment) and raises :class:`~mknumba.MkValueError`
+naming the op and the argument; what passes is an :class:`Operand`: an address and a layout,
+which a launch binds (``kernels.launch.Launch.bind``).
+
+bfloat16 comes in four spellings, all read as the same 16 bits: PyTorch's ``torch.bfloat16``,
+``ml_dtypes.bfloat16`` (how NumPy code holds bf16), and the raw bits as ``uint16`` or
+``int16``. :func:`to_bf16_bits` and :func:`from_bf16_bits` move NumPy data in and out.
+"""
+import sys
+
 import numpy as np
-from numba import cuda
 
 from ._compat import SIMULATOR
 from .errors import MkValueError
 
+__all__ = ["Operand", "operand", "BF16", "to_bf16_bits", "from_bf16_bits", "is_torch",
+           "torch_ptr"]
 
-def as_device_array(x, name, *, dtype=None, shape=None, ndim=None, device_id=None):
-    """View ``x`` as a numba device array after checking it; raise MkValueError otherwise.
+#: the dtype names read as bf16 bits
+BF16 = ("bfloat16", "uint16", "int16")
+_BF16_HINT = ("bfloat16 (torch.bfloat16, ml_dtypes.bfloat16, or its bits as uint16/int16)")
 
-    Under the simulator NumPy arrays stand in for device arrays (wrapped, not copied).
-    dtype/shape/ndim: what the caller requires (``None`` in ``shape`` accepts any extent).
-    device_id: the CUDA device the array must live on.
+
+def to_bf16_bits(x):
+    """NumPy floats -> bf16 bits (uint16), rounded to nearest even; NaN stays NaN."""
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.ascontiguousarray(x, np.float32))
+    return np.where(nan, np.uint16(0x7FC0), bits)
+
+
+def from_bf16_bits(bits):
+    """bf16 bits (uint16/int16, or an ml_dtypes.bfloat16 array) -> float32, exactly."""
+    b = np.ascontiguousarray(bits)
+    return (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def is_torch(x):
+    """True for a PyTorch tensor (without importing PyTorch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+class Operand:
+    """A checked array argument: ``ptr`` (device address; in the simulator the NumPy array's),
+    ``shape``, ``strides`` (in elements), ``itemsize``, ``dtype`` (its name, as the caller
+    holds it), ``torch`` (a PyTorch tensor), ``device`` (CUDA ordinal, None where unknown),
+    ``row_major`` (C-contiguous), ``col_major`` (a 2-d array stored column after column: the
+    transposed view of a row-major one, like ``w.T``) and ``host``: in the simulator, the
+    NumPy array itself."""
+
+    __slots__ = ("name", "ptr", "shape", "_strides", "itemsize", "dtype", "torch", "device",
+                 "host", "source", "row_major", "_col")
+
+    @property
+    def strides(self):
+        if self._strides is None:                 # a PyTorch tensor's, read when needed
+            self._strides = tuple(self.source.stride())
+        return self._strides
+
+    @property
+    def col_major(self):
+        if self._col is None:
+            self._col = (len(self.shape) == 2 and self.strides[0] == 1
+                         and self.strides[1] == self.shape[0])
+        return self._col
+
+    def as_param(self, dtype, shape):
+        """This memory as a kernel parameter of ``dtype`` and ``shape`` (C order): the address
+        on the GPU; in the simulator a device-array view of the same NumPy memory."""
+        if not SIMULATOR:
+            return self.ptr
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        flat = self.host.reshape(-1) if self.row_major else self.host.T.reshape(-1)
+        return FakeCUDAArray(flat.view(dtype).reshape(shape))
+
+
+def _row_major(shape, strides):
+    expect = 1
+    for s, n in zip(reversed(shape), reversed(strides)):
+        if n != expect and s != 1:
+            return False
+        expect *= s
+    return True
+
+
+_TORCH_NAMES = {}
+_TORCH_BF16 = None
+
+
+def torch_ptr(x, shape, device, strides=None, dtype=None, align=16):
+    """The address of PyTorch tensor ``x`` when it is exactly what a plan expects: ``dtype``
+    (a torch dtype; default bf16), ``shape``, C-contiguous (or with these element
+    ``strides``), on GPU ``device``, ``align``-byte aligned; else None, and the caller runs
+    :func:`operand` for the full check and its message. A few C calls: the hot path of a
+    call with tensors."""
+    global _TORCH_BF16
+    if _TORCH_BF16 is None:
+        _TORCH_BF16 = sys.modules["torch"].bfloat16
+    if (x.dtype is (dtype or _TORCH_BF16) and x.shape == shape and x.get_device() == device
+            and (x.is_contiguous() if strides is None else x.stride() == strides)):
+        p = x.data_ptr()
+        if p % align == 0:
+            return p
+    return None
+
+
+def operand(x, op, name, *, dtypes=BF16, shape=None, ndim=None, device_id=None,
+            layouts=("row",), align=16):
+    """Check ``x`` for argument ``name`` of ``op`` and return its :class:`Operand`.
+
+    dtypes: accepted dtype names (``BF16``: every spelling of bf16). shape: required extents
+    (None in it: any). layouts: "row" (C-contiguous) and/or "col" (a 2-d column-major view,
+    e.g. ``w.T``). device_id: the GPU the array must live on. align: required address
+    alignment in bytes (the tiles move 16 bytes at a time).
     """
-    arr = _wrap(x, name)
-    if dtype is not None and np.dtype(arr.dtype) != np.dtype(dtype):
-        raise MkValueError(f"{name}: dtype {np.dtype(arr.dtype)} given, {np.dtype(dtype)} expected")
-    if ndim is not None and arr.ndim != ndim:
-        raise MkValueError(f"{name}: {arr.ndim}-d array given, {ndim}-d expected")
-    if shape is not None:
-        if len(shape) != arr.ndim or any(s is not None and s != a
-                                         for s, a in zip(shape, arr.shape)):
-            want = tuple("*" if s is None else s for s in shape)
-            raise MkValueError(f"{name}: shape {tuple(arr.shape)} given, {want} expected")
-    if not arr.is_c_contiguous():
-        raise MkValueError(f"{name}: must be C-contiguous (row-major); got strides {arr.strides}")
-    if device_id is not None and not SIMULATOR and arr.size and _elsewhere(arr):
-        raise MkValueError(f"{name}: lives on another GPU; this rank uses GPU {device_id}")
-    return arr
+    o = Operand()
+    o.name, o.source, o._col, o.host, o._strides = name, x, None, None, None
+    if is_torch(x):                          # the common case, kept to a few C calls
+        o.torch = True
+        o.device = x.get_device()
+        if o.device < 0:
+            raise MkValueError(f"{op}: {name} is on {x.device}; {op} takes CUDA tensors")
+        o.ptr, o.shape, o.itemsize = x.data_ptr(), x.shape, x.element_size()
+        o.row_major = x.is_contiguous()
+        o.dtype = _TORCH_NAMES.get(x.dtype) or _TORCH_NAMES.setdefault(x.dtype,
+                                                                         str(x.dtype)[6:])
+    else:
+        o.torch = False
+        _describe(o, x, op, name)
+        o.row_major = _row_major(o.shape, o.strides)
+    if o.dtype not in dtypes:
+        want = _BF16_HINT if tuple(dtypes) == BF16 else " or ".join(dtypes)
+        raise MkValueError(f"{op}: {name} has dtype {o.dtype}; {op} takes {want}")
+    if ndim is not None and len(o.shape) != ndim:
+        raise MkValueError(f"{op}: {name} is {len(o.shape)}-d with shape {o.shape}; "
+                           f"{ndim}-d expected")
+    if shape is not None and o.shape != shape and (len(shape) != len(o.shape) or any(
+            s is not None and s != a for s, a in zip(shape, o.shape))):
+        want = tuple("*" if s is None else s for s in shape)
+        raise MkValueError(f"{op}: {name} has shape {tuple(o.shape)}, {want} expected")
+    if not ((o.row_major and "row" in layouts) or ("col" in layouts and o.col_major)):
+        what = " or ".join({"row": "row-major (C-contiguous)",
+                            "col": "a column-major view of a row-major array (like w.T)"}[k]
+                           for k in layouts)
+        raise MkValueError(f"{op}: {name} must be {what}; got shape {o.shape} with strides "
+                           f"{tuple(o.strides)} (elements)")
+    if device_id is not None and not SIMULATOR:
+        if o.device is None:
+            o.device = _device_of(o.ptr, device_id)
+        if o.device is not None and o.device != device_id:
+            raise MkValueError(f"{op}: {name} lives on GPU {o.device}; this rank uses GPU "
+                               f"{device_id}")
+    if align and not SIMULATOR and o.ptr % align:
+        raise MkValueError(f"{op}: {name} starts at {o.ptr:#x}, not {align}-byte aligned "
+                           "(a view at an odd offset?)")
+    return o
 
 
-def _wrap(x, name):
+def _describe(o, x, op, name):
+    """Fill ``o`` from a non-PyTorch array (CUDA array interface, DLPack; NumPy in the
+    simulator)."""
+    o.device = None
     if SIMULATOR:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         if isinstance(x, FakeCUDAArray):
-            return x
-        if isinstance(x, np.ndarray):
-            return FakeCUDAArray(x)
-        raise MkValueError(f"{name}: expected a NumPy or simulator device array, got {type(x)}")
-    if cuda.is_cuda_array(x):
-        # sync=False: numba would otherwise synchronise the producer's stream on every call,
-        # a host stall per launch. Kernels run in order on the stream the caller passes.
-        return cuda.from_cuda_array_interface(x.__cuda_array_interface__, owner=x, sync=False)
-    if hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray):
-        return _from_dlpack(x, name)
+            x = x._ary
+        if not isinstance(x, np.ndarray):
+            raise MkValueError(f"{op}: {name}: expected a NumPy or simulator device array, "
+                               f"got {type(x).__name__}")
+        o.host, o.ptr = x, x.__array_interface__["data"][0]
+        o.shape, o.itemsize = tuple(x.shape), x.itemsize
+        o._strides = tuple(st // x.itemsize for st in x.strides)
+        o.dtype = x.dtype.name
+        return
+    o.host = None
     if isinstance(x, np.ndarray):
-        raise MkValueError(f"{name}: got a host (NumPy) array; mknumba takes GPU arrays "
+        raise MkValueError(f"{op}: {name} is a host (NumPy) array; {op} takes GPU arrays "
                            "(numba.cuda.to_device, CuPy, PyTorch on cuda)")
-    raise MkValueError(f"{name}: expected a CUDA array (__cuda_array_interface__ or DLPack), "
-                       f"got {type(x).__name__}")
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None:
+        if not hasattr(x, "__dlpack__"):
+            raise MkValueError(f"{op}: {name} ({type(x).__name__}) is not a CUDA array "
+                               "(__cuda_array_interface__ or DLPack)")
+        try:
+            import cupy   # DLPack import without a copy
+        except ImportError:
+            raise MkValueError(f"{op}: {name}: DLPack input needs CuPy installed (or pass an "
+                               "object with __cuda_array_interface__)") from None
+        cai = cupy.from_dlpack(x).__cuda_array_interface__
+    dt = np.dtype(getattr(x, "dtype", None) or cai["typestr"])
+    o.ptr, o.shape, o.itemsize = cai["data"][0], tuple(cai["shape"]), dt.itemsize
+    o._strides = tuple(st // dt.itemsize for st in cai.get("strides") or
+                       _c_strides(o.shape, dt.itemsize))
+    o.dtype = dt.name
 
 
-def _from_dlpack(x, name):
-    try:
-        import cupy  # DLPack import without a copy; CuPy then exposes the CUDA array interface
-    except ImportError:
-        raise MkValueError(f"{name}: DLPack input needs CuPy installed (or pass an object with "
-                           "__cuda_array_interface__)") from None
-    y = cupy.from_dlpack(x)
-    return cuda.from_cuda_array_interface(y.__cuda_array_interface__, owner=y, sync=False)
+def _c_strides(shape, itemsize):
+    out, step = [], itemsize
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
 
 
-def _elsewhere(arr):
-    """True when ``arr``'s memory belongs to another CUDA context than this thread's current
-    one (another GPU). The pointer's device-ordinal attribute read 0 for memory on GPU 1 of
-    the 2xH200 machine (2026-11-30), so compare contexts instead; unknown counts as here."""
+def _device_of(ptr, expected):
+    """The CUDA ordinal of the memory at ``ptr``, or None where it cannot be told; ``expected``
+    when it belongs to the current context. (The pointer's device-ordinal attribute read 0 for
+    memory on GPU 1 of the 2xH200 machine, so this asks for the owning context's device.)"""
     try:
         from cuda.bindings import driver as drv
     except ImportError:
-        return False
-    ptr = arr.__cuda_array_interface__["data"][0]
-    err, owner = drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT,
-                                           ptr)
-    err2, current = drv.cuCtxGetCurrent()
-    if err != drv.CUresult.CUDA_SUCCESS or err2 != drv.CUresult.CUDA_SUCCESS or not int(owner):
-        return False
-    return int(owner) != int(current)
-
-
-def empty(shape, dtype):
-    """A new uninitialised device array (a NumPy array under the simulator)."""
-    return cuda.device_array(shape, dtype)
+        return None
+    err, ctx = drv.cuPointerGetAttribute(drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_CONTEXT,
+                                         ptr)
+    if err != drv.CUresult.CUDA_SUCCESS or not int(ctx):
+        return None
+    err, current = drv.cuCtxGetCurrent()
+    if err == drv.CUresult.CUDA_SUCCESS and int(current) == int(ctx):
+        return expected
+    (err,) = drv.cuCtxPushCurrent(ctx)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        return None
+    err, dev = drv.cuCtxGetDevice()
+    drv.cuCtxPopCurrent()
+    return int(dev) if err == drv.CUresult.CUDA_SUCCESS else None

@@ -24,7 +24,15 @@ from numba import cuda
 __all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "atomic_add_release",
            "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys", "nanosleep",
            "globaltimer", "peer_view", "peer_after", "data_ptr", "epoch_reached", "wait_flag", "record_timeout",
-           "acquire", "release", "pack_bf16x2", "add_bf16x2"]
+           "acquire", "release", "pack_bf16x2", "add_bf16x2", "atomic_add_acq_rel",
+           "next_epoch", "next_epoch_host", "FRAME_ARRIVALS", "FRAME_CALLS", "FRAME_EPOCH",
+           "FRAME_WORDS"]
+
+#: An op's call counter on its GPU (``kernels.launch.Frame``, ``roles.blocks.begin``): uint32
+#: words counting the blocks of the running launch that have started, the last call's number
+#: (wraps at 2**32) and its epoch.
+FRAME_ARRIVALS, FRAME_CALLS, FRAME_EPOCH = 0, 1, 2
+FRAME_WORDS = 4
 
 if not SIMULATOR:
     from llvmlite import ir
@@ -130,6 +138,7 @@ if not SIMULATOR:
     st_release, st_release_sys = _make_store("gpu"), _make_store("sys")
     atomic_add_release, atomic_add_release_sys = _make_add("release", "gpu"), _make_add("release", "sys")
     atomic_add_relaxed = _make_add("relaxed", "gpu")
+    atomic_add_acq_rel = _make_add("acq_rel", "gpu")
     fence_gpu, fence_sys = _make_fence("gpu"), _make_fence("sys")
 
     @intrinsic
@@ -201,10 +210,11 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
     def atomic_add_release(arr, idx, val):
         with _lock:
             old = arr[idx]
-            arr[idx] = old + val
+            bits = 8 * np.dtype(arr.dtype).itemsize    # wraps like the GPU's unsigned add
+            arr[idx] = (int(old) + int(val)) & ((1 << bits) - 1)
         return old
 
-    atomic_add_release_sys = atomic_add_relaxed = atomic_add_release
+    atomic_add_release_sys = atomic_add_relaxed = atomic_add_acq_rel = atomic_add_release
 
     def fence_gpu():
         pass
@@ -245,6 +255,19 @@ def peer_after(me, j, members):
     the NVLink traffic of one moment over different links."""
     p = me + j
     return p - members if p >= members else p
+
+
+def next_epoch_host(epoch):
+    """The epoch after ``epoch``: 1, 2, ..., 2**32 - 1, then 1 again. Never 0, which is what
+    fresh flags hold. The one wrap rule of every op (device: :func:`next_epoch`)."""
+    return 1 if int(epoch) >= 0xFFFFFFFF else int(epoch) + 1
+
+
+@cuda.jit(device=True, inline=True)
+def next_epoch(epoch):
+    """:func:`next_epoch_host` on the device (uint32)."""
+    e = np.uint32(epoch)
+    return np.uint32(1) if e == np.uint32(0xFFFFFFFF) else e + np.uint32(1)
 
 
 @cuda.jit(device=True, inline=True)

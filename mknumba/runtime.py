@@ -132,6 +132,21 @@ class Comm:
         buf.free()
         self._buffers.remove(buf)
 
+    def agree(self, what, fields, scope="world"):
+        """Collective over ``scope``: every rank must pass the same ``fields`` (a dict of what
+        the op was planned with, in the caller's terms); else MkValueError names the ranks and
+        the fields that differ, on every rank."""
+        group, _ = self._group(scope)
+        everyone = group.allgather(dict(fields))
+        me = group.Get_rank()
+        for r, theirs in enumerate(everyone):
+            if theirs != fields:
+                diff = ", ".join(f"{key}: {fields.get(key)!r} here, {theirs.get(key)!r} there"
+                                 for key in sorted(set(fields) | set(theirs))
+                                 if fields.get(key) != theirs.get(key))
+                raise MkValueError(f"{what}: ranks planned it differently (this is rank {me} "
+                                   f"of the {scope}, against rank {r}): {diff}")
+
     def new_error_record(self):
         """A zeroed int64[8] record in mapped host memory that kernels fill on a timeout."""
         rec = cuda.mapped_array(ERR_WORDS, dtype=np.int64)

@@ -21,10 +21,35 @@ def mpiexec():
     return cmd
 
 
-def run_mpi(script, n, *args, env=None, simulator=True, timeout=600, expect_fail=False):
+def gpu_count():
+    """CUDA GPUs visible to this process (0 without a driver)."""
+    try:
+        from numba import cuda
+        return len(cuda.gpus) if cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def require_gpus(n, env=None):
+    """Skip the calling test, with the reason, when ``n`` ranks would need more GPUs than this
+    machine has, unless ``MKNUMBA_ALLOW_SHARED_GPU=1`` lets ranks share them (correctness
+    only: shared GPUs time-slice the ranks)."""
+    import pytest
+    have = gpu_count()
+    shared = dict(os.environ, **(env or {})).get("MKNUMBA_ALLOW_SHARED_GPU") == "1"
+    if have < n and not shared:
+        pytest.skip(f"needs {n} GPUs, this machine has {have} (set MKNUMBA_ALLOW_SHARED_GPU=1 "
+                    "to run the ranks on shared GPUs, for correctness only)")
+
+
+def run_mpi(script, n, *args, env=None, simulator=True, timeout=600, expect_fail=False,
+            gpus=None):
     """Run ``tests/mpi/<script>`` (or ``script``, an absolute path) on ``n`` ranks and return
     its output. The test fails if the program fails (or, with ``expect_fail``, if it
-    succeeds)."""
+    succeeds). Off the simulator it is skipped where the machine has fewer than ``gpus``
+    GPUs (default ``n``; see :func:`require_gpus`)."""
+    if not simulator:
+        require_gpus(n if gpus is None else gpus, env)
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env["PYTHONUNBUFFERED"] = "1"

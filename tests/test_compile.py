@@ -44,13 +44,15 @@ def test_primitives_emit_ordered_ptx(fake_sm90):
 
 
 def test_allgather_kernel_compiles(fake_sm90):
-    from mknumba.kernels.allgather import allgather_kernel
-    for dt in (types.float32, types.float64, types.int32):
-        a = dt[::1]
-        sig = (a, a, a, u64, u32, u64, types.uint32, types.int64, types.int64, types.int64,
-               types.int64, types.uint64, i64, types.int64)
-        ptx = _ptx(allgather_kernel.py_func, sig, fake_sm90)
+    """Every word width the AllGather moves, compiled for the kernel's own declaration; each
+    block starts by numbering the call (the frame's acq_rel arrival)."""
+    from mknumba.kernels.allgather import make_kernel
+    from mknumba.kernels.launch import signature
+    for word in (np.uint64, np.uint32, np.uint16, np.uint8):
+        kernel = make_kernel(np.dtype(word))
+        ptx = _ptx(kernel.py_func, signature(kernel), fake_sm90)
         assert len(re.findall(r"st\.release\.sys", ptx)) >= 1
+        assert "atom.add.acq_rel.gpu" in ptx
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0, "a")])

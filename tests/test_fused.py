@@ -102,17 +102,11 @@ COMPILE_SCRIPT = textwrap.dedent("""
     disp.get_current_device = lambda: type("D", (), {"compute_capability": (9, 0)})()
     from numba import types
     from numba.cuda import compiler
-    import mknumba.kernels.gemm_reduce as K
+    from mknumba.kernels.gemm_reduce import kernel as K
+    from mknumba.kernels.launch import signature
 
-    build, threads, kernel = K._build(sys.argv[1], sys.argv[2])
-
-    def arr(dt, nd=1):
-        return types.Array(dt, nd, "C")
-    u64, u32, i32 = arr(types.uint64), arr(types.uint32), arr(types.int32)
-    sig = (arr(types.int16, 2), arr(types.int16, 2), u64, arr(types.uint16, 4), u64, u64,
-           u32, u64, u32, u64, u64, u64, arr(types.uint16, 2), arr(types.int64)) + (i32,) * 6 + (arr(types.int32, 2),) + \\
-          (i32,) * 3 + (u64, u64, u32, u32, u32, u32, u32, u32, u32, types.uint32, types.uint32,
-           types.uint64, arr(types.int64), types.int64, arr(types.int64, 2), u32)
+    build, threads, kernel = K.build(sys.argv[1], sys.argv[2])
+    sig = signature(kernel)          # the kernel's own declaration
     lib, _ = compiler._compile_pyfunc_with_fixup(
         kernel.py_func, sig, device=False, cc=(9, 0, "a"),
         launch_bounds=(threads, 1), lto=True, abi="numba")
@@ -284,17 +278,26 @@ def test_split_table_is_the_recorded_sweep(monkeypatch):
 
 def test_ranks_must_plan_the_same_exchange():
     """An op whose ranks disagree on what they write into each other's memory is refused at
-    construction, naming the difference (here one rank delivers partials, the other not)."""
+    construction, naming the difference in the caller's terms (here one rank delivers
+    partials, the other not), through the one rank-agreement check (``Comm.agree``)."""
     from types import SimpleNamespace
     from mknumba.kernels.gemm_rs import GemmReduceScatter
-    op = SimpleNamespace(name="GemmReduceScatter", m=256, n=64, bm=32, bn=32, chunk_tiles=4,
-                         split=1, deliver=True, fold=False, shared_out=False)
-    agree = SimpleNamespace(rank=0, mpi=SimpleNamespace(allgather=lambda mine: [mine, mine]))
-    GemmReduceScatter._check_agreement(op, agree)
-    differ = SimpleNamespace(rank=0, mpi=SimpleNamespace(
-        allgather=lambda mine: [mine, dict(mine, deliver=False)]))
-    with pytest.raises(mknumba.MkValueError, match=r"rank 1.*'deliver': \(True, False\)"):
-        GemmReduceScatter._check_agreement(op, differ)
+    from mknumba.runtime import Comm
+    op = SimpleNamespace(name="GemmReduceScatter", m=256, n=64, k=16, bm=32, bn=32,
+                         chunk_tiles=4, split=1, deliver=True, fold=False, shared_out=False)
+
+    def fake_comm(theirs):
+        group = SimpleNamespace(Get_rank=lambda: 0,
+                                allgather=lambda mine: [mine, theirs(mine)])
+        comm = SimpleNamespace(_group=lambda scope: (group, (0, 1)))
+        comm.agree = lambda *a, **kw: Comm.agree(comm, *a, **kw)
+        return comm
+    GemmReduceScatter._check_agreement(op, fake_comm(lambda mine: mine))
+    with pytest.raises(mknumba.MkValueError,
+                       match=r"rank 0 of the world, against rank 1\): deliver: True here, "
+                             r"False there"):
+        GemmReduceScatter._check_agreement(op, fake_comm(lambda mine: dict(mine,
+                                                                           deliver=False)))
 
 
 @pytest.mark.parametrize("direct", [False, True])

@@ -83,10 +83,10 @@ SIM_SCRIPT = textwrap.dedent("""
         ref = f32(a).astype(np.float64) @ (f32(b).T if layout == "nk" else f32(b))
         err = np.linalg.norm(c - ref) / np.linalg.norm(ref)
         tiles = -(-m // SIMT_TILE[0]) * -(-n // SIMT_TILE[1])
-        flags = op.tile_flags.copy_to_host()
+        flags = op.tile_flags(m, n, k, layout).copy_to_host()
         assert np.isfinite(c).all(), "unwritten outputs"
         assert err < 1e-2, (m, n, k, err)
-        assert op.epoch == 2 and (flags[:tiles] == 2).all() and (flags[tiles:] == 0).all(), flags
+        assert op.calls() == (2, 2) and len(flags) == tiles and (flags == 2).all(), flags
         print("ok", m, n, k, layout, reserved, err)
 """)
 
@@ -111,10 +111,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
 
     name = sys.argv[2]
     build, kernel = G._build(name)
-    A = types.Array(types.int16, 2, "C")
-    sig = (A, A, A, types.Array(types.uint64, 1, "C"), types.Array(types.uint32, 1, "C"),
-           types.uint32, types.Array(types.int32, 1, "C"), types.int64,
-           types.Array(types.int16, 3, "C"))
+    from mknumba.kernels.launch import signature
+    sig = signature(kernel)          # the kernel's own declaration
     lib, _ = compiler._compile_pyfunc_with_fixup(
         kernel.py_func, sig, device=False, cc=(9, 0, "a"),
         launch_bounds=(build.threads, 1), lto=True, abi="numba")
@@ -191,18 +189,16 @@ def test_rejects_host_arrays():
 
 
 def test_rejects_bad_shapes_and_layouts():
-    from mknumba.kernels.gemm import _check_shapes, Gemm
+    from mknumba.kernels.gemm import check_shapes, kind_for
     with pytest.raises(MkValueError, match="multiples of 8"):
-        _check_shapes(128, 100, 64)
+        check_shapes(128, 100, 64)
     with pytest.raises(MkValueError, match="multiples of 8"):
-        _check_shapes(128, 128, 60)
+        check_shapes(128, 128, 60)
     with pytest.raises(MkValueError, match="empty"):
-        _check_shapes(0, 128, 64)
-    _check_shapes(129, 136, 72)  # ragged m and non-tile multiples are handled
+        check_shapes(0, 128, 64)
+    check_shapes(129, 136, 72)  # ragged m and non-tile multiples are handled
     with pytest.raises(MkValueError, match="tile"):
-        Gemm(tile="tensorcore")
-    with pytest.raises(MkValueError, match="b_layout"):
-        Gemm()._prepare(None, None, "tn", None, None)
+        kind_for("tensorcore")
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------
@@ -223,8 +219,10 @@ def test_gemm_matches_fp32_reference(m, n, k, layout):
     ref = a.float() @ b_nk.float().T
     assert torch.isfinite(out).all()
     assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
-    tiles = op.tile_flags.copy_to_host()
-    assert (tiles[:1] == op.epoch).all()
+    calls, epoch = op.calls()
+    assert calls == 1 and epoch == 1
+    tiles = op.tile_flags(m, n, k, "nk" if layout == "nk" else "kn").copy_to_host()
+    assert (tiles == epoch).all()
 
 
 @pytest.mark.gpu

@@ -130,7 +130,7 @@ assert (dst.copy_to_host() == want).all(), "copy_tile_2d"
 # 16-byte aligned addresses, <= 128 x 64 words) go through the bulk path (the returned count
 # says so), the ragged tile above falls back to plain loads. Same bit-exact checks.
 if not SIMULATOR and cuda.get_current_device().compute_capability == (9, 0):
-    from mknumba.kernels import gemm as G
+    from mknumba.kernels import launch as G
     from mknumba.roles import bulk
 
     def bulk_kernel(wait):

@@ -8,8 +8,7 @@ import sys
 import pytest
 
 import mknumba as mk
-from conftest import HAVE_GPU
-from mpi_util import run_mpi
+from mpi_util import gpu_count, run_mpi
 
 CHECKS = ["topology", "allgather", "timeout", "validation"]
 # (ranks, GPUs per node): one node of 2, one of 4, two emulated nodes of 2 and of 1.
@@ -27,20 +26,11 @@ def test_simulator(check, ranks, gpn):
     _passed(run_mpi("runtime_checks.py", ranks, check, env=env, timeout=300), check, ranks)
 
 
-def _gpu_count():
-    if not HAVE_GPU:
-        return 0
-    from numba import cuda
-    return len(cuda.gpus)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranks,gpn", [(1, None), (2, None), (2, 1)], ids=str)
 @pytest.mark.parametrize("check,iterations", [("topology", 0), ("allgather", 250),
                                               ("timeout", 0), ("validation", 0)])
 def test_gpu(check, iterations, ranks, gpn):
-    if _gpu_count() < ranks:
-        pytest.skip(f"needs {ranks} GPUs, found {_gpu_count()}")
     env = {"MKNUMBA_GPUS_PER_NODE": str(gpn)} if gpn else {}
     out = run_mpi("runtime_checks.py", ranks, check, iterations, env=env, simulator=False,
                   timeout=600)
@@ -49,8 +39,9 @@ def test_gpu(check, iterations, ranks, gpn):
 
 @pytest.mark.gpu
 def test_gpu_more_ranks_than_gpus():
-    n = _gpu_count() + 1
-    out = run_mpi("runtime_checks.py", n, "topology", simulator=False, expect_fail=True)
+    n = gpu_count() + 1
+    out = run_mpi("runtime_checks.py", n, "topology", simulator=False, expect_fail=True,
+                  env={"MKNUMBA_ALLOW_SHARED_GPU": "0"}, gpus=0)
     assert f"{n} ranks on this host but only {n - 1} GPUs" in out, out[-3000:]
 
 

@@ -13,14 +13,14 @@ RACE = textwrap.dedent("""
     import sys
     import numpy as np
     import mknumba  # noqa: F401  (applies the work-arounds)
-    from mknumba.kernels.gemm import _transpose_kernel
+    from mknumba.kernels.gemm_inputs import transpose_kernel
     sys.setswitchinterval(1e-6)
     rng = np.random.default_rng(0)
     wrong = 0
     for _ in range(40):
         src = rng.integers(0, 60000, (32, 32)).astype(np.uint16)
         dst = np.zeros((32, 32), np.uint16)
-        _transpose_kernel[(1, 1), (32, 8)](src, dst)
+        transpose_kernel[1, 256](src, dst)
         wrong += not np.array_equal(dst, src.T)
     print("wrong", wrong)
 """)

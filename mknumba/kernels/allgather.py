@@ -13,63 +13,81 @@ deadlock-free):
                                   out[src, t] <- stage[slot, src, t]
 
 Epochs, not resets: call e publishes e; no flag is ever cleared. Staging is double-buffered by
-epoch parity (slot = e & 1): a rank can only get one call ahead of a peer (it cannot finish
+call parity (slot = call & 1): a rank can only get one call ahead of a peer (it cannot finish
 call e+1 before the peer has sent e+1, which follows the peer's call e in stream order), so the
 slot it writes in call e+2 is one the peer has finished reading.
 """
+import sys
+
 import numpy as np
-from numba import cuda
+from numba import cuda, types
 
 from .. import primitives as prim
 from .._compat import SIMULATOR
-from ..arrays import as_device_array, empty
-from ..errors import ROLE_RECV, MkError, MkValueError
-from ..roles.blocks import copy_tile, publish, wait
+from ..arrays import is_torch, operand, torch_ptr
+from ..errors import ERR_SET, ROLE_RECV, MkError, MkValueError
+from ..roles.blocks import begin, copy_tile, publish, wait
+from .launch import Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, stream_handle
+
+Flags, Ptrs, Record = array_type(np.uint32, 1), array_type(np.uint64, 1), array_type(np.int64, 1)
+_KERNELS = {}    # word dtype -> kernel
 
 
-@cuda.jit
-def allgather_kernel(shard, out, stage, stage_ptrs, flags, flag_ptrs, epoch, me, members,
-                     tile, n_send, timeout_ns, err, rank):
-    """shard: [n] raw words (any unsigned width); out: [members*n]; stage: symmetric
-    [2*members*n]; tile: words per tile; flags: symmetric uint32
-    [members*tiles]; *_ptrs: peers' addresses of stage/flags; err: int64[8] error record."""
-    deadline = prim.globaltimer() + timeout_ns
-    n = shard.size
-    tiles = (n + tile - 1) // tile
-    slot = epoch & 1
-    b = cuda.blockIdx.x
-    if b < n_send:                                   # ---- send role
-        for t in range(b, tiles, n_send):
-            off = t * tile
-            cnt = min(tile, n - off)
-            copy_tile(shard, off, out, me * n + off, cnt)
-            for j in range(1, members):
-                p = (me + j) % members               # stagger peers so links share the load
-                peer_stage = prim.peer_view(stage_ptrs, p, stage)
-                copy_tile(shard, off, peer_stage, (slot * members + me) * n + off, cnt)
-                publish(prim.peer_view(flag_ptrs, p, flags), me * tiles + t, epoch)
-    else:                                            # ---- receive role
-        n_recv = cuda.gridDim.x - n_send
-        for job in range(b - n_send, (members - 1) * tiles, n_recv):
-            k = job // tiles
-            t = job - k * tiles
-            src = (me + 1 + k) % members
-            if not wait(flags, src * tiles + t, epoch, deadline, err, rank, ROLE_RECV):
-                return
-            off = t * tile
-            copy_tile(stage, (slot * members + src) * n + off, out, src * n + off,
-                      min(tile, n - off))
+def make_kernel(word):
+    """The AllGather kernel over raw words of ``word`` (any unsigned width)."""
+    Words = array_type(word, 1)
+    i64 = types.int64
+
+    @cuda.jit
+    def allgather_kernel(shard: Words, out: Words, stage: Words, stage_ptrs: Ptrs, flags: Flags,
+                         flag_ptrs: Ptrs, frame: Flags, me: i64, members: i64, tile: i64,
+                         n_send: i64, timeout_ns: types.uint64, err: Record, rank: i64):
+        """shard: [n] raw words; out: [members*n]; stage: symmetric [2*members*n]; tile:
+        words per tile; flags: symmetric uint32 [members*tiles]; *_ptrs: peers' addresses of
+        stage/flags; frame: the op's call counter; err: int64[8] error record."""
+        epoch, call = begin(frame)
+        deadline = prim.globaltimer() + timeout_ns
+        n = shard.size
+        tiles = (n + tile - 1) // tile
+        slot = call & 1
+        b = cuda.blockIdx.x
+        if b < n_send:                                   # ---- send role
+            for t in range(b, tiles, n_send):
+                off = t * tile
+                cnt = min(tile, n - off)
+                copy_tile(shard, off, out, me * n + off, cnt)
+                for j in range(1, members):
+                    p = prim.peer_after(me, j, members)  # stagger peers: links share the load
+                    peer_stage = prim.peer_view(stage_ptrs, p, stage)
+                    copy_tile(shard, off, peer_stage, (slot * members + me) * n + off, cnt)
+                    publish(prim.peer_view(flag_ptrs, p, flags), me * tiles + t, epoch)
+        else:                                            # ---- receive role
+            n_recv = cuda.gridDim.x - n_send
+            for job in range(b - n_send, (members - 1) * tiles, n_recv):
+                k = job // tiles
+                t = job - k * tiles
+                src = prim.peer_after(me, 1 + k, members)
+                if not wait(flags, src * tiles + t, epoch, deadline, err, rank, ROLE_RECV):
+                    return
+                off = t * tile
+                copy_tile(stage, (slot * members + src) * n + off, out, src * n + off,
+                          min(tile, n - off))
+
+    return allgather_kernel
 
 
 class AllGather:
     """Plan once, call many times: ``out = op(x)`` gathers ``x`` from every member.
 
     comm: a :class:`mknumba.Comm`. shape/dtype: of each rank's ``x`` (every member must pass
-    the same). scope: ``"node"`` (the GPUs of this node) or ``"world"`` (every rank; needs a
-    single node for now: the inter-node stage goes through the proxy).
-    Output: a new device array of shape ``(members,) + shape`` unless ``out`` is given.
-    Calls are asynchronous on ``stream``; :meth:`synchronize` waits and raises any timeout.
+    the same; checked at construction). scope: ``"node"`` (the GPUs of this node) or
+    ``"world"`` (every rank; needs a single node for now: the inter-node stage goes through
+    the proxy). Output: a new device array of shape ``(members,) + shape`` unless ``out`` is
+    given. Calls are asynchronous on ``stream`` (PyTorch tensors: the current PyTorch stream);
+    :meth:`synchronize` waits and raises any timeout.
     """
+
+    name = "AllGather"
 
     def __init__(self, comm, shape, dtype, *, scope="node", send_blocks=None, recv_blocks=None,
                  tile=None, threads=None):
@@ -77,7 +95,7 @@ class AllGather:
         if not self.shape or any(s <= 0 for s in self.shape):
             raise MkValueError(f"AllGather: shape must have positive extents, got {shape}")
         self.dtype = np.dtype(dtype)
-        if self.dtype.kind not in "iuf":
+        if self.dtype.kind not in "iuf" and self.dtype.name != "bfloat16":
             raise MkValueError(f"AllGather: dtype must be an integer or float type, got {dtype}")
         if scope == "world" and comm.nodes > 1:
             raise MkValueError("AllGather(scope='world') spans nodes: not supported yet; use "
@@ -85,6 +103,7 @@ class AllGather:
         self.comm = comm
         group, ranks = comm._group(scope)
         self.members, self.me = group.Get_size(), group.Get_rank()
+        comm.agree(self.name, dict(shape=self.shape, dtype=self.dtype.name), scope)
         self.count = int(np.prod(self.shape))
         # Defaults: (simulator, GPU). The simulator runs every thread as a Python thread.
         given = dict(tile=tile, threads=threads, send_blocks=send_blocks, recv_blocks=recv_blocks)
@@ -105,26 +124,58 @@ class AllGather:
         self.stage = comm.alloc_symmetric((2 * self.members * self.words,), self.word, scope)
         self.flags = comm.alloc_flags(self.members * tiles, scope)
         self.err = comm.new_error_record()
-        self.epoch = 0
+        self.frame = Frame()
+        self.streams = StreamOrder(self.name)
+        self._torch_dtype = None
+        if self.word not in _KERNELS:
+            _KERNELS[self.word] = make_kernel(self.word)
+        kernel = _KERNELS[self.word]
+        compiled, _ = compile_kernel(kernel, self.threads, 0)
+        self.launch = Launch(kernel, compiled, dict(
+            shard=Slot((self.words,)), out=Slot((self.members * self.words,)),
+            stage=self.stage.local, stage_ptrs=self.stage.ptrs, flags=self.flags.local,
+            flag_ptrs=self.flags.ptrs, frame=self.frame.words, me=self.me,
+            members=self.members, tile=self.tile, n_send=self.send_blocks,
+            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank),
+            self.send_blocks + self.recv_blocks, self.threads, 0)
 
-    def __call__(self, x, out=None, stream=0):
-        """x: [*shape] on this rank's GPU -> out: [members, *shape]."""
+    def __call__(self, x, out=None, stream=None):
+        """x: [*shape] on this rank's GPU -> out: [members, *shape] (same kind and dtype)."""
+        if (out is not None and stream is None and self.stage is not None and is_torch(x)
+                and not self.err[ERR_SET]):                 # the hot path: tensors
+            dev = self.comm.device_id
+            if self._torch_dtype is None:
+                self._torch_dtype = getattr(sys.modules["torch"], self.dtype.name, False)
+            px = torch_ptr(x, self.shape, dev, dtype=self._torch_dtype, align=1)
+            po = px and torch_ptr(out, (self.members,) + self.shape, dev,
+                                  dtype=self._torch_dtype, align=1)
+            if po:
+                s = stream_handle(None, dev)
+                self.streams.enter(s)
+                self.launch.bind("shard", px)
+                self.launch.bind("out", po)
+                self.launch(s)
+                return out
+        if self.stage is None:
+            raise MkError("AllGather: called after free()")
         self.comm.check(self.err, "AllGather (an earlier call)")
-        x = as_device_array(x, "x", dtype=self.dtype, shape=self.shape,
-                            device_id=self.comm.device_id)
+        dt = (self.dtype.name,)
+        X = operand(x, self.name, "x", dtypes=dt, shape=self.shape,
+                    device_id=self.comm.device_id, align=0)
         full = (self.members,) + self.shape
         if out is None:
-            out = empty(full, self.dtype)
-        else:
-            out = as_device_array(out, "out", dtype=self.dtype, shape=full,
-                                  device_id=self.comm.device_id)
-        self.epoch = (self.epoch + 1) & 0xFFFFFFFF
-        grid = self.send_blocks + self.recv_blocks
-        allgather_kernel[grid, self.threads, stream](
-            x.reshape(self.count).view(self.word), out.reshape(-1).view(self.word),
-            self.stage.local, self.stage.ptrs, self.flags.local, self.flags.ptrs,
-            np.uint32(self.epoch), self.me, self.members, self.tile, self.send_blocks,
-            np.uint64(self.comm.timeout_ns), self.err, self.comm.rank)
+            if X.torch:
+                import torch
+                out = torch.empty(full, dtype=x.dtype, device=x.device)
+            else:
+                out = cuda.device_array(full, self.dtype)
+        O = operand(out, self.name, "out", dtypes=dt, shape=full,
+                    device_id=self.comm.device_id, align=0)
+        s = stream_handle(stream, X.device if X.torch else None)
+        self.streams.enter(s)
+        self.launch.bind("shard", X.as_param(self.word, (self.words,)))
+        self.launch.bind("out", O.as_param(self.word, (self.members * self.words,)))
+        self.launch(s)
         return out
 
     def synchronize(self, stream=0):
@@ -132,10 +183,19 @@ class AllGather:
         self.comm.synchronize(stream)
         self.comm.check(self.err, "AllGather")
 
+    def _start_at(self, calls):
+        """Tests: set this rank's state as if ``calls`` calls had run (the call counter and
+        every flag), e.g. just short of 2**32. Every rank, between calls, after a sync."""
+        epoch = (calls - 1) % 0xFFFFFFFF + 1 if calls else 0
+        self.comm.synchronize()
+        self.frame.set(calls, epoch)
+        self.flags.local.copy_to_device(np.full(self.flags.local.shape, epoch, np.uint32))
+
     def free(self):
         """Collective: release the op's symmetric buffers."""
         if self.stage is None:
             raise MkError("AllGather already freed")
+        self.comm.synchronize()
         self.comm.free(self.stage)
         self.comm.free(self.flags)
         self.stage = self.flags = None

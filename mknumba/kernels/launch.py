@@ -1,49 +1,317 @@
-"""A persistent kernel's launch, marshalled once.
+"""The launch frame: how every op plans its persistent kernel once and launches it cheaply.
 
-numba converts every argument on every launch: tens of microseconds of host time for a kernel
-of many arrays, which is the whole call at small shapes. A :class:`Prepared` launch converts the
-arguments once; each later call only rewrites the few uint32 scalars that change (the epoch,
-the call number) and launches through ``cuda.core``.
+A kernel declares its parameters once, in its own signature, with numba types as annotations:
+
+    @cuda.jit
+    def gemm_kernel(a: Bits2D, bt: Bits2D, c: Bits2D, frame: Words32, ...):
+
+Everything else derives from that declaration: :func:`signature` (the types the op compiles for
+at plan time, and the types the tests compile for without a GPU), the positions of the arguments
+in a prepared launch, and the names an op uses to hand arrays to it.
+
+A call then does three things, in this order:
+
+1. **check** its operands (``mknumba.arrays.operand``: dtype, shape, layout, device);
+2. **bind** their addresses into the :class:`Launch`, which holds the kernel's arguments
+   converted once, at plan time, so a call rewrites a few pointers and nothing else. A launch
+   never keeps a copy of an input: what an op derives from an input (a transposed B) is
+   recomputed on the stream by every call, ahead of the kernel;
+3. **launch**: one driver call (``cuLaunchKernel``) on the caller's stream.
+
+The call number and the epoch live on the GPU (:class:`Frame`): each block reads them when it
+starts (``roles.blocks.begin``) and the last block to start advances them. So a launch has no
+argument that changes from call to call, and a captured CUDA graph replays correctly: each
+replay is a new call with a new epoch. The host never needs to know the epoch.
 """
+import ctypes
+import threading
+
 import numpy as np
-from numba import cuda
+from numba import cuda, types
 
+from .. import _compat  # noqa: F401  (numpy alias before numba compiles anything)
 from .._compat import SIMULATOR
+from ..errors import MkError, MkValueError
+from ..primitives import FRAME_CALLS, FRAME_EPOCH, FRAME_WORDS
+
+__all__ = ["array_type", "params", "signature", "compile_kernel", "Slot", "Launch", "Frame",
+           "stream_handle", "StreamOrder", "is_capturing"]
 
 
-class Prepared:
-    """``kern``: a compiled kernel (``kernels.gemm._load``; in the simulator the dispatcher),
-    ``args`` its arguments, launched on ``grid`` blocks of ``threads`` with ``smem`` bytes of
-    dynamic shared memory on ``stream``. ``scalars``: positions of the uint32 arguments that
-    :meth:`run` rewrites, in its argument order. ``result``: what :meth:`run` returns;
-    ``keep``: objects the launch must keep alive (inputs, scratch copies)."""
+def array_type(dtype, ndim):
+    """The numba type of a C-contiguous ``ndim``-d array of ``dtype`` (a kernel annotation)."""
+    from numba.np.numpy_support import from_dtype
+    return types.Array(from_dtype(np.dtype(dtype)), ndim, "C")
 
-    def __init__(self, kern, args, grid, threads, smem, stream, scalars, result=None, keep=()):
-        self.kern, self.grid, self.threads, self.smem = kern, grid, threads, smem
-        self.args, self.scalars, self.result, self.keep = args, tuple(scalars), result, keep
-        self.stream = stream
+
+def params(kernel):
+    """``[(name, numba type)]`` of a kernel's parameters, from its annotations (dispatcher or
+    plain function). A parameter without an annotation is an error: the declaration is whole."""
+    import inspect
+    fn = getattr(kernel, "py_func", kernel)
+    out = []
+    for name, p in inspect.signature(fn).parameters.items():
+        if p.annotation is inspect.Parameter.empty:
+            raise TypeError(f"{fn.__name__}: parameter {name!r} has no type annotation")
+        out.append((name, p.annotation))
+    return out
+
+
+def signature(kernel):
+    """The tuple of numba types a kernel is compiled for (its declaration, :func:`params`)."""
+    return tuple(t for _, t in params(kernel))
+
+
+def compile_kernel(kernel, threads, smem_bytes):
+    """Compile ``kernel`` (a ``cuda.jit`` dispatcher) for its declared signature on the current
+    GPU, raise its dynamic shared memory limit to ``smem_bytes`` and return ``(compiled, blocks
+    per SM)``. In the simulator: ``(kernel, 1)``."""
+    if SIMULATOR:
+        return kernel, 1
+    compiled = kernel.compile(signature(kernel))
+    cufunc = compiled._codelibrary.get_cufunc()
+    ctx = cuda.current_context()
+    if smem_bytes > 48 * 1024:
+        _set_max_dynamic_smem(cufunc, smem_bytes, ctx.device.id)
+    bps = ctx.get_active_blocks_per_multiprocessor(cufunc, threads, smem_bytes)
+    return compiled, int(bps)
+
+
+def _set_max_dynamic_smem(cufunc, nbytes, device_id):
+    """numba never raises the 48 KB default (numba-cuda issue #94)."""
+    from cuda.bindings import driver as drv
+    attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    (err,) = drv.cuKernelSetAttribute(attr, nbytes, cufunc.handle, drv.CUdevice(device_id))
+    if err != drv.CUresult.CUDA_SUCCESS:  # a handle loaded as a plain function, not a library kernel
+        (err,) = drv.cuFuncSetAttribute(drv.CUfunction(int(cufunc.handle)), attr, nbytes)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise MkError(f"could not raise the dynamic shared memory limit to {nbytes} B: {err}")
+
+
+class Slot:
+    """A placeholder for an array argument bound per call (:meth:`Launch.bind`): its shape in
+    elements of the parameter's declared dtype."""
+
+    def __init__(self, shape):
+        self.shape = tuple(int(s) for s in shape)
+
+
+def _cai(x):
+    """(address, shape, strides in bytes, itemsize) of a device array."""
+    d = x.__cuda_array_interface__
+    itemsize = np.dtype(d["typestr"]).itemsize
+    shape = tuple(d["shape"])
+    strides = d.get("strides") or tuple(
+        int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize for i in range(len(shape)))
+    return d["data"][0], shape, tuple(strides), itemsize
+
+
+class Launch:
+    """A kernel's arguments converted once; each call binds the per-call addresses and launches.
+
+    ``kernel``: the dispatcher (its annotations declare the parameters); ``compiled``: what
+    :func:`compile_kernel` returned for it; ``values``: ``{name: value}`` for every parameter
+    (device arrays, scalars, or a :class:`Slot` for an array bound per call); ``grid`` blocks
+    of ``threads`` threads with ``smem`` bytes of dynamic shared memory.
+    """
+
+    def __init__(self, kernel, compiled, values, grid, threads, smem):
+        declared = params(kernel)
+        names = [n for n, _ in declared]
+        missing = [n for n in names if n not in values]
+        extra = [n for n in values if n not in names]
+        if missing or extra:
+            raise TypeError(f"{kernel.py_func.__name__}: missing arguments {missing}, "
+                            f"unknown {extra}")
+        self.grid, self.threads, self.smem = int(grid), int(threads), int(smem)
+        self.types = dict(declared)
+        self.slots = {n: v.shape for n, v in values.items() if isinstance(v, Slot)}
+        self.compiled = compiled
+        self.values = dict(values)    # the arrays stay alive as long as the launch refers to them
         if SIMULATOR:
+            self.kernel = compiled
+            self.names = names
+            self.args = dict(values)
             return
-        from cuda.core import LaunchConfig
-        if isinstance(stream, int) and stream == 0:
-            self.stream = stream = cuda.default_stream()
-        self.kernelargs, retr, first = [], [], []
-        for ty, v in zip(kern.argument_types, args):
-            first.append(len(self.kernelargs))     # an array becomes several C arguments
-            kern._prepare_args(ty, v, stream, retr, self.kernelargs)
-        self._at = [first[i] for i in self.scalars]
-        self.config = LaunchConfig(grid=grid, block=threads, shmem_size=smem)
-        self.cukernel = kern._codelibrary.get_cufunc().kernel
+        self._cvals = []
+        self._data = {}          # name -> the ctypes pointer a bind rewrites
+        for name, ty in declared:
+            self._flatten(name, ty, values[name])
+        self._params = (ctypes.c_void_p * len(self._cvals))(
+            *[ctypes.addressof(v) for v in self._cvals])
+        self._params_addr = ctypes.addressof(self._params)
+        from cuda.bindings import driver as drv
+        handle = compiled._codelibrary.get_cufunc().handle
+        err, fn = drv.cuKernelGetFunction(handle)   # the kernel in the current context
+        if err != drv.CUresult.CUDA_SUCCESS:
+            fn = drv.CUfunction(int(handle))
+        self._fn, self._drv, self._streams = fn, drv, {}
 
-    def run(self, *values):
-        """Launch with the scalars at ``scalars`` set to ``values``; returns ``result``."""
+    def _flatten(self, name, ty, value):
+        """numba's kernel ABI: an array is (meminfo, parent, nitems, itemsize, data, shape...,
+        strides...); a scalar is its C type."""
+        if isinstance(ty, types.Array):
+            if isinstance(value, Slot):
+                itemsize = np.dtype(str(ty.dtype)).itemsize
+                shape = value.shape
+                strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize
+                                for i in range(len(shape)))
+                ptr = 0
+            else:
+                ptr, shape, strides, itemsize = _cai(value)
+                if np.dtype(str(ty.dtype)).itemsize != itemsize:
+                    raise TypeError(f"argument {name}: {itemsize}-byte elements, declared {ty}")
+            if len(shape) != ty.ndim:
+                raise TypeError(f"argument {name}: {len(shape)}-d, declared {ty}")
+            c = ctypes.c_ssize_t
+            data = ctypes.c_void_p(ptr)
+            self._data[name] = data
+            self._cvals += [ctypes.c_void_p(0), ctypes.c_void_p(0),
+                            c(int(np.prod(shape, dtype=np.int64))), c(itemsize), data]
+            self._cvals += [c(s) for s in shape] + [c(s) for s in strides]
+        elif isinstance(ty, types.Integer):
+            self._cvals.append(getattr(ctypes, f"c_{ty}")(int(value)))
+        elif ty == types.float32:
+            self._cvals.append(ctypes.c_float(value))
+        elif ty == types.float64:
+            self._cvals.append(ctypes.c_double(value))
+        else:
+            raise TypeError(f"argument {name}: type {ty} is not supported by the launch frame")
+
+    def bind(self, name, x):
+        """Point array argument ``name`` at ``x``: an address (GPU), or in the simulator an
+        array already shaped as the parameter is declared (``arrays.Operand.as_param``)."""
         if SIMULATOR:
-            for i, v in zip(self.scalars, values):
-                self.args[i] = np.uint32(v)
-            self.kern[self.grid, self.threads, self.stream, self.smem](*self.args)
-            return self.result
-        from cuda.core import launch
-        for j, v in zip(self._at, values):
-            self.kernelargs[j].value = v
-        launch(self.stream, self.config, self.cukernel, *self.kernelargs)
-        return self.result
+            self.args[name] = x
+        else:
+            self._data[name].value = x
+
+    def __call__(self, stream=0):
+        """Launch on ``stream`` (a raw stream handle, int) with the bound arguments."""
+        if SIMULATOR:
+            self.kernel[self.grid, self.threads, 0, self.smem](
+                *[self.args[n] for n in self.names])
+            return
+        cs = self._streams.get(stream)
+        if cs is None:
+            cs = self._streams[stream] = self._drv.CUstream(stream)
+        (err,) = self._drv.cuLaunchKernel(self._fn, self.grid, 1, 1, self.threads, 1, 1,
+                                          self.smem, cs, self._params_addr, 0)
+        if err:
+            raise MkError(f"kernel launch failed: {err}"
+                          + (" (is this GPU's context current?)" if int(err) in (201, 400)
+                             else ""))
+
+
+class Frame:
+    """An op's call counter on its GPU (``primitives.FRAME_WORDS`` uint32 words): how many
+    blocks of the running launch have started, the number of the last call and its epoch.
+
+    Each block of a launch reads the call number and epoch when it starts, and the last block
+    to start stores the new ones (``roles.blocks.begin``), so launches on one stream, graph
+    replays among them, number themselves. Epochs follow ``primitives.next_epoch``: 1, 2, ...,
+    2**32 - 1, 1, ... (never 0, which fresh flags hold); call numbers wrap at 2**32.
+    """
+
+    def __init__(self):
+        self.words = cuda.to_device(np.zeros(FRAME_WORDS, np.uint32))
+
+    def read(self):
+        """``(calls, epoch)`` of the last call that started (waits for the device)."""
+        w = self.words.copy_to_host()
+        return int(w[FRAME_CALLS]), int(w[FRAME_EPOCH])
+
+    def set(self, calls, epoch):
+        """Pretend ``calls`` calls have run, the last with ``epoch`` (tests start near the
+        wrap). Only between calls; the op's flags must agree (each op's ``_start_at``)."""
+        w = np.zeros(FRAME_WORDS, np.uint32)
+        w[FRAME_CALLS], w[FRAME_EPOCH] = calls & 0xFFFFFFFF, epoch
+        self.words.copy_to_device(w)
+
+
+# ---- streams ------------------------------------------------------------------------------------
+def stream_handle(stream, torch_device=None):
+    """The raw handle (int) of ``stream``: None (with torch tensors, PyTorch's current stream on
+    ``torch_device``; else the legacy default stream, 0), an int, a numba stream, a CuPy stream
+    (``.ptr``) or a PyTorch stream (``.cuda_stream``)."""
+    if SIMULATOR:
+        return 0
+    if stream is None:
+        if torch_device is None:
+            return 0
+        return _torch_current_stream(torch_device)
+    if isinstance(stream, int):
+        return stream
+    for attr in ("cuda_stream", "ptr"):
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    handle = getattr(stream, "handle", None)
+    if handle is not None:
+        return int(getattr(handle, "value", handle) or 0)
+    raise MkValueError(f"stream: expected a CUDA stream (numba, CuPy, PyTorch) or a raw handle, "
+                       f"got {type(stream).__name__}")
+
+
+_raw_stream = None
+
+
+def _torch_current_stream(device):
+    global _raw_stream
+    if _raw_stream is None:
+        import torch
+        _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+            lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _raw_stream(device)
+
+
+def is_capturing(stream):
+    """True while ``stream`` (a raw handle) is being captured into a CUDA graph."""
+    if SIMULATOR:
+        return False
+    from cuda.bindings import driver as drv
+    err, status = drv.cuStreamIsCapturing(drv.CUstream(stream))
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise MkError(f"cuStreamIsCapturing failed: {err}")
+    return status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+class StreamOrder:
+    """Keeps an op's calls in one order when they come on different streams.
+
+    The call counter (:class:`Frame`) numbers launches in the order they start, so two calls of
+    one op must not run at once. A call on another stream than the last one first makes its
+    stream wait for the last call's (an event). A capturing stream takes no such dependency: a
+    graph's replays run wherever they are replayed, ordered by the caller like any other work
+    on that stream (``torch.cuda.graph`` synchronises the device before it captures). A call on
+    another stream while a capture is in progress is refused: it could run during the capture's
+    own calls.
+    """
+
+    def __init__(self, name):
+        self.name, self.last = name, None
+        self._event = None
+        self._lock = threading.Lock()
+
+    def enter(self, stream):
+        if SIMULATOR or stream == self.last:
+            return
+        with self._lock:
+            last, self.last = self.last, stream
+            if last is None or is_capturing(stream):
+                return
+            if is_capturing(last):
+                self.last = last
+                raise MkValueError(
+                    f"{self.name}: called on stream {stream:#x} while a CUDA graph capture of "
+                    f"its calls is in progress on stream {last:#x}; call it on the capturing "
+                    "stream, or after the capture ends")
+            from cuda.bindings import driver as drv
+            if self._event is None:
+                err, self._event = drv.cuEventCreate(
+                    drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+            (err,) = drv.cuEventRecord(self._event, drv.CUstream(last))
+            if err == drv.CUresult.CUDA_SUCCESS:
+                (err,) = drv.cuStreamWaitEvent(drv.CUstream(stream), self._event, 0)
+            if err != drv.CUresult.CUDA_SUCCESS:
+                raise MkError(f"{self.name}: could not order stream {stream:#x} after "
+                              f"{last:#x}: {err}")

@@ -38,11 +38,11 @@ def bits_f64(b):
 
 def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, deliver,
         shared=False, fold=None):
-    from mknumba.kernels.gemm import Gemm
+    from mknumba.kernels.gemm import kind_for
     from mknumba.roles.compute import tile_build
     chunk = None
     if chunk_tiles:
-        bm, bn = tile_build(Gemm()._kind()).shape       # the tile "auto" picks here
+        bm, bn = tile_build(kind_for("auto")).shape       # the tile "auto" picks here
         chunk = chunk_tiles * bm * bn * 2
     traced = iterations <= 3        # short runs also check the role trace of the last call
     shared = shared and Op is GemmAllReduce

@@ -120,6 +120,33 @@ def check_timeout(comm):
             pass
         else:
             raise AssertionError("a timed-out op accepted another call")
+    check_fused_timeout(comm)
+    comm.barrier()
+
+
+def check_fused_timeout(comm):
+    """A fused op whose peers never call raises within the documented bound: every wait of a
+    launch ends ``timeout_s`` after the launch began (the kernel compiles when the op is
+    planned, not at the first call)."""
+    import time
+    m, n, k = (128, 64, 16) if SIMULATOR else (1024, 512, 128)
+    op = mk.GemmAllReduce(comm, m, n, k)
+    if comm.local_rank == 0:
+        a = device(np.full((m, k), 0x3F80, np.uint16))     # 1.0 in bf16
+        b = device(np.full((k, n), 0x3F80, np.uint16))
+        t0 = time.monotonic()
+        op(a, b)
+        try:
+            op.synchronize()
+        except mk.MkTimeoutError as e:
+            took = time.monotonic() - t0
+            bound = comm.timeout_ns / 1e9
+            slack = 60.0 if SIMULATOR else 2.0    # the simulator runs blocks one by one
+            assert took <= bound + slack, f"raised after {took:.1f} s, bound {bound:.1f} s"
+            assert "GemmAllReduce" in str(e) and f"rank {comm.rank}" in str(e), str(e)
+            print(f"fused timeout raised after {took:.2f} s (bound {bound:.1f} s)", flush=True)
+        else:
+            raise AssertionError("a fused op whose peer never called did not time out")
     comm.barrier()
 
 

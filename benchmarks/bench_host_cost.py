@@ -1,0 +1,115 @@
+"""Host time per call: every op beside torch.matmul and an NCCL all-reduce, in one run.
+
+    mpirun -n 2 python benchmarks/bench_host_cost.py --out benchmarks/results/host_cost.json
+
+Host cost is the wall time the calling thread spends in one call (the work is queued on the
+stream, not waited for): the mean over ``--calls`` back-to-back calls after warm-up, with the
+inputs' shapes small enough that the GPU keeps up and the launch queue never fills. A graph
+record (``graph: true``) is the host time of one ``CUDAGraph.replay()`` of a captured call.
+Ranks may share a GPU (``MKNUMBA_ALLOW_SHARED_GPU=1``): only the host side is timed. Records:
+``kernel: "host_cost"`` with ``op``, ``host_us`` and ``graph`` (DESIGN.md §8); the slowest
+rank counts.
+"""
+import os
+import time
+
+os.environ.setdefault("MKNUMBA_ALLOW_SHARED_GPU", "1")   # host timing only
+
+import common  # noqa: E402
+import numpy as np  # noqa: E402
+
+import mknumba as mk  # noqa: E402
+
+M, N, K = 2048, 2048, 512      # the decode-sized GEMM the issue names (0.42x cuBLAS there)
+
+
+def host_us(fn, calls, mpi):
+    """Mean host microseconds per call of ``fn`` (slowest rank), after warm-up."""
+    import torch
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    mpi.Barrier()
+    best = None
+    for _ in range(3):                       # best of three bursts: a burst can hit a GC pause
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        us = (time.perf_counter() - t0) / calls * 1e6
+        torch.cuda.synchronize()
+        mpi.Barrier()
+        best = us if best is None else min(best, us)
+    return mpi.allreduce(best, op=common._max())
+
+
+def graph_us(fn, calls, mpi):
+    """Host microseconds per replay of a CUDA graph holding one call of ``fn``."""
+    import torch
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return host_us(g.replay, calls, mpi)
+
+
+def main():
+    args = common.parse_args(ranks="2 shared", extra=[
+        (("--calls",), dict(type=int, default=200))])
+    import torch
+    comm = mk.init()
+    torch.cuda.set_device(comm.device_id)
+    if torch.cuda.device_count() >= comm.size:
+        dist = common.init_nccl(29547, device=comm.device_id)
+    else:       # NCCL refuses two ranks on one GPU: time a one-rank all-reduce on each
+        import torch.distributed as dist
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29547 + comm.rank))
+        dist.init_process_group("nccl", rank=0, world_size=1,
+                                device_id=torch.device("cuda", comm.device_id))
+    mpi, W = comm.mpi, comm.size
+    topo = f"{comm.nodes}x{comm.local_size}"
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)     # nn.Linear's [out, in]
+    b_kn = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1 << 18, device="cuda", dtype=torch.float32)    # 1 MiB
+    g = mk.Gemm()
+    rs = mk.GemmReduceScatter(comm, M, N, K)
+    ar = mk.GemmAllReduce(comm, M, N, K)
+    ag = mk.AllGather(comm, x.shape, np.float32)
+    rs_out = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
+    ag_out = torch.empty((ag.members,) + tuple(x.shape), device="cuda", dtype=torch.float32)
+    cases = [
+        ("torch.matmul", lambda: torch.matmul(a, w.T, out=c), True),
+        ("nccl", lambda: dist.all_reduce(x), False),
+        ("mk.Gemm w.T", lambda: g(a, w.T, out=c), True),
+        ("mk.Gemm b [k,n]", lambda: g(a, b_kn, out=c), True),
+        ("mk.GemmReduceScatter", lambda: rs(a, w.T, out=rs_out), False),
+        ("mk.GemmAllReduce", lambda: ar(a, w.T, out=c), False),
+        ("mk.AllGather", lambda: ag(x, out=ag_out), False),
+    ]
+    records = []
+    for name, fn, graph in cases:
+        for in_graph in ((False, True) if graph else (False,)):
+            us = (graph_us if in_graph else host_us)(fn, args.calls, mpi)
+            records.append(common.record(
+                "host_cost", {"m": M, "n": N, "k": K}, dtype="bfloat16", world=W,
+                topology=topo, transport=None, ours_ms=None, baseline=None, baseline_ms=None,
+                floor_ms=None, op=name, host_us=us, graph=in_graph))
+    for op in (rs, ar, ag):
+        op.synchronize()
+        op.free()
+    if comm.rank == 0:
+        common.write(records, args.out)
+        for r in records:
+            print(f"host_cost {r['op']:<22} graph={int(r['graph'])}  {r['host_us']:7.2f} us")
+    dist.destroy_process_group()
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    main()

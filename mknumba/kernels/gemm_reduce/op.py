@@ -1,0 +1,327 @@
+"""The fused GEMM + reduction op on the host: plan once (``plan``), allocate the symmetric
+buffers and flags, prepare the launch; each call checks its arrays, binds them and launches."""
+import numpy as np
+from numba import cuda
+
+from ..._compat import SIMULATOR
+from ...arrays import is_torch, operand, torch_ptr
+from ...errors import ERR_SET, MkError, MkValueError
+from ...sched.reduce import nonempty
+from ..gemm import Gemm, _new_output
+from ..gemm_inputs import NoTensorMaps, TensorMaps, Transposer, b_mode
+from ..launch import Frame, Launch, Slot, StreamOrder, compile_kernel, stream_handle
+from .kernel import CFG_FIELDS, Q_PULL, Q_REDUCE, TRACE_EVENTS, build
+from .plan import GemmReducePlan, make_cfg
+
+
+class GemmReduce(GemmReducePlan):
+    """Plan once, call many times (base of :class:`GemmReduceScatter` and :class:`GemmAllReduce`).
+
+    comm: the Comm; m, n, k: the full output [m, n] and this rank's inner dimension k (= k_local);
+    dtype: "bfloat16" (inputs, output; fp32 accumulation everywhere).
+    comm_sms: SMs held back from the GEMM for the communication roles (default: the recorded
+    sweep in ``sched.split``); chunk_bytes: network chunk size (rounded to whole tiles);
+    tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else "simt") | "sm90" | "simt"
+    (or another build, ``roles.compute.tile_build``);
+    split: row bands per tile in the 1-node reduce and pull roles (default 1, see
+    :meth:`_split`); join: idle compute blocks help the reduce and pull roles (default: on
+    one node on the GPU, see :meth:`_join`); deliver: compute blocks write tiles other local
+    GPUs own straight into those GPUs' memory (one node; default per shape from the recorded
+    sweep, see :meth:`_deliver`); fold (ReduceScatter, with deliver): each GPU computes its
+    own tiles last and adds the delivered partials in their epilogue (:meth:`_fold`);
+    moves: how the reduce and pull roles move tiles over NVLink: "threads" (plain loads and
+    stores, ``roles.reduce``; the default), or on sm_90a "bulk" / "bulk:w1" (TMA bulk copies,
+    ``roles.bulk``: correct, but slower per block on an H200, benchmarks/NOTES.md);
+    shared_out (AllReduce): the op owns a symmetric [m, n] output (:meth:`output`) that each
+    tile's owner writes on every local GPU, with no copy at the end (with delivery or
+    between nodes; other outputs still work, through the copy); a call with ``out=None``
+    returns it, valid until the next call, like an in-place all-reduce;
+    trace: stamp every role's steps with the GPU clock (read them with :meth:`trace_events`
+    after :meth:`synchronize`). Calls are asynchronous on the stream of the inputs (the
+    current PyTorch stream for tensors, else ``stream``); :meth:`synchronize` waits and raises
+    any device-side timeout. On one rank there is nothing to reduce: calls run the plain
+    persistent GEMM (``mknumba.Gemm``) into ``out``, unless ``trace`` asks for the fused roles.
+    """
+
+    def __init__(self, comm, m, n, k, dtype="bfloat16", *, comm_sms=None, chunk_bytes=None,
+                 tile="auto", group_m=None, trace=False, moves=None, split=None, join=None,
+                 deliver=None, shared_out=False, fold=None):
+        self._plan(comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, moves,
+                   split, join, deliver, shared_out, fold)
+        self.streams = StreamOrder(self.name)
+        self._views = {}      # the shared output as the caller's array type
+        self._buffers = []
+        self.freed = False
+        self._transpose = None        # made at the first call with a row-major [k, n] b
+        self.err = comm.new_error_record()
+        if self.solo:         # one rank: the plain GEMM into ``out`` (plan.py)
+            self._solo_gemm = Gemm(tile=tile, group_m=group_m)
+            self.shared = (cuda.device_array(self.m * self.n // 4, np.uint64)
+                           if self.shared_out else None)
+            return
+        self.frame = Frame()
+        _, self.threads, self._kernel = build(self.kind, self.moves)
+        self.tmaps = TensorMaps(self.m, self.n, self.k) if self.build.tma else NoTensorMaps()
+        self._allocate(comm.local_size, comm.nodes)
+
+    def _allocate(self, G, nodes):
+        comm, plan = self.comm, self.plan
+        self.words = self.m * self.n // 4
+        self.planes = G if self.deliver else 1     # own partials, then an inbox per local peer
+        self.part = comm.alloc_symmetric((2 * self.planes * self.words,), np.uint64)
+        self.tile_flags = comm.alloc_flags(self.planes * plan.tiles_m * plan.tiles_n)
+        self.final_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n * self.split
+                                            if self.allreduce else 1)
+        self._buffers = [self.part, self.tile_flags, self.final_flags]
+        self.shared = None
+        self._shared_ptr = None
+        if self.shared_out:
+            self.shared = comm.alloc_symmetric((self.m * self.n // 4,), np.uint64)
+            self._buffers.append(self.shared)
+            self._shared_ptr = _address(self.shared.local)
+        tile_words = self.bm * self.bn // 4
+        # Symmetric buffers must have one size on every rank: take the world's largest.
+        from mpi4py import MPI
+        stage_slots = comm.mpi.allreduce(plan.stage_slots, op=MPI.MAX)
+        recv_slots = comm.mpi.allreduce(plan.recv_slots, op=MPI.MAX)
+        n_arrive = comm.mpi.allreduce((nodes - 1) * plan.recv_chunks, op=MPI.MAX)
+        n_chunks = comm.mpi.allreduce(plan.n_chunks, op=MPI.MAX)
+        self.stage_slots, self.recv_slots = stage_slots, recv_slots
+        wins = (0, 0, 0)
+        if nodes > 1:
+            if comm.proxy is None:
+                raise MkError(f"{self.name}: {nodes} nodes need the proxy (mknumba.proxy), "
+                              "which this Comm did not start")
+            self.stage = comm.alloc_symmetric((max(1, 2 * stage_slots * tile_words),), np.uint64)
+            self.recv = comm.alloc_symmetric((max(1, 2 * recv_slots * tile_words),), np.uint64)
+            self.arrive = comm.alloc_flags(max(1, n_arrive))
+            self.red_flags = comm.alloc_flags(max(1, stage_slots))
+            self.chunk_count = comm.alloc_flags(max(1, n_chunks))
+            self.chunk_ready = comm.alloc_flags(max(1, n_chunks))
+            self._buffers += [self.stage, self.recv, self.arrive, self.red_flags,
+                              self.chunk_count, self.chunk_ready]
+            wins = (comm.proxy.register(self.stage), comm.proxy.register(self.recv),
+                    comm.proxy.register(self.arrive))
+            ring, head, tail = comm.proxy.device_args()
+            dev = [x.local for x in (self.stage, self.recv, self.arrive, self.red_flags,
+                                     self.chunk_count, self.chunk_ready)]
+        else:
+            z64, z32 = np.zeros(1, np.uint64), np.zeros(1, np.uint32)
+            dev = [cuda.to_device(z64), cuda.to_device(z64)] + [cuda.to_device(z32) for _ in range(4)]
+            ring, head, tail = (cuda.mapped_array(12, np.uint32), cuda.to_device(z32),
+                                cuda.mapped_array(1, np.uint32))
+        rb = self.role_blocks
+        reduce_end = rb["compute"] + rb["reduce"]
+        send_end = reduce_end + rb["send"]
+        recv_end = send_end + rb["recv"]
+        cfg = dict(m=self.m, n=self.n, tiles_n=plan.tiles_n, me=comm.local_rank, g=G,
+                   nodes=nodes, out_row0=0 if self.allreduce else comm.rank * self.out_rows,
+                   compute=rb["compute"], reduce_end=reduce_end, send_end=send_end,
+                   recv_end=recv_end, allreduce=self.allreduce, stage_slots=stage_slots,
+                   recv_slots=recv_slots, nfinal=plan.n_final, recv_chunks=plan.recv_chunks,
+                   chunk=plan.chunk_tiles_max, ncmds=plan.n_cmds, win_stage=wins[0],
+                   win_recv=wins[1], win_arrive=wins[2], nred=len(plan.red_tiles),
+                   npull=len(plan.pull_tiles), words=self.planes * self.words,  # per slot
+                   trace=self.tracing, split=self.split, join=self.join, deliver=self.deliver,
+                   direct=self.direct, fold=self.fold)
+        # calls into the shared output need no copy at the end (out_shared)
+        self._cfg = {into: cuda.to_device(make_cfg(**cfg, out_shared=into and self.direct))
+                     for into in (False, True)}
+        self._cfg_ptr = {into: c if SIMULATOR else c.__cuda_array_interface__["data"][0]
+                         for into, c in self._cfg.items()}
+        self.queue = cuda.to_device(np.zeros(2, np.uint32))
+        items = max(self.grid, len(plan.red_tiles) * self.split, plan.n_cmds, plan.n_final,
+                    len(plan.pull_tiles) * self.split) if self.tracing else 1
+        self._trace = cuda.to_device(np.zeros((len(TRACE_EVENTS), items), np.int64))
+        tables = {name: cuda.to_device(nonempty(np.ascontiguousarray(getattr(plan, name))))
+                  for name in ("order", "owner_of_row", "red_tiles", "red_slots", "red_chunks",
+                               "chunk_tiles", "cmds", "final_tiles", "final_slots",
+                               "pull_tiles")}
+        net = dict(zip(("stage", "recv", "arrive", "red_flags", "chunk_count", "chunk_ready"),
+                       dev), ring=ring, head=head, tail=tail)
+        kernel_fn = self._kernel
+        compiled, bps = compile_kernel(kernel_fn, self.threads, self.build.smem_bytes)
+        if bps < 1:
+            raise MkError(f"{self.name}: the kernel does not fit on an SM")
+        m, n, rows = self.m, self.n, self.out_rows
+        self.launch = Launch(kernel_fn, compiled, dict(
+            a=Slot((m, self.k)), bt=Slot((n, self.k)), tmaps=Slot((TensorMaps.ROW,)),
+            part_c=self.part.local.view(np.uint16).reshape(2, self.planes, m, n),
+            part=self.part.local, part_ptrs=self.part.ptrs,
+            tile_flags=self.tile_flags.local, tile_flag_ptrs=self.tile_flags.ptrs,
+            final_flags=self.final_flags.local, final_flag_ptrs=self.final_flags.ptrs,
+            out=Slot((rows * n // 4,)), out_c=Slot((rows, n)),
+            out_ptrs=(self.shared or self.part).ptrs,      # read only when direct
+            cfg=Slot((len(CFG_FIELDS),)), **tables, **net,
+            frame=self.frame.words, timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank,
+            trace=self._trace, queue=self.queue),
+            self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
+
+    # -- calls ------------------------------------------------------------------------------------
+    def out_shape(self):
+        return (self.out_rows, self.n)
+
+    def output(self, torch=False):
+        """The shared output (``shared_out=True``): [m, n] bf16 on this GPU, as a PyTorch
+        tensor (``torch=True``) or a numba array of bf16 bits (uint16), no copy. Each call
+        into it overwrites it: read it before the next call (in stream order, as that call's
+        kernel only starts after earlier work on the stream), and not after :meth:`free`. The
+        owners write it directly only with delivery or between nodes (``op.direct``); else it
+        is an ordinary output, filled by the copy at the end."""
+        if not self.shared_out:
+            raise MkValueError(f"{self.name}: planned without shared_out=True")
+        if self.shared is None:
+            raise MkValueError(f"{self.name}: freed")
+        kind = "torch" if torch else "numba"
+        if kind not in self._views:
+            mem = self.shared if self.solo else self.shared.local
+            view = mem.view(np.uint16).reshape(self.out_shape())
+            if torch:
+                import torch as _torch
+                view = _torch.as_tensor(mem.view(np.int16).reshape(self.out_shape()),
+                                        device=f"cuda:{self.comm.device_id}")
+                view = view.view(_torch.bfloat16)
+            self._views[kind] = view
+        return self._views[kind]
+
+    def __call__(self, a, b, out=None, stream=None):
+        """a: [m, k] bf16, b: [k, n] bf16 (row-major, or a column-major view such as ``w.T``
+        of a row-major [n, k] ``w``: no copy) -> out [m / world, n] (ReduceScatter) or [m, n]
+        (AllReduce), bf16. PyTorch tensors in -> tensor out (on the current PyTorch stream);
+        numba/CuPy arrays in (bf16 as ml_dtypes.bfloat16 or bits as uint16/int16) -> numba
+        array of bf16 bits out (on ``stream``). ``out=None``: a new array, or with
+        ``shared_out`` the shared output (:meth:`output`). A row-major b is transposed on
+        every call (the op keeps no copy of an input)."""
+        if (out is not None and stream is None and not self.solo and not self.freed
+                and self.comm.proxy is None and is_torch(a)):     # the hot path: tensors
+            dev, (m, n, k) = self.comm.device_id, (self.m, self.n, self.k)
+            pa = torch_ptr(a, (m, k), dev)
+            pb = pa and torch_ptr(b, (k, n), dev, (1, k))          # w.T: no copy
+            mode = "view"
+            if pa and not pb:
+                pb, mode = torch_ptr(b, (k, n), dev), "copy"
+            pc = pb and torch_ptr(out, (self.out_rows, n), dev)
+            if pc and not self.err[ERR_SET]:
+                self._run(pa, pb, mode, pc, pc, pc == self._shared_ptr,
+                          stream_handle(None, dev))
+                return out
+        return self._call(a, b, out, stream)
+
+    def _call(self, a, b, out, stream):
+        """A call with every check."""
+        if self.freed:
+            raise MkError(f"{self.name}: called after free()")
+        self.comm.check(self.err, f"{self.name} (an earlier call)")
+        dev = self.comm.device_id
+        A = operand(a, self.name, "a", shape=(self.m, self.k), device_id=dev)
+        B = operand(b, self.name, "b", shape=(self.k, self.n), layouts=("row", "col"),
+                    device_id=dev)
+        if A.torch != B.torch:
+            raise MkValueError(f"{self.name}: a and b must both be PyTorch tensors or both be "
+                               "device arrays")
+        if out is None:
+            out = self.output(torch=A.torch) if self.shared_out else \
+                _new_output(a, A, self.out_shape())
+        O = operand(out, self.name, "out", shape=self.out_shape(), device_id=dev)
+        if O.torch != A.torch:
+            raise MkValueError(f"{self.name}: out must be a PyTorch tensor exactly when the "
+                               "inputs are")
+        if self.solo:
+            return self._solo_gemm(a, b, out=out, stream=stream)
+        m, n, k, rows = self.m, self.n, self.k, self.out_rows
+        mode = b_mode(B, "kn", n, k, self.name)
+        self._run(A.as_param(np.uint16, (m, k)),
+                  B.as_param(np.uint16, (k, n) if mode == "copy" else (n, k)), mode,
+                  O.as_param(np.uint64, (rows * n // 4,)), O.as_param(np.uint16, (rows, n)),
+                  O.ptr == self._shared_ptr, stream_handle(stream, dev if A.torch else None))
+        return out
+
+    def _run(self, a, b, mode, out_words, out_c, into_shared, stream):
+        """Bind the parameters (``Operand.as_param``: addresses on the GPU) and launch: B as
+        [n, k] (transposed on the stream when ``mode`` is "copy"), its tensor maps, and the
+        cfg for calls into the shared output or not."""
+        self.streams.enter(stream)
+        L = self.launch
+        bt = self._transposer()(b, stream) if mode == "copy" else b
+        L.bind("a", a)
+        L.bind("bt", bt)
+        L.bind("tmaps", self.tmaps(a, bt, stream))
+        L.bind("out", out_words)
+        L.bind("out_c", out_c)
+        # the owners write every GPU's shared output (direct, planned); a call into another
+        # array copies it out of this GPU's shared output at the end
+        L.bind("cfg", self._cfg_ptr[self.direct and into_shared])
+        L(stream)
+
+    def _transposer(self):
+        if self._transpose is None:       # made at the first call with a row-major [k, n] b
+            self._transpose = Transposer(self.k, self.n)
+        return self._transpose
+
+    def synchronize(self, stream=None):
+        """Wait for this rank's calls; raise MkTimeoutError if a device wait expired."""
+        self.comm.synchronize(stream or 0)   # polls: the proxy thread needs the GIL meanwhile
+        self.comm.check(self.err, self.name)
+
+    def clear_trace(self):
+        """Zero the stamps (so a later read shows only what the next call reached)."""
+        if self.tracing:
+            self._trace.copy_to_device(np.zeros(self._trace.shape, np.int64))
+
+    def trace_events(self):
+        """The last traced call's stamps: {event: int64 ns array by item (0: not reached)} plus
+        ``role_blocks``. Block events index blocks (in role order: compute, reduce, send,
+        receive, pull); the others index each role's items (reduced tiles, send commands,
+        finished tiles, pulled tiles). Call after :meth:`synchronize`."""
+        if not self.tracing:
+            raise MkValueError(f"{self.name}: built without trace=True")
+        rows = self._trace.copy_to_host()
+        return dict(zip(TRACE_EVENTS, rows), role_blocks=dict(self.role_blocks))
+
+    def free(self):
+        """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
+        if self.freed:
+            return
+        self.comm.synchronize()
+        for buf in self._buffers:
+            self.comm.free(buf)
+        self._buffers = []
+        self._views.clear()
+        self.shared = None
+        self.freed = True
+
+    def _start_at(self, calls):
+        """Tests: set this rank's state as if ``calls`` calls had run (the call counter, every
+        epoch flag, the work queues' and chunk counters' tickets), e.g. just short of 2**32,
+        to run the next calls across the wrap. Collective in effect: every rank must do it
+        with the same ``calls`` between calls, after synchronising."""
+        from ...primitives import next_epoch_host
+        epoch = (calls - 1) % 0xFFFFFFFF + 1 if calls else 0
+        self.comm.synchronize()
+        self.frame.set(calls, epoch)
+        flags = [self.tile_flags, self.final_flags] + ([self.arrive, self.red_flags,
+                                                        self.chunk_ready]
+                                                       if self.comm.nodes > 1 else [])
+        for f in flags:
+            f.local.copy_to_device(np.full(f.local.shape, epoch, np.uint32))
+        rb, p = self.role_blocks, self.plan
+        reduce_end = rb["compute"] + rb["reduce"]
+        recv_end = reduce_end + rb["send"] + rb["recv"]
+        red_workers = reduce_end - (0 if self.join else rb["compute"])
+        pull_workers = self.grid - recv_end + (reduce_end if self.join else 0)
+        q = np.zeros(2, np.uint64)
+        q[Q_REDUCE] = calls * (len(p.red_tiles) * self.split + red_workers)
+        q[Q_PULL] = calls * (len(p.pull_tiles) * self.split + pull_workers)
+        self.queue.copy_to_device((q & 0xFFFFFFFF).astype(np.uint32))
+        if self.comm.nodes > 1:
+            c = np.zeros(self.chunk_count.local.shape, np.uint64)
+            c[:len(p.chunk_tiles)] = calls * p.chunk_tiles.astype(np.uint64)
+            self.chunk_count.local.copy_to_device((c & 0xFFFFFFFF).astype(np.uint32))
+        assert next_epoch_host(epoch) != 0
+
+
+def _address(arr):
+    """Device address of a numba (or simulator) array's first element."""
+    if SIMULATOR:
+        return arr._ary.__array_interface__["data"][0]
+    return arr.__cuda_array_interface__["data"][0]

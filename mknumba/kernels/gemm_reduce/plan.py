@@ -1,0 +1,201 @@
+"""Planning the fused GEMM + reduction: options, the SM split between roles, rank agreement,
+and the launch's small integers (``make_cfg``).
+
+Everything here is decided once, when the op is built; a call only binds its arrays.
+"""
+import numpy as np
+from numba import cuda
+
+from ..._compat import SIMULATOR
+from ...errors import MkValueError
+from ...roles import bulk, compute
+from ...sched import split as sm_split
+from ...sched.reduce import ReducePlan
+from ...sched.tiles import cdiv, default_group_m
+from ..gemm import check_shapes, kind_for
+from .kernel import CFG_FIELDS
+
+_SIM_SMS = 6              # the simulator's "device": compute, reduce, send, receive, pull
+
+
+def make_cfg(**fields):
+    """The kernel's ``cfg`` array from every field of ``kernel.CFG_FIELDS``, each by name."""
+    missing = [f for f in CFG_FIELDS if f not in fields]
+    extra = [f for f in fields if f not in CFG_FIELDS]
+    if missing or extra:
+        raise TypeError(f"make_cfg: missing {missing}, unknown {extra}")
+    return np.array([int(fields[f]) for f in CFG_FIELDS], np.int64)
+
+
+class GemmReducePlan:
+    """The planning half of :class:`~mknumba.kernels.gemm_reduce.GemmReduce` (see there)."""
+
+    allreduce = False
+    name = "GemmReduce"
+    kernel_name = "gemm_reduce"
+
+    def _plan(self, comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, moves,
+              split, join, deliver, shared_out, fold):
+        """Resolve every option and the role split (sets the attributes the op reads)."""
+        if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
+            raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
+        m, n, k = int(m), int(n), int(k)
+        check_shapes(m, n, k, self.name)
+        self.comm, self.m, self.n, self.k = comm, m, n, k
+        self.kind = kind_for(tile, self.name)
+        if tile == "auto" and self.kind == "sm90":
+            self.kind = compute.SM90_FUSED_TILE
+        self.build = compute.tile_build(self.kind)
+        if self.build.timing_only:
+            raise MkValueError(f"{self.name}: tile build {tile!r} leaves the output unwritten "
+                               "(timing only)")
+        self.bm, self.bn = self.build.shape
+        self.moves = moves or "threads"
+        is_bulk = self.moves.startswith("bulk")
+        if self.moves not in bulk.MOVES or (is_bulk and not self.build.tma):
+            raise MkValueError(f"{self.name}: moves={moves!r}: 'threads', or 'bulk' / "
+                               "'bulk:w1' with an sm_90a tile build")
+        if is_bulk and self.build.smem_bytes < bulk.SMEM_BYTES:
+            raise MkValueError(f"{self.name}: tile build {self.kind!r} launches with "
+                               f"{self.build.smem_bytes} bytes of shared memory; bulk moves "
+                               f"need {bulk.SMEM_BYTES}")
+        if n % 4:
+            raise MkValueError(f"{self.name}: n={n} must be a multiple of 4")
+        G, nodes = comm.local_size, comm.nodes
+        self.world = comm.size
+        tiles_m, tiles_n = cdiv(m, self.bm), cdiv(n, self.bn)
+        sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        self.topology = f"{nodes}x{G}"
+        recorded = sm_split.choose(self.kernel_name, self.topology, m, n, k, sms)
+        self.comm_sms = int(recorded.comm_sms if comm_sms is None else comm_sms)
+        tile_bytes = self.bm * self.bn * 2
+        if chunk_bytes is None:
+            chunk_bytes = sm_split.default_chunk_bytes(self.topology)
+        self.chunk_tiles = max(1, int(chunk_bytes) // tile_bytes)
+        self.group_m = int(group_m or default_group_m(tiles_m, tiles_n, 128 if not SIMULATOR
+                                                      else 2))
+        self.split = self._split(split, nodes)
+        self.join = self._join(join, nodes)
+        self.deliver = self._deliver(deliver, nodes, G, recorded.deliver)
+        self.fold = self._fold(fold, recorded.fold)
+        # nothing to reduce: the one block the reduce role needs. Not in the simulator, whose
+        # blocks run one at a time: there a compute block waiting on a peer's delivery can
+        # hang if that comes from a later block of the peer (with its two compute blocks and
+        # the tests' shapes it comes from the same block or an earlier one; else the bounded
+        # wait reports it)
+        if self.fold and comm_sms is None and not recorded.fold and not SIMULATOR:
+            self.comm_sms = 1
+        self.plan = ReducePlan(self.allreduce, m, n, self.bm, self.bn, nodes, G, comm.node,
+                               comm.local_rank, self.chunk_tiles, self.group_m, self.fold)
+        self.out_rows = m if self.allreduce else m // self.world
+        self.tracing = bool(trace)
+        # One rank: nothing to reduce, so the op is the plain persistent GEMM into ``out`` (no
+        # partials to write and copy back: ~0.5 ms of a 1.3 ms call at m = n = 16384, k = 1024).
+        # trace=True keeps the fused kernel, whose roles it stamps.
+        self.solo = self.world == 1 and not self.tracing
+        if shared_out and not self.allreduce:
+            raise MkValueError(f"{self.name}: shared_out is for AllReduce (each rank's "
+                               "ReduceScatter output is written by its own GPU only)")
+        self.shared_out = bool(shared_out)
+        # the owners write the shared output of every local GPU (sum_local's push target)
+        self.direct = self.shared_out and not self.solo and G > 1 and (self.deliver or nodes > 1)
+        self._roles(sms, G, nodes)
+        if not self.solo:
+            self._check_agreement(comm)
+
+    def _roles(self, sms, G, nodes):
+        """Split the held-back SMs between the communication roles (block index order)."""
+        s = self.comm_sms
+        need = 1 + (2 if nodes > 1 else 0) + (1 if self.allreduce and G > 1 else 0)
+        if not need <= s < sms:
+            raise MkValueError(f"{self.name}: comm_sms={s} must be in [{need}, {sms - 1}] "
+                               f"for topology {self.topology}")
+        send = 1 if nodes > 1 else 0
+        p = self.plan
+        pull = 0
+        if self.direct:                   # nothing to copy: the pull role only waits
+            pull = 1
+        elif self.allreduce and G > 1 and nodes > 1:
+            pull = max(1, (s - send) // 4)
+        elif self.allreduce and G > 1:    # by words moved: the reduce reads G tiles and writes
+            red = len(p.red_tiles) * 2 * G      # G (one here, G - 1 pushed); a pull copies one
+            pulled = len(p.pull_tiles) * 2
+            pull = min(s - 1, max(1, round(s * pulled / max(red + pulled, 1))))
+        recv = 0
+        if nodes > 1:   # reduce and receive split by words moved: G reads + 1 write per reduced
+                        # tile, one read per node + 1-2 writes per finished tile
+            red = len(p.red_tiles) * (G + 1)
+            fin = p.n_final * (nodes + 1 + (1 if self.allreduce and G > 1 else 0))
+            share = fin / (red + fin) if red + fin else 0.0    # a GPU may own no tiles
+            recv = min(s - send - pull - 1, max(1, round((s - send - pull) * share)))
+        reduce = s - send - recv - pull
+        self.role_blocks = dict(compute=sms - s, reduce=reduce, send=send, recv=recv, pull=pull)
+        self.grid = sms
+        self.sms = sms
+
+    def _split(self, split, nodes):
+        """Row bands per tile for the 1-node reduce and pull roles (default 1). Meant for the
+        tail of small shapes, where a few last tiles keep a few reduce blocks busy while the
+        rest idle; measured on 2xH200 (benchmarks/NOTES.md, seventh session) 4 bands made the
+        2048-point calls slower (more flags, each behind a system fence), so it is opt-in."""
+        if split in (None, 1):
+            return 1
+        if nodes > 1:     # stage slots and network chunks count whole tiles
+            raise MkValueError(f"{self.name}: split={split} needs one node")
+        split = int(split)
+        if split < 1 or self.bm % split:
+            raise MkValueError(f"{self.name}: split={split} must divide the tile height "
+                               f"{self.bm}")
+        return split
+
+    def _join(self, join, nodes):
+        """Whether compute blocks, once their tiles are done, join the reduce queue, and (for
+        AllReduce) compute and reduce blocks then join the pull queue: on one node, where the
+        tail of a call is NVLink work that every idle SM can share. Default on, on the GPU.
+
+        A joined block waits on tiles of higher-numbered blocks, which needs the whole grid
+        resident (one block per SM, as launched); the simulator runs blocks one at a time, so
+        there it is off. Bulk moves keep their own barriers in shared memory: off with them."""
+        return self._option(join, nodes == 1 and not SIMULATOR and self.moves == "threads",
+                            True, "join=True needs one node, a GPU (not the simulator) and "
+                                  "moves='threads'")
+
+    def _deliver(self, deliver, nodes, G, recorded):
+        """Whether compute blocks write each tile another local GPU owns straight into that
+        GPU's inbox (NVLink stores from the GEMM's epilogue), so the owner's reduce reads only
+        local memory, instead of leaving it in their own memory for the owner to load over
+        NVLink (a block loads over NVLink at about half the rate it stores). One node, plain
+        tile moves; costs (G - 1) more planes of m x n partials per slot. Default: what the
+        recorded sweep chose for the nearest shape (``sched.split``: on 2xH200 it was faster
+        at every 1x2 point but RS at m = 2048)."""
+        return self._option(deliver, nodes == 1 and G > 1 and self.moves == "threads",
+                            recorded, "deliver=True needs one node of several GPUs and "
+                                      "moves='threads'")
+
+    def _check_agreement(self, comm):
+        """Collective: every rank must plan the same exchange (the flags and buffers it writes
+        into on other GPUs follow from these), in the caller's terms first; SM splits and
+        joining are each rank's own."""
+        comm.agree(self.name, dict(m=self.m, n=self.n, dtype="bfloat16",
+                                   tile=(self.bm, self.bn), chunk_tiles=self.chunk_tiles,
+                                   split=self.split, deliver=self.deliver, fold=self.fold,
+                                   shared_out=self.shared_out))
+
+    def _fold(self, fold, recorded):
+        """Whether the owner of a ReduceScatter tile adds the other local GPUs' delivered
+        partials in its own GEMM epilogue and writes the sum to ``out`` (it computes its own
+        row block last, ``sched.reduce``), instead of a reduce pass over three planes. Needs
+        ``deliver`` (one node of several GPUs) and row bands of whole tiles (``split`` 1).
+        Default: the recorded sweep's choice for the nearest shape."""
+        return self._option(fold, not self.allreduce and self.deliver and self.split == 1,
+                            recorded, "fold=True needs ReduceScatter with deliver=True (one "
+                                      "node of several GPUs) and split=1")
+
+    def _option(self, value, possible, default, needs):
+        """An on/off option: None takes ``default`` where ``possible`` (else off); True where
+        it is not possible is an error that says what it ``needs``."""
+        if value is None:
+            return bool(possible and default)
+        if value and not possible:
+            raise MkValueError(f"{self.name}: {needs}")
+        return bool(value)

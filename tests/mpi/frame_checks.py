@@ -1,0 +1,733 @@
+"""Checks of the launch frame (``kernels.launch``), run under mpiexec:
+
+    mpiexec -n N python -m mpi4py tests/mpi/frame_checks.py CHECK[,CHECK...] [key=value ...]
+
+keys: m, n, k (the fused ops' shape: [m, k] @ [k, n] per rank; ReduceScatter needs m to be
+ranks x whole tiles), gm, gn, gk (the plain Gemm's shape), ag (AllGather elements per rank,
+float32), arrays=numba|torch (torch: GPU only), calls (graph replays), seed, fused=0 (leave
+the fused ops out: a diagnosis aid). Inputs come from ``rand_bits(seed, rank, call, ...)``, so
+every rank regenerates the others' inputs for its float64 reference without communicating.
+
+Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exits non-zero):
+
+  inplace    GemmReduceScatter and GemmAllReduce called 3 times on the same a and b, both
+             updated in place with fresh data between calls (b row-major [k, n], then b a
+             column-major view of a row-major [n, k]: ``bt.T`` for torch and the simulator;
+             numba's own ``.T`` is a copy, see Arrays.col_view), with ``out=`` (one array,
+             poisoned before each call) and without; AllGather with x updated in place. Each
+             result against a float64 reference of the inputs as they were at that call: an op
+             keeps no copy of an input.
+  wrap       GemmReduceScatter, GemmAllReduce, AllGather: ``_start_at(2**32 - 3)``, then 6 calls
+             back to back across the wrap of the call counter and the epoch (which skips 0),
+             every result checked, then the device counter read back (``op.frame.read()``) and
+             compared with ``primitives.next_epoch_host``. The plain Gemm likewise, through
+             ``op.frame.set`` after a first call (its counter is made at the first call).
+  alternate  a GemmReduceScatter, a GemmAllReduce and an AllGather on one comm, called in
+             turn for 4 rounds back to back, every result checked.
+  free       a call after ``free()`` raises MkError; a second ``free()`` does what each op says.
+  disagree   AllGather planned with other dtypes / shapes on the ranks: MkValueError on every
+             rank, naming the field and both values.
+  dtypes     every spelling of bf16 (ml_dtypes.bfloat16, uint16 and int16 bits; torch.bfloat16)
+             into mknumba.gemm; float32 refused by gemm, the fused ops and AllGather, naming
+             the op.
+GPU only (arrays=torch unless said):
+  graph      torch.cuda.graph capture of mk.Gemm (every rank) and, with 2 or more ranks, of
+             both fused ops: one capture, ``calls`` replays (default 100), each after fresh data
+             is copied into the captured inputs and the captured output is poisoned, each
+             checked; ordinary calls of the same op between replays (every 10th), checked; the
+             call counter afterwards counts every launch and replay.
+  cugraph    mk.gemm captured on a numba stream through cuda.bindings (cuStreamBeginCapture ...
+             cuGraphLaunch), numba device arrays, ``calls`` launches with fresh data, ordinary
+             calls between them.
+  streams    each op called alternately on two torch streams, back to back: right results.
+  wrongdev   (2 GPUs) an array on another GPU than the op's is refused with MkValueError.
+"""
+import sys
+import time
+import warnings
+
+import numpy as np
+
+import mknumba as mk
+from mknumba._compat import SIMULATOR
+from mknumba.arrays import from_bf16_bits, operand, to_bf16_bits
+from mknumba.primitives import next_epoch_host
+from numba import cuda
+
+WRAP_START = 2 ** 32 - 3
+NAN_BITS = 0x7FC0
+
+
+# ---- data and references ------------------------------------------------------------------------
+def rand_bits(opts, shape, *key):
+    """Fresh random bf16 bits (uint16), the same on every rank for one key: any rank can
+    regenerate any rank's inputs of any call for its reference."""
+    rng = np.random.default_rng([opts["seed"], *key])
+    return to_bf16_bits(rng.standard_normal(shape, dtype=np.float32))
+
+
+def rand_f32(opts, shape, *key):
+    rng = np.random.default_rng([opts["seed"], 7, *key])
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+def bits_f64(b):
+    return from_bf16_bits(np.asarray(b).view(np.uint16)).astype(np.float64)
+
+
+def matmul_sum(pairs):
+    """float64 sum of a @ b over ``pairs`` of bf16 bits (on the GPU when torch is there)."""
+    if not SIMULATOR and _torch() is not None:
+        torch = _torch()
+        acc = None
+        for a, b in pairs:
+            p = (torch.from_numpy(bits_f64(a)).cuda() @ torch.from_numpy(bits_f64(b)).cuda())
+            acc = p if acc is None else acc + p
+        return acc.cpu().numpy()
+    return sum(bits_f64(a) @ bits_f64(b) for a, b in pairs)
+
+
+def check_close(got_bits, ref, what):
+    """Every element written (no NaN poison left) and relative Frobenius error <= 1e-2."""
+    got = bits_f64(got_bits)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape}, expected {ref.shape}"
+    bad = int(np.sum(~np.isfinite(got)))
+    assert bad == 0, f"{what}: {bad} of {got.size} outputs unwritten (NaN)"
+    err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    assert err <= 1e-2, f"{what}: relative error {err:.3g}"
+    return err
+
+
+_TORCH = []
+
+
+def _torch():
+    if not _TORCH:
+        try:
+            import torch
+        except ImportError:
+            torch = None
+        _TORCH.append(torch)
+    return _TORCH[0]
+
+
+class Arrays:
+    """Device arrays of one kind: "numba" (numba device arrays of bf16 bits; simulator arrays
+    under the simulator) or "torch" (torch.bfloat16 / float32 CUDA tensors)."""
+
+    def __init__(self, kind):
+        self.kind = kind
+        if kind == "torch":
+            assert not SIMULATOR, "arrays=torch needs a GPU"
+            self.torch = _torch()
+
+    def _t(self, host):
+        torch = self.torch
+        if host.dtype == np.uint16:
+            return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(host)
+
+    def dev(self, host):
+        """A new device array holding ``host`` (uint16: bf16 bits; or float32)."""
+        host = np.ascontiguousarray(host)
+        if self.kind == "torch":
+            return self._t(host).cuda()
+        return cuda.to_device(host)
+
+    def put(self, d, host):
+        """Overwrite device array ``d`` in place (same address) with ``host``."""
+        host = np.ascontiguousarray(host)
+        if self.kind == "torch":
+            d.copy_(self._t(host))
+        else:
+            d.copy_to_device(host)
+
+    def host(self, d):
+        """A device array back on the host (bf16 as uint16 bits)."""
+        if self.kind == "torch":
+            torch = self.torch
+            if d.dtype == torch.bfloat16:
+                return d.view(torch.int16).cpu().numpy().view(np.uint16)
+            return d.cpu().numpy()
+        return np.asarray(d.copy_to_host())
+
+    def col_view(self, d):
+        """The [k, n] column-major view of a row-major [n, k] device array ``d``, no copy. (A
+        numba device array's ``.T`` is a transposed copy, made by a kernel at that moment: an
+        in-place update of ``d`` would not reach it. The simulator's and torch's are views.)"""
+        if self.kind == "torch" or SIMULATOR:
+            return d.T
+        return cuda.as_cuda_array(_ColumnMajor(d))
+
+    def poisoned(self, shape, dtype=np.uint16):
+        """A new device array of NaN (bf16 bits 0x7FC0, or float32 NaN)."""
+        return self.dev(_nan(shape, dtype))
+
+    def poison(self, d):
+        if self.kind == "torch":
+            torch = self.torch
+            if d.dtype == torch.bfloat16:
+                d.view(torch.int16).fill_(NAN_BITS)
+            else:
+                d.fill_(float("nan"))
+        else:
+            d.copy_to_device(_nan(d.shape, np.dtype(d.dtype)))
+
+
+class _ColumnMajor:
+    """``__cuda_array_interface__`` of a row-major [n, k] device array read as [k, n]."""
+
+    def __init__(self, d):
+        cai = dict(d.__cuda_array_interface__)
+        n, k = cai["shape"]
+        item = np.dtype(cai["typestr"]).itemsize
+        cai.update(shape=(k, n), strides=(item, k * item))
+        self.__cuda_array_interface__ = cai
+        self.base = d
+
+
+def _nan(shape, dtype):
+    if np.dtype(dtype) == np.uint16:
+        return np.full(shape, NAN_BITS, np.uint16)
+    return np.full(shape, np.nan, dtype)
+
+
+def fused_ops(comm, opts, kinds=("rs", "ar")):
+    from mknumba.kernels.gemm_ar import GemmAllReduce
+    from mknumba.kernels.gemm_rs import GemmReduceScatter
+    Ops = {"rs": GemmReduceScatter, "ar": GemmAllReduce}
+    if not opts["fused"]:       # fused=0: the other ops' checks alone (diagnosis)
+        return []
+    return [Ops[k](comm, opts["m"], opts["n"], opts["k"]) for k in kinds]
+
+
+def fused_ref(comm, opts, op, key):
+    """The expected output of ``op``'s call whose inputs on rank r were
+    ``rand_bits(.., r, *key, 0/1)`` (a [m, k], b [k, n])."""
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    pairs = [(rand_bits(opts, (m, k), r, *key, 0), rand_bits(opts, (k, n), r, *key, 1))
+             for r in range(comm.size)]
+    ref = matmul_sum(pairs)
+    if not op.allreduce:
+        rows = op.out_shape()[0]
+        ref = ref[comm.rank * rows:(comm.rank + 1) * rows]
+    return ref
+
+
+def fused_inputs(comm, opts, key):
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    return rand_bits(opts, (m, k), comm.rank, *key, 0), rand_bits(opts, (k, n), comm.rank, *key, 1)
+
+
+def ag_ref(comm, opts, *key):
+    """What an AllGather (scope "node") of ``rand_f32(.., r, *key)`` gives: the node's ranks'."""
+    return np.stack([rand_f32(opts, (opts["ag"],), r, *key) for r in comm.topology.node_ranks])
+
+
+def ag_out(comm, opts, A):
+    return A.poisoned((comm.local_size, opts["ag"]), np.float32)
+
+
+def same_bits(got, ref, what):
+    assert got.shape == ref.shape, f"{what}: shape {got.shape}, expected {ref.shape}"
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), \
+        f"{what}: gathered data differ from the inputs of that call"
+
+
+def say(check, comm, what):
+    print(f"PASS {check} rank {comm.rank} topology {comm.nodes}x{comm.local_size} {what}",
+          flush=True)
+
+
+# ---- inplace ------------------------------------------------------------------------------------
+def check_inplace(comm, opts, A):
+    """One a, one b, updated in place between calls; the result follows the update."""
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    worst = 0.0
+    for oi, op in enumerate(fused_ops(comm, opts)):
+        rows = op.out_shape()[0]
+        out = A.poisoned((rows, n))
+        for layout in ("row", "col"):
+            tag = (1, oi, 0 if layout == "row" else 1)
+            a_bits, b_bits = fused_inputs(comm, opts, tag + (0,))
+            da = A.dev(a_bits)
+            if layout == "row":
+                db = A.dev(b_bits)                      # row-major [k, n]: transposed per call
+                b_arg = db
+            else:
+                db = A.dev(np.ascontiguousarray(b_bits.T))   # row-major [n, k] ...
+                b_arg = A.col_view(db)                       # ... passed as its [k, n] view
+                view, base = (operand(x, "test", "b", layouts=("row", "col"), align=0)
+                              for x in (b_arg, db))
+                assert view.col_major and view.ptr == base.ptr, "not a view of b's memory"
+            for call in range(3):
+                key = tag + (call,)
+                if call:        # new values, same addresses
+                    a_bits, b_bits = fused_inputs(comm, opts, key)
+                    A.put(da, a_bits)
+                    A.put(db, b_bits if layout == "row" else np.ascontiguousarray(b_bits.T))
+                A.poison(out)
+                if call != 1:
+                    res = op(da, b_arg, out=out)
+                    assert res is out, f"{op.name}: out= given, another array returned"
+                else:
+                    res = op(da, b_arg)
+                what = f"{op.name} b {layout}-major call {call} ({'out=' if call != 1 else 'new'})"
+                worst = max(worst, check_close(A.host(res), fused_ref(comm, opts, op, key), what))
+        op.synchronize()
+        op.free()
+    # AllGather, x updated in place
+    shape = (opts["ag"],)
+    ag = mk.AllGather(comm, shape, "float32")
+    x = A.dev(rand_f32(opts, shape, comm.rank, 2, 0))
+    out = ag_out(comm, opts, A)
+    for call in range(3):
+        if call:
+            A.put(x, rand_f32(opts, shape, comm.rank, 2, call))
+        A.poison(out)
+        res = ag(x, out=out) if call != 1 else ag(x)
+        same_bits(A.host(res), ag_ref(comm, opts, 2, call), f"AllGather call {call}")
+    ag.synchronize()
+    ag.free()
+    say("inplace", comm, f"m={m} n={n} k={k} arrays={A.kind} max_rel_err={worst:.2e}")
+
+
+# ---- wrap -------------------------------------------------------------------------------------
+def expected_after(start, calls):
+    """(calls, epoch) after ``calls`` more calls from ``_start_at(start)``."""
+    epoch = (start - 1) % 0xFFFFFFFF + 1
+    for _ in range(calls):
+        epoch = next_epoch_host(epoch)
+    return (start + calls) & 0xFFFFFFFF, epoch
+
+
+def check_wrap(comm, opts, A, calls=6):
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    want = expected_after(WRAP_START, calls)
+    assert want == (3, 4), want      # epochs 2**32-2, 2**32-1, 1, 2, 3, 4: never 0
+    start_epoch = (WRAP_START - 1) % 0xFFFFFFFF + 1
+    worst = 0.0
+    for oi, op in enumerate(fused_ops(comm, opts)):
+        comm.barrier()                 # no peer is still in a call that writes our flags
+        op._start_at(WRAP_START)
+        comm.barrier()                 # nobody's next call publishes before every rank is set
+        assert op.frame.read() == (WRAP_START, start_epoch), op.frame.read()
+        rows = op.out_shape()[0]
+        outs = []
+        for call in range(calls):      # back to back, fresh inputs, poisoned outputs
+            a_bits, b_bits = fused_inputs(comm, opts, (2, oi, call))
+            out = A.poisoned((rows, n))
+            outs.append((op(A.dev(a_bits), A.dev(b_bits), out=out), call))
+        op.synchronize()
+        for out, call in outs:
+            worst = max(worst, check_close(A.host(out), fused_ref(comm, opts, op, (2, oi, call)),
+                                           f"{op.name} call {call} after _start_at(2**32-3)"))
+        got = op.frame.read()
+        assert got == want, f"{op.name}: frame (calls, epoch) = {got}, expected {want}"
+        op.free()
+    # AllGather
+    shape = (opts["ag"],)
+    ag = mk.AllGather(comm, shape, "float32")
+    comm.barrier()
+    ag._start_at(WRAP_START)
+    comm.barrier()
+    outs = []
+    for call in range(calls):
+        out = ag_out(comm, opts, A)
+        outs.append(ag(A.dev(rand_f32(opts, shape, comm.rank, 3, call)), out=out))
+    ag.synchronize()
+    for call, out in enumerate(outs):
+        same_bits(A.host(out), ag_ref(comm, opts, 3, call),
+                  f"AllGather call {call} after _start_at(2**32-3)")
+    got = ag.frame.read()
+    assert got == want, f"AllGather: frame (calls, epoch) = {got}, expected {want}"
+    flags = ag.flags.local.copy_to_host().reshape(comm.local_size, -1)
+    peers = [p for p in range(comm.local_size) if p != comm.local_rank]
+    assert (flags[peers] == want[1]).all(), f"AllGather: peers' flags {flags[peers]}, " \
+                                            f"expected epoch {want[1]}"
+    ag.free()
+    # the plain Gemm: no _start_at (no flags anyone waits on), the frame set directly, after
+    # a first call (which makes the counter on the caller's GPU)
+    gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
+    g = mk.Gemm()
+    a_bits = rand_bits(opts, (gm, gk), comm.rank, 4, 99, 0)
+    b_bits = rand_bits(opts, (gk, gn), comm.rank, 4, 99, 1)
+    out = g(A.dev(a_bits), A.dev(b_bits), out=A.poisoned((gm, gn)))
+    check_close(A.host(out), matmul_sum([(a_bits, b_bits)]), "mknumba.Gemm first call")
+    assert g.calls() == (1, 1), g.calls()
+    g.frame.set(WRAP_START, start_epoch)
+    assert g.calls() == (WRAP_START, start_epoch), g.calls()
+    outs = []
+    for call in range(calls):
+        a_bits = rand_bits(opts, (gm, gk), comm.rank, 4, call, 0)
+        b_bits = rand_bits(opts, (gk, gn), comm.rank, 4, call, 1)
+        outs.append((g(A.dev(a_bits), A.dev(b_bits), out=A.poisoned((gm, gn))), a_bits, b_bits))
+    for call, (out, a_bits, b_bits) in enumerate(outs):
+        worst = max(worst, check_close(A.host(out), matmul_sum([(a_bits, b_bits)]),
+                                       f"mknumba.Gemm call {call} after frame.set"))
+    assert g.calls() == want, f"Gemm: frame (calls, epoch) = {g.calls()}, expected {want}"
+    flags = g.tile_flags(gm, gn, gk).copy_to_host()
+    assert (flags == want[1]).all(), f"Gemm: tile flags {flags}, expected epoch {want[1]}"
+    say("wrap", comm, f"m={m} n={n} k={k} arrays={A.kind} frame={want} "
+                      f"max_rel_err={worst:.2e}")
+
+
+# ---- alternate --------------------------------------------------------------------------------
+def check_alternate(comm, opts, A, rounds=4):
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    ops = fused_ops(comm, opts)
+    shape = (opts["ag"],)
+    ag = mk.AllGather(comm, shape, "float32")
+    results = []
+    for r in range(rounds):            # back to back: no host synchronisation
+        for oi, op in enumerate(ops):
+            a_bits, b_bits = fused_inputs(comm, opts, (5, oi, r))
+            out = A.poisoned((op.out_shape()[0], n))
+            results.append((op, oi, r, op(A.dev(a_bits), A.dev(b_bits), out=out)))
+        out = ag_out(comm, opts, A)
+        results.append((ag, 2, r, ag(A.dev(rand_f32(opts, shape, comm.rank, 5, r)), out=out)))
+    for op in ops + [ag]:
+        op.synchronize()
+    worst = 0.0
+    for op, oi, r, out in results:
+        if op is ag:
+            same_bits(A.host(out), ag_ref(comm, opts, 5, r), f"AllGather round {r}")
+        else:
+            worst = max(worst, check_close(A.host(out), fused_ref(comm, opts, op, (5, oi, r)),
+                                           f"{op.name} round {r}"))
+    for op in ops + [ag]:
+        assert op.frame.read() == (rounds, rounds), (op.name, op.frame.read())
+        op.free()
+    say("alternate", comm, f"m={m} n={n} k={k} arrays={A.kind} rounds={rounds} "
+                           f"max_rel_err={worst:.2e}")
+
+
+# ---- free -------------------------------------------------------------------------------------
+def check_free(comm, opts, A):
+    a, b = (A.dev(x) for x in fused_inputs(comm, opts, (6,)))
+    for op in fused_ops(comm, opts):
+        op.free()
+        try:
+            op(a, b)
+        except mk.MkError as e:
+            assert "free" in str(e) and op.name in str(e), str(e)
+        else:
+            raise AssertionError(f"{op.name}: a call after free() did not raise")
+        op.free()       # a second free() returns quietly (GemmReduce.free)
+    shape = (opts["ag"],)
+    ag = mk.AllGather(comm, shape, "float32")
+    x = A.dev(rand_f32(opts, shape, comm.rank, 6))
+    ag(x)
+    ag.free()           # waits for the call
+    try:
+        ag(x)
+    except mk.MkError as e:
+        assert "free" in str(e) and "AllGather" in str(e), str(e)
+    else:
+        raise AssertionError("AllGather: a call after free() did not raise")
+    try:                # a second free() of an AllGather is refused (AllGather.free)
+        ag.free()
+    except mk.MkError as e:
+        assert "freed" in str(e), str(e)
+    else:
+        raise AssertionError("AllGather: a second free() did not raise")
+    comm.barrier()
+    say("free", comm, "GemmReduceScatter GemmAllReduce AllGather")
+
+
+# ---- disagree ---------------------------------------------------------------------------------
+def check_disagree(comm, opts, A):
+    cases = [("dtype", dict(shape=(16,), dtype="float32" if comm.rank == 0 else "int32"),
+              ["'float32'", "'int32'"]),
+             ("shape", dict(shape=(16,) if comm.rank == 0 else (8, 2), dtype="float32"),
+              ["(16,)", "(8, 2)"])]
+    for field, kw, names in cases:
+        try:
+            op = mk.AllGather(comm, kw["shape"], kw["dtype"])
+        except mk.MkValueError as e:
+            msg = str(e)
+            assert "AllGather" in msg and f"{field}:" in msg, msg
+            for name in names:
+                assert name in msg, f"{name} not in: {msg}"
+        else:
+            op.free()
+            raise AssertionError(f"AllGather with another {field} per rank was accepted")
+    comm.barrier()      # every rank raised (nobody waits in a collective), and the comm works
+    say("disagree", comm, "dtype shape")
+
+
+# ---- dtypes -----------------------------------------------------------------------------------
+def check_dtypes(comm, opts, A):
+    import ml_dtypes
+    gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
+    a_bits = rand_bits(opts, (gm, gk), comm.rank, 8, 0)
+    b_bits = rand_bits(opts, (gk, gn), comm.rank, 8, 1)
+    ref = matmul_sum([(a_bits, b_bits)])
+    spellings = ["bfloat16", "uint16", "int16"] + (["torch"] if A.kind == "torch" else [])
+    for spelling in spellings:
+        if spelling == "torch":
+            a, b = A.dev(a_bits), A.dev(b_bits)
+        else:
+            # a device array of bits, viewed as the spelling (numba cannot copy ml_dtypes
+            # arrays from the host: no buffer protocol for them)
+            dt = {"bfloat16": ml_dtypes.bfloat16, "uint16": np.uint16, "int16": np.int16}[spelling]
+            a, b = (cuda.to_device(x).view(dt) for x in (a_bits, b_bits))
+            assert np.dtype(a.dtype).name == spelling, a.dtype
+        out = mk.gemm(a, b)
+        got = A.host(out) if spelling == "torch" else np.asarray(out.copy_to_host())
+        check_close(got.view(np.uint16), ref, f"mknumba.gemm with {spelling} inputs")
+    f32 = from_bf16_bits(a_bits)
+    fa = A.dev(f32) if A.kind == "torch" else cuda.to_device(f32)
+    gb = A.dev(b_bits)
+    _refused(lambda: mk.gemm(fa, gb), ["mknumba.gemm", "float32", "a"])
+    _refused(lambda: mk.gemm(A.dev(a_bits), A.dev(from_bf16_bits(b_bits))),
+             ["mknumba.gemm", "float32", "b"])
+    if A.kind != "torch":
+        f32_out = cuda.to_device(np.zeros((gm, gn), np.float32))
+        _refused(lambda: mk.gemm(A.dev(a_bits), gb, out=f32_out),
+                 ["mknumba.gemm", "float32", "out"])
+    a_bits, b_bits = fused_inputs(comm, opts, (8,))
+    fa = A.dev(from_bf16_bits(a_bits))
+    for op in fused_ops(comm, opts):
+        _refused(lambda: op(fa, A.dev(b_bits)), [op.name, "float32"])
+        op.free()
+    ag = mk.AllGather(comm, (opts["ag"],), "float32")
+    _refused(lambda: ag(A.dev(np.zeros(opts["ag"], np.int32) if A.kind != "torch"
+                              else np.zeros(opts["ag"], np.float64))), ["AllGather", "x"])
+    ag.free()
+    say("dtypes", comm, " ".join(spellings) + " float32-refused")
+
+
+def _refused(fn, words):
+    try:
+        fn()
+    except mk.MkValueError as e:
+        for w in words:
+            assert w in str(e), f"{w!r} not in: {e}"
+    else:
+        raise AssertionError(f"not refused (expected MkValueError naming {words})")
+
+
+# ---- GPU: CUDA graphs, streams, devices -------------------------------------------------------
+def check_graph(comm, opts, A):
+    """torch.cuda.graph: one capture, many replays with new data in the captured inputs."""
+    torch = _torch()
+    replays = opts["calls"]
+    gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    g = mk.Gemm()
+    cases = [("gemm", g, (gm, gk), (gk, gn), (gm, gn), lambda key: matmul_sum(
+        [(rand_bits(opts, (gm, gk), comm.rank, *key, 0),
+          rand_bits(opts, (gk, gn), comm.rank, *key, 1))]))]
+    if comm.size > 1:
+        for op in fused_ops(comm, opts):
+            cases.append((op.name, op, (m, k), (k, n), op.out_shape(),
+                          lambda key, op=op: fused_ref(comm, opts, op, key)))
+    worst = 0.0
+    for ci, (name, op, ashape, bshape, oshape, ref_of) in enumerate(cases):
+        def inputs(key):
+            return (rand_bits(opts, ashape, comm.rank, *key, 0),
+                    rand_bits(opts, bshape, comm.rank, *key, 1))
+        a_bits, b_bits = inputs((9, ci, 0))
+        a, b = A.dev(a_bits), A.dev(b_bits)          # the captured (static) inputs
+        out = A.poisoned(oshape)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):                # warm-up: plan, compile, first call
+            op(a, b, out=out)
+        torch.cuda.current_stream().wait_stream(side)
+        worst = max(worst, check_close(A.host(out), ref_of((9, ci, 0)), f"{name} warm-up"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            op(a, b, out=out)
+        launches = 1
+        for i in range(1, replays + 1):
+            key = (9, ci, i)
+            a_bits, b_bits = inputs(key)
+            A.put(a, a_bits)
+            A.put(b, b_bits)
+            A.poison(out)
+            graph.replay()
+            launches += 1
+            worst = max(worst, check_close(A.host(out), ref_of(key), f"{name} replay {i}"))
+            if i % 10 == 0:          # an ordinary call between replays, other arrays
+                key = (9, ci, 1000 + i)
+                o2 = A.poisoned(oshape)
+                op(*(A.dev(x) for x in inputs(key)), out=o2)
+                launches += 1
+                worst = max(worst, check_close(A.host(o2), ref_of(key),
+                                               f"{name} ordinary call after replay {i}"))
+        torch.cuda.synchronize()
+        got = op.frame.read()
+        assert got == (launches, launches), f"{name}: frame {got}, {launches} launches made"
+        del graph
+        if op is not g:
+            op.synchronize()
+            op.free()
+    say("graph", comm, f"ops={len(cases)} replays={replays} max_rel_err={worst:.2e}")
+
+
+def check_cugraph(comm, opts, A):
+    """mk.gemm on a numba stream, captured and replayed through cuda.bindings."""
+    from cuda.bindings import driver as drv
+    from mknumba.kernels.launch import stream_handle
+    gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
+    replays = opts["calls"]
+
+    def ok(res, what):
+        err = res[0] if isinstance(res, tuple) else res
+        assert err == drv.CUresult.CUDA_SUCCESS, f"{what}: {err}"
+        return res[1] if isinstance(res, tuple) and len(res) > 1 else None
+
+    def inputs(key):
+        return (rand_bits(opts, (gm, gk), comm.rank, *key, 0),
+                rand_bits(opts, (gk, gn), comm.rank, *key, 1))
+    s = cuda.stream()
+    h = drv.CUstream(stream_handle(s))
+    a_bits, b_bits = inputs((10, 0))
+    a, b = cuda.to_device(a_bits, stream=s), cuda.to_device(b_bits, stream=s)
+    out = cuda.to_device(_nan((gm, gn), np.uint16), stream=s)
+    op = mk.Gemm()
+    op(a, b, out=out, stream=s)                     # warm-up
+    got = out.copy_to_host(stream=s)
+    s.synchronize()
+    worst = check_close(got, matmul_sum([(a_bits, b_bits)]), "warm-up")
+    ok(drv.cuStreamBeginCapture(h, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+       "cuStreamBeginCapture")
+    op(a, b, out=out, stream=s)
+    graph = ok(drv.cuStreamEndCapture(h), "cuStreamEndCapture")
+    gexec = ok(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+    launches = 1
+    poison = _nan((gm, gn), np.uint16)
+    for i in range(1, replays + 1):
+        a_bits, b_bits = inputs((10, i))
+        a.copy_to_device(a_bits, stream=s)
+        b.copy_to_device(b_bits, stream=s)
+        out.copy_to_device(poison, stream=s)
+        ok(drv.cuGraphLaunch(gexec, h), "cuGraphLaunch")
+        launches += 1
+        got = out.copy_to_host(stream=s)
+        s.synchronize()
+        worst = max(worst, check_close(got, matmul_sum([(a_bits, b_bits)]), f"launch {i}"))
+        if i % 10 == 0:
+            x_bits, y_bits = inputs((10, 1000 + i))
+            o2 = op(cuda.to_device(x_bits, stream=s), cuda.to_device(y_bits, stream=s),
+                    stream=s)
+            launches += 1
+            got = o2.copy_to_host(stream=s)
+            s.synchronize()
+            worst = max(worst, check_close(got, matmul_sum([(x_bits, y_bits)]),
+                                           f"ordinary call after launch {i}"))
+    assert op.calls() == (launches, launches), (op.calls(), launches)
+    ok(drv.cuGraphExecDestroy(gexec), "cuGraphExecDestroy")
+    ok(drv.cuGraphDestroy(graph), "cuGraphDestroy")
+    say("cugraph", comm, f"launches={launches} max_rel_err={worst:.2e}")
+
+
+def check_streams(comm, opts, A, calls=8):
+    """One op, two torch streams in turn, back to back."""
+    torch = _torch()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    g = mk.Gemm()
+    cases = [("gemm", g, (gm, gk), (gk, gn), (gm, gn), lambda key: matmul_sum(
+        [(rand_bits(opts, (gm, gk), comm.rank, *key, 0),
+          rand_bits(opts, (gk, gn), comm.rank, *key, 1))]))]
+    for op in (fused_ops(comm, opts) if comm.size > 1 else []):
+        cases.append((op.name, op, (m, k), (k, n), op.out_shape(),
+                      lambda key, op=op: fused_ref(comm, opts, op, key)))
+    shape = (opts["ag"],)
+    ag = mk.AllGather(comm, shape, "float32")
+    worst = 0.0
+    for ci, (name, op, ashape, bshape, oshape, ref_of) in enumerate(cases):
+        outs = []
+        for i in range(calls):
+            key = (11, ci, i)
+            with torch.cuda.stream(streams[i % 2]):   # inputs and call on this stream
+                a = A.dev(rand_bits(opts, ashape, comm.rank, *key, 0))
+                b = A.dev(rand_bits(opts, bshape, comm.rank, *key, 1))
+                outs.append((key, a, b, op(a, b, out=A.poisoned(oshape))))
+        torch.cuda.synchronize()
+        for key, _, _, out in outs:
+            worst = max(worst, check_close(A.host(out), ref_of(key), f"{name} call {key[2]}"))
+        assert op.frame.read() == (calls, calls), (name, op.frame.read())
+    outs = []
+    for i in range(calls):
+        with torch.cuda.stream(streams[i % 2]):
+            x = A.dev(rand_f32(opts, shape, comm.rank, 11, i))
+            outs.append((i, x, ag(x)))
+    torch.cuda.synchronize()
+    for i, _, out in outs:
+        same_bits(A.host(out), ag_ref(comm, opts, 11, i), f"AllGather call {i}")
+    for name, op, *_ in cases[1:]:
+        op.free()
+    ag.free()
+    say("streams", comm, f"ops={len(cases) + 1} calls={calls} max_rel_err={worst:.2e}")
+
+
+def check_wrongdev(comm, opts, A):
+    """An array on another GPU than the op's: MkValueError naming both GPUs."""
+    torch = _torch()
+    if torch.cuda.device_count() < 2:
+        print(f"SKIP wrongdev rank {comm.rank}: needs 2 GPUs", flush=True)
+        return
+    here = comm.device_id
+    other = (here + 1) % torch.cuda.device_count()
+    gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
+    m, n, k = opts["m"], opts["n"], opts["k"]
+
+    def t(shape, dev, dtype=torch.bfloat16):
+        return torch.zeros(shape, dtype=dtype, device=f"cuda:{dev}")
+    words = ["GPU", str(here), str(other)]
+    _refused(lambda: mk.gemm(t((gm, gk), here), t((gk, gn), other)), ["mknumba.gemm", "b"] + words)
+    _refused(lambda: mk.gemm(t((gm, gk), here), t((gk, gn), here), out=t((gm, gn), other)),
+             ["mknumba.gemm", "out"] + words)
+    with cuda.gpus[other]:
+        nb = cuda.to_device(np.zeros((gk, gn), np.uint16))
+    _refused(lambda: mk.gemm(cuda.to_device(np.zeros((gm, gk), np.uint16)), nb),
+             ["mknumba.gemm", "b"] + words)
+    for op in fused_ops(comm, opts):
+        _refused(lambda: op(t((m, k), other), t((k, n), here)), [op.name, "a"] + words)
+        _refused(lambda: op(t((m, k), here), t((k, n), here), out=t(op.out_shape(), other)),
+                 [op.name, "out"] + words)
+        op.free()
+    ag = mk.AllGather(comm, (opts["ag"],), "float32")
+    _refused(lambda: ag(t((opts["ag"],), other, torch.float32)), ["AllGather", "x"] + words)
+    ag.free()
+    say("wrongdev", comm, f"gpu={here} other={other}")
+
+
+CHECKS = dict(inplace=check_inplace, wrap=check_wrap, alternate=check_alternate,
+              free=check_free, disagree=check_disagree, dtypes=check_dtypes, graph=check_graph,
+              cugraph=check_cugraph, streams=check_streams, wrongdev=check_wrongdev)
+GPU_ONLY = ("graph", "cugraph", "streams", "wrongdev")
+
+
+def main():
+    names = sys.argv[1].split(",")
+    opts = dict(m=128, n=64, k=16, gm=40, gn=48, gk=16, ag=24, calls=100, seed=1234,
+                fused=1, arrays="numba")
+    for arg in sys.argv[2:]:
+        key, value = arg.split("=", 1)
+        assert key in opts, f"unknown option {key}"
+        opts[key] = value if key == "arrays" else int(value)
+    for name in names:
+        assert name in CHECKS, f"unknown check {name}; one of {sorted(CHECKS)}"
+        assert not (SIMULATOR and name in GPU_ONLY), f"{name} needs a GPU"
+    if SIMULATOR:   # the simulator's uint32 counters are NumPy scalars: they warn as they wrap
+        warnings.filterwarnings("ignore", "overflow encountered in scalar", RuntimeWarning)
+    with mk.init() as comm:
+        arrays = opts["arrays"]
+        if not SIMULATOR and _torch() is not None:
+            _torch().cuda.set_device(comm.device_id)
+        for name in names:
+            A = Arrays("torch" if name in ("graph", "streams", "wrongdev") else arrays)
+            t0 = time.perf_counter()
+            CHECKS[name](comm, opts, A)
+            print(f"time {name} rank {comm.rank} {time.perf_counter() - t0:.1f}s", flush=True)
+        comm.barrier()
+
+
+if __name__ == "__main__":
+    main()

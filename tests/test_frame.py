@@ -1,0 +1,104 @@
+"""The launch frame (``kernels.launch``): inputs read fresh at every call, the device call
+counter across the 2**32 wrap, several ops on one comm, free, rank agreement, bf16 spellings;
+on GPUs also CUDA graphs (torch.cuda.graph, and cuda.bindings capture on a numba stream), two
+streams, arrays on the wrong GPU. The checks live in ``tests/mpi/frame_checks.py``.
+
+Simulator shapes are the smallest that still split work between the ranks (m = 64: one 32-row
+tile row per rank, n = 32, k = 8): every simulated call costs seconds on two cores, so the
+1x2 checks share one mpiexec launch.
+"""
+import pytest
+
+from mpi_util import run_mpi
+
+SIM_SHAPE = ("m=64", "n=32", "k=8", "gm=32", "gn=32", "gk=8", "ag=24")
+SIM_CHECKS = ("inplace", "wrap", "alternate", "free", "disagree", "dtypes")
+
+
+def _passes(out, check, n):
+    assert out.count(f"PASS {check} ") == n, out[-4000:]
+
+
+# ---- simulator ----------------------------------------------------------------------------------
+def test_sim_1x2_frame_checks():
+    """Every simulator check on one node of two GPUs, in one launch: fused ops with a and b
+    updated in place between calls (b row-major and as a column-major view), the wrap of the
+    call counter and epoch after ``_start_at(2**32 - 3)``, ops called in turn, free, ranks
+    that disagree, the bf16 spellings."""
+    out = run_mpi("frame_checks.py", 2, ",".join(SIM_CHECKS), *SIM_SHAPE)
+    for check in SIM_CHECKS:
+        _passes(out, check, 2)
+    assert out.count("topology 1x2") == 2 * len(SIM_CHECKS), out[-4000:]
+    assert out.count("frame=(3, 4)") == 2, out[-4000:]     # calls 2**32 + 3, epoch 4 (not 0)
+
+
+def test_sim_2x1_wrap():
+    """Across the wrap between two nodes (the proxy's sim transport): ``_start_at`` also sets
+    the network flags and chunk counters."""
+    env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:ordered"}
+    out = run_mpi("frame_checks.py", 2, "wrap", *SIM_SHAPE, env=env)
+    _passes(out, "wrap", 2)
+    assert out.count("topology 2x1") == 2 and out.count("frame=(3, 4)") == 2, out[-4000:]
+
+
+# ---- GPUs -------------------------------------------------------------------------------------
+# Two ranks may share one GPU (MKNUMBA_ALLOW_SHARED_GPU); never NVLink multicast.
+GPU_ENV = {"NCCL_NVLS_ENABLE": "0", "MKNUMBA_ALLOW_SHARED_GPU": "1"}
+GPU_SHAPE = ("m=2048", "n=1536", "k=512", "gm=1000", "gn=776", "gk=264", "ag=100000")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arrays", ["torch", "numba"])
+def test_gpu_1x2_frame_checks(arrays):
+    out = run_mpi("frame_checks.py", 2, ",".join(SIM_CHECKS), *GPU_SHAPE, f"arrays={arrays}",
+                  simulator=False, env=GPU_ENV)
+    for check in SIM_CHECKS:
+        _passes(out, check, 2)
+    assert out.count("frame=(3, 4)") == 2, out[-4000:]
+
+
+@pytest.mark.gpu
+def test_gpu_2x1_wrap():
+    env = dict(GPU_ENV, MKNUMBA_GPUS_PER_NODE="1", MKNUMBA_TRANSPORT="dma:ordered")
+    out = run_mpi("frame_checks.py", 2, "wrap", *GPU_SHAPE, "arrays=torch", simulator=False,
+                  env=env)
+    _passes(out, "wrap", 2)
+    assert out.count("topology 2x1") == 2, out[-4000:]
+
+
+@pytest.mark.gpu
+def test_gpu_graph_gemm_one_process():
+    """mk.Gemm captured by torch.cuda.graph, and mk.gemm captured on a numba stream through
+    cuda.bindings: 100 replays each with fresh data in the captured inputs, ordinary calls
+    between them, every output checked."""
+    out = run_mpi("frame_checks.py", 1, "graph,cugraph", *GPU_SHAPE, simulator=False,
+                  env=GPU_ENV)
+    _passes(out, "graph", 1)
+    _passes(out, "cugraph", 1)
+    assert "ops=1 replays=100" in out, out[-4000:]
+
+
+@pytest.mark.gpu
+def test_gpu_1x2_graph_fused():
+    """Both fused ops (and the Gemm on each rank) captured by torch.cuda.graph on two ranks:
+    every replay is a new call with a new epoch on both ranks."""
+    out = run_mpi("frame_checks.py", 2, "graph", *GPU_SHAPE, simulator=False, env=GPU_ENV)
+    _passes(out, "graph", 2)
+    assert out.count("ops=3 replays=100") == 2, out[-4000:]
+
+
+@pytest.mark.gpu
+def test_gpu_1x2_two_streams():
+    out = run_mpi("frame_checks.py", 2, "streams", *GPU_SHAPE, simulator=False, env=GPU_ENV)
+    _passes(out, "streams", 2)
+
+
+@pytest.mark.gpu
+def test_gpu_array_on_wrong_gpu():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs (an array on the other one); this machine has "
+                    f"{torch.cuda.device_count()}")
+    out = run_mpi("frame_checks.py", 2, "wrongdev", *GPU_SHAPE, simulator=False,
+                  env={"NCCL_NVLS_ENABLE": "0"})
+    _passes(out, "wrongdev", 2)
