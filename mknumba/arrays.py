@@ -18,8 +18,8 @@ import numpy as np
 from ._compat import SIMULATOR
 from .errors import MkValueError
 
-__all__ = ["Operand", "operand", "BF16", "to_bf16_bits", "from_bf16_bits", "is_torch",
-           "torch_ptr"]
+__all__ = ["Operand", "operand", "check_device", "BF16", "to_bf16_bits", "from_bf16_bits",
+           "is_torch", "torch_ptr"]
 
 #: the dtype names read as bf16 bits
 BF16 = ("bfloat16", "uint16", "int16")
@@ -150,16 +150,23 @@ def operand(x, op, name, *, dtypes=BF16, shape=None, ndim=None, device_id=None,
                            for k in layouts)
         raise MkValueError(f"{op}: {name} must be {what}; got shape {o.shape} with strides "
                            f"{tuple(o.strides)} (elements)")
-    if device_id is not None and not SIMULATOR:
-        if o.device is None:
-            o.device = _device_of(o.ptr, device_id)
-        if o.device is not None and o.device != device_id:
-            raise MkValueError(f"{op}: {name} lives on GPU {o.device}; this rank uses GPU "
-                               f"{device_id}")
+    if device_id is not None:
+        check_device(o, op, device_id)
     if align and not SIMULATOR and o.ptr % align:
         raise MkValueError(f"{op}: {name} starts at {o.ptr:#x}, not {align}-byte aligned "
                            "(a view at an odd offset?)")
     return o
+
+
+def check_device(o, op, device_id):
+    """Raise unless operand ``o`` lives on GPU ``device_id`` (where that can be told)."""
+    if SIMULATOR:
+        return
+    if o.device is None:
+        o.device = _device_of(o.ptr, device_id)
+    if o.device is not None and o.device != device_id:
+        raise MkValueError(f"{op}: {o.name} lives on GPU {o.device}; this call runs on GPU "
+                           f"{device_id}")
 
 
 def _describe(o, x, op, name):

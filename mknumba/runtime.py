@@ -27,6 +27,11 @@ _DEFAULT_TIMEOUT_S = 120.0 if SIMULATOR else 30.0  # simulated peers are Python:
 _current = None
 
 
+def default_timeout_ns():
+    """The bound of every device-side wait: ``MKNUMBA_TIMEOUT_S`` or the default, in ns."""
+    return int(float(os.environ.get("MKNUMBA_TIMEOUT_S", _DEFAULT_TIMEOUT_S)) * 1e9)
+
+
 def _mpi():
     try:
         from mpi4py import MPI

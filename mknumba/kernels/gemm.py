@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import _compat  # noqa: F401  (numpy alias before numba compiles anything)
 from .._compat import SIMULATOR
-from ..arrays import is_torch, operand, torch_ptr
+from ..arrays import check_device, is_torch, operand, torch_ptr
 from ..errors import MkValueError
 from ..roles import compute
 from ..roles.blocks import begin
@@ -157,8 +157,9 @@ class Gemm:
         if b_layout not in ("kn", "nk"):
             raise MkValueError(f"{self.name}: b_layout must be 'kn' (b is [k, n]) or 'nk' (b is "
                                f"[n, k]), got {b_layout!r}")
-        A = operand(a, self.name, "a", ndim=2, device_id=None if is_torch(a) else
-                    current_device())
+        A = operand(a, self.name, "a", ndim=2)
+        if not A.torch and not SIMULATOR:      # a numba/CuPy array: the current GPU's
+            check_device(A, self.name, current_device())
         B = operand(b, self.name, "b", ndim=2, layouts=("row", "col"), device_id=A.device)
         if A.torch != B.torch:
             raise MkValueError(f"{self.name}: a and b must both be PyTorch tensors or both be "

@@ -34,7 +34,8 @@ from .._compat import SIMULATOR
 from ..errors import MkError, MkValueError
 from ..primitives import FRAME_CALLS, FRAME_EPOCH, FRAME_WORDS
 
-__all__ = ["array_type", "params", "signature", "compile_kernel", "Slot", "Launch", "Frame",
+__all__ = ["array_type", "params", "signature", "compile_kernel", "pack", "Slot", "Launch",
+           "Frame",
            "stream_handle", "StreamOrder", "is_capturing"]
 
 
@@ -86,6 +87,16 @@ def _set_max_dynamic_smem(cufunc, nbytes, device_id):
         (err,) = drv.cuFuncSetAttribute(drv.CUfunction(int(cufunc.handle)), attr, nbytes)
     if err != drv.CUresult.CUDA_SUCCESS:
         raise MkError(f"could not raise the dynamic shared memory limit to {nbytes} B: {err}")
+
+
+def pack(fields, **values):
+    """An int64 array of ``values`` in the order of ``fields`` (a kernel's ``cfg``), every field
+    given by name exactly once."""
+    missing = [f for f in fields if f not in values]
+    extra = [f for f in values if f not in fields]
+    if missing or extra:
+        raise TypeError(f"cfg: missing {missing}, unknown {extra}")
+    return np.array([int(values[f]) for f in fields], np.int64)
 
 
 class Slot:

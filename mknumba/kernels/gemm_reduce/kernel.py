@@ -24,7 +24,7 @@ Words, Flags = array_type(np.uint64, 1), array_type(np.uint32, 1)
 Ints, Cmds = array_type(np.int32, 1), array_type(np.int32, 2)
 Cfg, Record, Trace = array_type(np.int64, 1), array_type(np.int64, 1), array_type(np.int64, 2)
 
-#: cfg: the small integers of a launch, one int64 array, by name (``plan.make_cfg``).
+#: cfg: the small integers of a launch, one int64 array, by name (``launch.pack``).
 CFG_FIELDS = ("m", "n", "tiles_n", "me", "g", "nodes", "out_row0", "compute", "reduce_end",
               "send_end", "recv_end", "allreduce", "stage_slots", "recv_slots", "nfinal",
               "recv_chunks", "chunk", "ncmds", "win_stage", "win_recv", "win_arrive", "nred",

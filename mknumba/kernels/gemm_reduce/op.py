@@ -9,9 +9,10 @@ from ...errors import ERR_SET, MkError, MkValueError
 from ...sched.reduce import nonempty
 from ..gemm import Gemm, _new_output
 from ..gemm_inputs import NoTensorMaps, TensorMaps, Transposer, b_mode
-from ..launch import Frame, Launch, Slot, StreamOrder, compile_kernel, stream_handle
+from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, pack,
+                      stream_handle)
 from .kernel import CFG_FIELDS, Q_PULL, Q_REDUCE, TRACE_EVENTS, build
-from .plan import GemmReducePlan, make_cfg
+from .plan import GemmReducePlan
 
 
 class GemmReduce(GemmReducePlan):
@@ -125,7 +126,8 @@ class GemmReduce(GemmReducePlan):
                    trace=self.tracing, split=self.split, join=self.join, deliver=self.deliver,
                    direct=self.direct, fold=self.fold)
         # calls into the shared output need no copy at the end (out_shared)
-        self._cfg = {into: cuda.to_device(make_cfg(**cfg, out_shared=into and self.direct))
+        self._cfg = {into: cuda.to_device(pack(CFG_FIELDS, **cfg,
+                                                   out_shared=into and self.direct))
                      for into in (False, True)}
         self._cfg_ptr = {into: c if SIMULATOR else c.__cuda_array_interface__["data"][0]
                          for into, c in self._cfg.items()}

@@ -1,9 +1,7 @@
-"""Planning the fused GEMM + reduction: options, the SM split between roles, rank agreement,
-and the launch's small integers (``make_cfg``).
+"""Planning the fused GEMM + reduction: options, the SM split between roles, rank agreement.
 
 Everything here is decided once, when the op is built; a call only binds its arrays.
 """
-import numpy as np
 from numba import cuda
 
 from ..._compat import SIMULATOR
@@ -13,18 +11,8 @@ from ...sched import split as sm_split
 from ...sched.reduce import ReducePlan
 from ...sched.tiles import cdiv, default_group_m
 from ..gemm import check_shapes, kind_for
-from .kernel import CFG_FIELDS
 
 _SIM_SMS = 6              # the simulator's "device": compute, reduce, send, receive, pull
-
-
-def make_cfg(**fields):
-    """The kernel's ``cfg`` array from every field of ``kernel.CFG_FIELDS``, each by name."""
-    missing = [f for f in CFG_FIELDS if f not in fields]
-    extra = [f for f in fields if f not in CFG_FIELDS]
-    if missing or extra:
-        raise TypeError(f"make_cfg: missing {missing}, unknown {extra}")
-    return np.array([int(fields[f]) for f in CFG_FIELDS], np.int64)
 
 
 class GemmReducePlan:
