@@ -12,6 +12,7 @@ from .kernels.allgather import AllGather
 from .kernels.gemm import Gemm, gemm
 from .kernels.gemm_ar import GemmAllReduce
 from .kernels.gemm_rs import GemmReduceScatter
+from .kernels.ring_attention import RingAttention, attention
 from .runtime import Comm, finalize, init
 from .topology import Topology, make_topology
 
@@ -19,4 +20,4 @@ __version__ = "0.1.0"
 __all__ = ["init", "finalize", "Comm", "AllGather", "Gemm", "gemm", "GemmReduceScatter",
            "GemmAllReduce", "Topology", "make_topology",
            "MkError", "MkValueError", "MkTimeoutError", "MkPerformanceWarning",
-           "to_bf16_bits", "from_bf16_bits"]
+           "to_bf16_bits", "from_bf16_bits", "RingAttention", "attention"]

@@ -1,0 +1,141 @@
+"""Ring Attention: sequence layouts (host), the kernel compiled for sm_90a without a GPU, one
+GPU and 1x2 / 1x4 rings in the simulator against a float64 reference, bad input; on GPUs the
+same checks at larger sizes."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from mpi_util import run_mpi
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import mknumba  # noqa: E402,F401
+from mknumba.sched.sequence import positions, shard, unshard  # noqa: E402
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_shard_unshard_round_trip(layout, world):
+    x = np.random.default_rng(0).standard_normal((2, world * 6, 3, 4))
+    parts = [shard(x, r, world, layout) for r in range(world)]
+    assert all(p.shape == (2, 6, 3, 4) for p in parts)
+    assert np.array_equal(unshard(parts, layout), x)
+    rows = np.concatenate([positions(r, 6, world, layout) for r in range(world)])
+    assert sorted(rows.tolist()) == list(range(world * 6))      # every row exactly once
+
+
+def test_zigzag_balances_causal_work():
+    """Under a causal mask each query row attends to (its position + 1) keys: zigzag gives
+    every rank the same total, contiguous gives the last rank W times... more than the first."""
+    W, s = 4, 8
+    work = {lay: [int((positions(r, s, W, lay) + 1).sum()) for r in range(W)]
+            for lay in ("contiguous", "zigzag")}
+    assert len(set(work["zigzag"])) == 1
+    assert work["contiguous"][-1] > 3 * work["contiguous"][0]
+
+
+def test_ring_kernel_compiles_for_sm90a():
+    """The kernel, for its own declaration, compiles to PTX for sm_90a without a GPU."""
+    script = textwrap.dedent("""
+        import numba.cuda.dispatcher as disp
+        disp.get_current_device = lambda: type("D", (), {"compute_capability": (9, 0)})()
+        from numba import cuda
+        from mknumba.kernels.launch import signature
+        from mknumba.kernels.ring_attention import ring_attention_kernel as k
+        ptx, _ = cuda.compile_ptx(k.py_func, signature(k), cc=(9, 0))
+        assert "atom.add.acq_rel.gpu" in ptx and "st.release.sys" in ptx, "flags"
+        assert "ld.acquire.sys" in ptx, "the wait polls with acquire loads"
+        print("compiled", len(ptx))
+    """)
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
+ONE_GPU = textwrap.dedent("""
+    import numpy as np
+    from numba import cuda
+    import mknumba as mk
+    import ml_dtypes
+    rng = np.random.default_rng(1)
+
+    def ref(q, k, v, causal):
+        b, s, h, d = q.shape
+        g = h // k.shape[2]
+        out, lse = np.zeros(q.shape), np.zeros((b, h, s))
+        for bi in range(b):
+            for hi in range(h):
+                sc = q[bi, :, hi] @ k[bi, :, hi // g].T / np.sqrt(d)
+                if causal:
+                    sc = np.where(np.tri(s, dtype=bool), sc, -np.inf)
+                mx = sc.max(1, keepdims=True)
+                p = np.exp(sc - mx)
+                out[bi, :, hi] = p / p.sum(1, keepdims=True) @ v[bi, :, hi // g]
+                lse[bi, hi] = (mx + np.log(p.sum(1, keepdims=True)))[:, 0]
+        return out, lse
+
+    # seq 11 is not a multiple of the tile; 4 heads over 2 KV heads (GQA); ml_dtypes bf16 in
+    for causal in (False, True):
+        f = [rng.standard_normal(s).astype(np.float32) for s in [(2, 11, 4, 8), (2, 11, 2, 8),
+                                                                (2, 11, 2, 8)]]
+        x = [a.astype(ml_dtypes.bfloat16) for a in f]
+        out, lse = mk.attention(*x, causal=causal)
+        ro, rl = ref(*(a.astype(np.float64) for a in x), causal)
+        o = mk.from_bf16_bits(out.copy_to_host())
+        err = np.linalg.norm(o - ro) / np.linalg.norm(ro)
+        lerr = np.abs(lse.copy_to_host() - rl).max()
+        assert err < 1e-2 and lerr < 1e-3, (causal, err, lerr)
+        print("ok", causal, err, lerr)
+    for bad, words in [(lambda: mk.attention(f[0], f[1], f[2]), ("RingAttention", "float32")),
+                       (lambda: mk.RingAttention(None, 1, 8, 4, 3, 8), ("kv_heads",)),
+                       (lambda: mk.RingAttention(None, 1, 8, 4, 2, 12), ("head_dim",)),
+                       (lambda: mk.RingAttention(None, 1, 7, 4, 2, 8, layout="zigzag"),
+                        ("even",)),
+                       (lambda: mk.attention(x[0], x[1][:, :5], x[2]), ("k", "shape"))]:
+        try:
+            bad()
+        except mk.MkValueError as e:
+            assert all(w in str(e) for w in words), (str(e), words)
+        else:
+            raise AssertionError(f"no MkValueError for {words}")
+    print("refused")
+""")
+
+
+def test_sim_one_gpu_attention_and_bad_input():
+    pytest.importorskip("ml_dtypes")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=ROOT)
+    r = subprocess.run([sys.executable, "-c", ONE_GPU], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
+    assert r.stdout.count("ok") == 2 and "refused" in r.stdout, r.stdout
+
+
+def _passes(out, n):
+    assert out.count("PASS ring") == 4 * n, out[-3000:]
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sim_ring(ranks):
+    """Both layouts, causal and not, GQA, seq_local 6 (a partial tile of 8 rows), 2 calls."""
+    out = run_mpi("ring_checks.py", ranks, 1, 6, 2, 1, 16, 2,
+                  env={"MKNUMBA_GPUS_PER_NODE": str(ranks)})
+    _passes(out, ranks)
+
+
+def test_sim_example():
+    out = run_mpi(os.path.join(ROOT, "examples", "ring_attention.py"), 4, "--causal")
+    assert "OK" in out and "4 ranks" in out, out[-3000:]
+
+
+@pytest.mark.gpu
+def test_gpu_ring_1x2_hundred_calls_torch():
+    out = run_mpi("ring_checks.py", 2, 2, 256, 4, 2, 64, 100, "torch", simulator=False,
+                  env={"NCCL_NVLS_ENABLE": "0"})
+    _passes(out, 2)
