@@ -1,5 +1,6 @@
 """Ring Attention: one long sequence split over the GPUs, every query attending to every key.
 
+    mpirun -n 16 python examples/ring_attention.py            # 2 nodes x 8 GPUs
     mpiexec -n 4 python examples/ring_attention.py            # 4 GPUs, or the simulator
     mpiexec -n 4 python examples/ring_attention.py --causal   # causal, zigzag layout
 
@@ -13,19 +14,23 @@ What one call does, in one persistent kernel per GPU (``mknumba/kernels/ring_att
   first), then set a flag there;
 - compute blocks attend to the local K and V at once, then to each other rank's slice as its
   flags arrive, keeping the softmax state in fp32 across slices: the result is the attention
-  over the whole sequence, rounded to bf16 once. They never wait on the host.
+  over the whole sequence, rounded to bf16 once. They never wait on the host;
+- between nodes, each slice goes once to each other node's GPU of the same local rank (its
+  rail peer) through the host proxy, at launch; that GPU forwards it inside its node.
 
 Knobs: ``causal``, ``layout``, ``kv_heads`` (grouped-query attention), ``scale``; and
 ``send_blocks`` / ``threads`` / ``compute_blocks`` for the schedule. Without a GPU this runs
-in numba's CUDA simulator at a small size (one process per rank, one emulated node). One node
-only for now: between nodes the slices are to go through the proxy, which is not built yet.
+in numba's CUDA simulator at a small size (one process per rank; 16 ranks as 2 emulated nodes
+of 8). ``MKNUMBA_GPUS_PER_NODE`` poses one host as several nodes.
 
 The script checks its result against a float64 NumPy reference of the whole sequence and
 prints what it checked.
 """
 import argparse
+import os
 
 import numpy as np
+from mpi4py import MPI
 
 import mknumba as mk
 from mknumba._compat import SIMULATOR
@@ -56,8 +61,13 @@ def main():
     batch, seq_local, heads, kv_heads, d = (1, 6, 2, 1, 16) if SIMULATOR else (2, 2048, 16, 4,
                                                                                128)
     layout = "zigzag" if args.causal else "contiguous"
-    with mk.init(gpus_per_node=None) as comm:
-        W, r = comm.local_size, comm.local_rank
+    # Without a GPU, 16 ranks become 2 emulated nodes of 8, as on two 8-GPU machines (the
+    # slices between nodes go through the proxy's simulated network).
+    size, gpn = MPI.COMM_WORLD.Get_size(), None
+    if SIMULATOR and "MKNUMBA_GPUS_PER_NODE" not in os.environ and size > 8 and size % 8 == 0:
+        gpn = 8
+    with mk.init(gpus_per_node=gpn) as comm:
+        W, r = comm.size, comm.rank
         op = mk.RingAttention(comm, batch, seq_local, heads, kv_heads, d, causal=args.causal,
                               layout=layout)
         # The same global sequence on every rank (one seed); each keeps its own rows.
@@ -74,7 +84,8 @@ def main():
         assert err <= 1e-2, f"rank {r}: relative error {err:.3g}"
         errs = comm.mpi.gather(err, root=0)
         if comm.rank == 0:
-            print(f"Ring attention over {W} ranks ({'simulator' if SIMULATOR else 'GPUs'}): "
+            print(f"Ring attention over {W} ranks, {comm.nodes} node(s) of {comm.local_size} "
+                  f"({'simulator' if SIMULATOR else 'GPUs'}): "
                   f"batch {batch}, sequence {W * seq_local} ({layout}, {seq_local} rows per "
                   f"rank), {heads} heads over {kv_heads} KV heads, head_dim {d}, "
                   f"causal={args.causal}: largest relative error against float64 NumPy "

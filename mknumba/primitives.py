@@ -24,15 +24,12 @@ from numba import cuda
 __all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "atomic_add_release",
            "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys", "nanosleep",
            "globaltimer", "peer_view", "peer_after", "data_ptr", "epoch_reached", "wait_flag", "record_timeout",
-           "acquire", "release", "pack_bf16x2", "add_bf16x2", "atomic_add_acq_rel",
-           "next_epoch", "next_epoch_host", "FRAME_ARRIVALS", "FRAME_CALLS", "FRAME_EPOCH",
-           "FRAME_WORDS"]
+           "acquire", "release", "pack_bf16x2", "add_bf16x2",
+           "epoch_of", "epoch_of_host", "next_epoch_host", "FRAME_WORDS"]
 
-#: An op's call counter on its GPU (``kernels.launch.Frame``, ``roles.blocks.begin``): uint32
-#: words counting the blocks of the running launch that have started, the last call's number
-#: (wraps at 2**32) and its epoch.
-FRAME_ARRIVALS, FRAME_CALLS, FRAME_EPOCH = 0, 1, 2
-FRAME_WORDS = 4
+#: An op's call counter on its GPU (``kernels.launch.Frame``, ``roles.blocks.begin``): one
+#: uint64 of tickets, one per block of every launch so far.
+FRAME_WORDS = 1
 
 if not SIMULATOR:
     from llvmlite import ir
@@ -138,7 +135,6 @@ if not SIMULATOR:
     st_release, st_release_sys = _make_store("gpu"), _make_store("sys")
     atomic_add_release, atomic_add_release_sys = _make_add("release", "gpu"), _make_add("release", "sys")
     atomic_add_relaxed = _make_add("relaxed", "gpu")
-    atomic_add_acq_rel = _make_add("acq_rel", "gpu")
     fence_gpu, fence_sys = _make_fence("gpu"), _make_fence("sys")
 
     @intrinsic
@@ -214,7 +210,7 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
             arr[idx] = (int(old) + int(val)) & ((1 << bits) - 1)
         return old
 
-    atomic_add_release_sys = atomic_add_relaxed = atomic_add_acq_rel = atomic_add_release
+    atomic_add_release_sys = atomic_add_relaxed = atomic_add_release
 
     def fence_gpu():
         pass
@@ -257,17 +253,22 @@ def peer_after(me, j, members):
     return p - members if p >= members else p
 
 
+def epoch_of_host(call):
+    """The epoch of call number ``call`` (1, 2, ...): 1, 2, ..., 2**32 - 1, then 1 again;
+    never 0, which is what fresh flags hold (0 for "no call yet"). The one wrap rule of every
+    op (device: :func:`epoch_of`)."""
+    return (int(call) - 1) % 0xFFFFFFFF + 1 if call else 0
+
+
 def next_epoch_host(epoch):
-    """The epoch after ``epoch``: 1, 2, ..., 2**32 - 1, then 1 again. Never 0, which is what
-    fresh flags hold. The one wrap rule of every op (device: :func:`next_epoch`)."""
+    """The epoch after ``epoch`` under :func:`epoch_of_host`."""
     return 1 if int(epoch) >= 0xFFFFFFFF else int(epoch) + 1
 
 
 @cuda.jit(device=True, inline=True)
-def next_epoch(epoch):
-    """:func:`next_epoch_host` on the device (uint32)."""
-    e = np.uint32(epoch)
-    return np.uint32(1) if e == np.uint32(0xFFFFFFFF) else e + np.uint32(1)
+def epoch_of(call):
+    """:func:`epoch_of_host` on the device: ``call`` int64 >= 1 -> uint32."""
+    return np.uint32((np.int64(call) - 1) % 0xFFFFFFFF + 1)
 
 
 @cuda.jit(device=True, inline=True)

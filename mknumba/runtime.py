@@ -169,7 +169,8 @@ class Comm:
 
     # -- collective helpers and teardown ----------------------------------------------------------
     def synchronize(self, stream=0):
-        """Wait until the work queued on ``stream`` is done, without holding the GIL.
+        """Wait until the work queued on ``stream`` (a numba stream or a raw handle) is done,
+        without holding the GIL.
 
         A blocking CUDA call from this thread keeps the GIL while it waits; if the kernel it
         waits for needs the proxy thread (which needs the GIL) to make progress, that is a
@@ -177,6 +178,8 @@ class Comm:
         """
         if SIMULATOR:
             return
+        if isinstance(stream, int) and stream:      # a raw handle (an op's last stream)
+            stream = cuda.external_stream(stream)
         done = cuda.event(timing=False)
         done.record(stream)
         while not done.query():

@@ -45,14 +45,14 @@ def test_primitives_emit_ordered_ptx(fake_sm90):
 
 def test_allgather_kernel_compiles(fake_sm90):
     """Every word width the AllGather moves, compiled for the kernel's own declaration; each
-    block starts by numbering the call (the frame's acq_rel arrival)."""
+    block starts by numbering the call (a ticket from the frame)."""
     from mknumba.kernels.allgather import make_kernel
     from mknumba.kernels.launch import signature
     for word in (np.uint64, np.uint32, np.uint16, np.uint8):
         kernel = make_kernel(np.dtype(word))
         ptx = _ptx(kernel.py_func, signature(kernel), fake_sm90)
         assert len(re.findall(r"st\.release\.sys", ptx)) >= 1
-        assert "atom.add.acq_rel.gpu" in ptx
+        assert "atom.add.relaxed.gpu.u64" in ptx
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0, "a")])

@@ -7,7 +7,12 @@ from mpi_util import ROOT, run_mpi
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
-def test_readme_main_example_allgather():
+def test_readme_main_example_ring_attention():
+    out = run_mpi(os.path.join(EXAMPLES, "ring_attention.py"), 4, timeout=300)
+    assert "Ring attention over 4 ranks" in out and "OK" in out, out[-3000:]
+
+
+def test_allgather_example():
     out = run_mpi(os.path.join(EXAMPLES, "allgather.py"), 4, timeout=300)
     assert "3 calls match NumPy" in out, out[-3000:]
 

@@ -158,7 +158,9 @@ def test_sm90_kernel_compiles_and_links(tmp_path, name):
     import re
     with open(ptx_path) as f:
         stores = set(re.findall(r"\b(st\.(?:global|shared)\S*|stmatrix\S*)", f.read()))
-    assert stores - {"st.shared.u32", "st.shared.b32"} == set(STORES[name]), stores
+    # scalar shared stores are the blocks' bookkeeping (barrier words, the call number)
+    assert stores - {"st.shared.u32", "st.shared.b32", "st.shared.u64"} == \
+        set(STORES[name]), stores
     ptxas = _ptxas()
     if ptxas is None:
         return

@@ -1,6 +1,6 @@
 """Ring Attention: sequence layouts (host), the kernel compiled for sm_90a without a GPU, one
-GPU and 1x2 / 1x4 rings in the simulator against a float64 reference, bad input; on GPUs the
-same checks at larger sizes."""
+GPU and 1x2 / 1x4 / 2x1 / 2x2 rings in the simulator against a float64 reference, bad input;
+on GPUs the same checks at larger sizes."""
 import os
 import subprocess
 import sys
@@ -47,7 +47,7 @@ def test_ring_kernel_compiles_for_sm90a():
         from mknumba.kernels.launch import signature
         from mknumba.kernels.ring_attention import ring_attention_kernel as k
         ptx, _ = cuda.compile_ptx(k.py_func, signature(k), cc=(9, 0))
-        assert "atom.add.acq_rel.gpu" in ptx and "st.release.sys" in ptx, "flags"
+        assert "atom.add.relaxed.gpu.u64" in ptx and "st.release.sys" in ptx, "flags"
         assert "ld.acquire.sys" in ptx, "the wait polls with acquire loads"
         print("compiled", len(ptx))
     """)
@@ -121,21 +121,38 @@ def _passes(out, n):
     assert out.count("PASS ring") == 4 * n, out[-3000:]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_sim_ring(ranks):
-    """Both layouts, causal and not, GQA, seq_local 6 (a partial tile of 8 rows), 2 calls."""
-    out = run_mpi("ring_checks.py", ranks, 1, 6, 2, 1, 16, 2,
-                  env={"MKNUMBA_GPUS_PER_NODE": str(ranks)})
+@pytest.mark.parametrize("ranks,gpn,transport", [(2, 2, None), (4, 4, None),
+                                                 (2, 1, "sim:ordered"),
+                                                 (4, 2, "sim:completion")],
+                         ids=["1x2", "1x4", "2x1", "2x2"])
+def test_sim_ring(ranks, gpn, transport):
+    """Both layouts, causal and not, GQA, seq_local 6 (a partial tile of 8 rows), 2 calls;
+    between nodes the slices go through the proxy (both completion modes) and, on 2x2, are
+    forwarded inside the node."""
+    env = {"MKNUMBA_GPUS_PER_NODE": str(gpn)}
+    if transport:
+        env["MKNUMBA_TRANSPORT"] = transport
+    out = run_mpi("ring_checks.py", ranks, 1, 6, 2, 1, 16, 2, env=env)
     _passes(out, ranks)
 
 
-def test_sim_example():
-    out = run_mpi(os.path.join(ROOT, "examples", "ring_attention.py"), 4, "--causal")
-    assert "OK" in out and "4 ranks" in out, out[-3000:]
+def test_sim_example_causal_two_nodes():
+    """The example with --causal (zigzag) on 2 emulated nodes of 2."""
+    out = run_mpi(os.path.join(ROOT, "examples", "ring_attention.py"), 4, "--causal",
+                  env={"MKNUMBA_GPUS_PER_NODE": "2"})
+    assert "OK" in out and "4 ranks, 2 node(s) of 2" in out, out[-3000:]
 
 
 @pytest.mark.gpu
 def test_gpu_ring_1x2_hundred_calls_torch():
     out = run_mpi("ring_checks.py", 2, 2, 256, 4, 2, 64, 100, "torch", simulator=False,
                   env={"NCCL_NVLS_ENABLE": "0"})
+    _passes(out, 2)
+
+
+@pytest.mark.gpu
+def test_gpu_ring_2x1_dma_numba():
+    out = run_mpi("ring_checks.py", 2, 1, 200, 4, 4, 128, 10, "numba", simulator=False,
+                  env={"NCCL_NVLS_ENABLE": "0", "MKNUMBA_GPUS_PER_NODE": "1",
+                       "MKNUMBA_TRANSPORT": "dma:ordered"})
     _passes(out, 2)

@@ -26,6 +26,7 @@ from .. import primitives as prim
 from .._compat import SIMULATOR
 from ..arrays import is_torch, operand, torch_ptr
 from ..errors import ERR_SET, ROLE_RECV, MkError, MkValueError
+from ..primitives import epoch_of_host
 from ..roles.blocks import begin, copy_tile, publish, wait
 from .launch import Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, stream_handle
 
@@ -40,7 +41,7 @@ def make_kernel(word):
 
     @cuda.jit
     def allgather_kernel(shard: Words, out: Words, stage: Words, stage_ptrs: Ptrs, flags: Flags,
-                         flag_ptrs: Ptrs, frame: Flags, me: i64, members: i64, tile: i64,
+                         flag_ptrs: Ptrs, frame: Ptrs, me: i64, members: i64, tile: i64,
                          n_send: i64, timeout_ns: types.uint64, err: Record, rank: i64):
         """shard: [n] raw words; out: [members*n]; stage: symmetric [2*members*n]; tile:
         words per tile; flags: symmetric uint32 [members*tiles]; *_ptrs: peers' addresses of
@@ -124,7 +125,7 @@ class AllGather:
         self.stage = comm.alloc_symmetric((2 * self.members * self.words,), self.word, scope)
         self.flags = comm.alloc_flags(self.members * tiles, scope)
         self.err = comm.new_error_record()
-        self.frame = Frame()
+        self.frame = Frame(self.send_blocks + self.recv_blocks)
         self.streams = StreamOrder(self.name)
         self._torch_dtype = None
         if self.word not in _KERNELS:
@@ -144,24 +145,27 @@ class AllGather:
         if (out is not None and stream is None and self.stage is not None and is_torch(x)
                 and not self.err[ERR_SET]):                 # the hot path: tensors
             dev = self.comm.device_id
-            if self._torch_dtype is None:
+            if self._torch_dtype is None:     # False: no such torch dtype, no hot path
                 self._torch_dtype = getattr(sys.modules["torch"], self.dtype.name, False)
-            px = torch_ptr(x, self.shape, dev, dtype=self._torch_dtype, align=1)
+            w = self.word.itemsize
+            px = self._torch_dtype and torch_ptr(x, self.shape, dev, dtype=self._torch_dtype,
+                                                 align=w)
             po = px and torch_ptr(out, (self.members,) + self.shape, dev,
-                                  dtype=self._torch_dtype, align=1)
+                                  dtype=self._torch_dtype, align=w)
             if po:
                 s = stream_handle(None, dev)
-                self.streams.enter(s)
-                self.launch.bind("shard", px)
-                self.launch.bind("out", po)
-                self.launch(s)
+                with self.launch.lock:
+                    self.streams.enter(s)
+                    self.launch.bind("shard", px)
+                    self.launch.bind("out", po)
+                    self.launch(s)
                 return out
         if self.stage is None:
             raise MkError("AllGather: called after free()")
         self.comm.check(self.err, "AllGather (an earlier call)")
         dt = (self.dtype.name,)
         X = operand(x, self.name, "x", dtypes=dt, shape=self.shape,
-                    device_id=self.comm.device_id, align=0)
+                    device_id=self.comm.device_id, align=self.word.itemsize)
         full = (self.members,) + self.shape
         if out is None:
             if X.torch:
@@ -170,24 +174,26 @@ class AllGather:
             else:
                 out = cuda.device_array(full, self.dtype)
         O = operand(out, self.name, "out", dtypes=dt, shape=full,
-                    device_id=self.comm.device_id, align=0)
+                    device_id=self.comm.device_id, align=self.word.itemsize)
         s = stream_handle(stream, X.device if X.torch else None)
-        self.streams.enter(s)
-        self.launch.bind("shard", X.as_param(self.word, (self.words,)))
-        self.launch.bind("out", O.as_param(self.word, (self.members * self.words,)))
-        self.launch(s)
+        with self.launch.lock:
+            self.streams.enter(s)
+            self.launch.bind("shard", X.as_param(self.word, (self.words,)))
+            self.launch.bind("out", O.as_param(self.word, (self.members * self.words,)))
+            self.launch(s)
         return out
 
-    def synchronize(self, stream=0):
-        """Wait for this rank's calls; raise MkTimeoutError if a wait expired."""
-        self.comm.synchronize(stream)
+    def synchronize(self, stream=None):
+        """Wait for this rank's calls (on ``stream``, default the stream of the last call);
+        raise MkTimeoutError if a wait expired."""
+        self.comm.synchronize(stream if stream is not None else (self.streams.last or 0))
         self.comm.check(self.err, "AllGather")
 
     def _start_at(self, calls):
         """Tests: set this rank's state as if ``calls`` calls had run (the call counter and
         every flag), e.g. just short of 2**32. Every rank, between calls, after a sync."""
-        epoch = (calls - 1) % 0xFFFFFFFF + 1 if calls else 0
-        self.comm.synchronize()
+        epoch = epoch_of_host(calls)
+        self.comm.synchronize(self.streams.last or 0)
         self.frame.set(calls, epoch)
         self.flags.local.copy_to_device(np.full(self.flags.local.shape, epoch, np.uint32))
 
@@ -195,7 +201,7 @@ class AllGather:
         """Collective: release the op's symmetric buffers."""
         if self.stage is None:
             raise MkError("AllGather already freed")
-        self.comm.synchronize()
+        self.comm.synchronize(self.streams.last or 0)
         self.comm.free(self.stage)
         self.comm.free(self.flags)
         self.stage = self.flags = None

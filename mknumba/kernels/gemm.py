@@ -18,12 +18,13 @@ import numpy as np
 from .. import _compat  # noqa: F401  (numpy alias before numba compiles anything)
 from .._compat import SIMULATOR
 from ..arrays import check_device, is_torch, operand, torch_ptr
-from ..errors import MkValueError
+from ..errors import MkError, MkValueError
 from ..roles import compute
 from ..roles.blocks import begin
 from ..sched.tiles import cdiv, default_group_m, grouped_order, plan_grid
 from .gemm_inputs import NoTensorMaps, TensorMaps, Transposer, b_mode
-from .launch import Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, stream_handle
+from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, is_capturing,
+                     stream_handle)
 from numba import cuda, types
 
 __all__ = ["gemm", "Gemm"]
@@ -42,7 +43,7 @@ def _make_kernel(tile_init, tile, bm, bn, threads):
 
     @cuda.jit(**bounds)
     def gemm_kernel(a: Bits2D, bt: Bits2D, c: Bits2D, c_planes: Bits3D, tmaps: Words64,
-                    tile_flags: Flags, frame: Flags, order: Ints, compute_blocks: types.int64):
+                    tile_flags: Flags, frame: Words64, order: Ints, compute_blocks: types.int64):
         """a [m, k], bt [n, k], c [m, n]: bf16 bits; c_planes: c as [1, m, n] (the tile's
         addend argument, which the plain GEMM never reads); tmaps: the tensor maps of a and bt
         (sm90); tile_flags uint32[tiles] := epoch when done; frame: the op's call counter
@@ -115,8 +116,10 @@ class Gemm:
 
     ``Gemm(tile="auto", reserved_sms=0, group_m=None)``: each call is one persistent launch,
     planned once per shape and layout (compiled, tables built, arguments converted); a later
-    call of that shape binds its arrays' addresses and launches. After a call,
-    ``tile_flags(m, n)[t] == epoch`` for every output tile ``t = tile_m * tiles_n + tile_n``.
+    call of that shape binds its arrays' addresses and launches. Plans are kept for the op's
+    lifetime (a captured CUDA graph may refer to them); the first call of a shape must not be
+    inside a capture. After a call, ``tile_flags(m, n, k, b_layout)[t] == epoch`` for every
+    output tile ``t = tile_m * tiles_n + tile_n``.
     """
 
     name = "mknumba.gemm"
@@ -125,7 +128,9 @@ class Gemm:
         if tile not in ("auto", "sm90", "simt"):
             compute.tile_build(tile)   # another build of the tile (probes), or MkValueError
         self.tile, self.reserved_sms, self.group_m = tile, int(reserved_sms), group_m
-        self.kind = self.frame = None          # on the first call: they need the GPU
+        self.frame = None     # the call counter of the last GPU used
+        self._frames = {}     # device -> (tile build, Frame): one counter per GPU
+        self._transposers = {}    # (k, n, device) -> Transposer, shared by the shapes' plans
         self.streams = StreamOrder(self.name)
         self._plans = {}      # (m, n, k, b mode, device) -> _Plan
         self._hot = None      # (b_layout, plan, device, b's shape, b's strides): the hot path
@@ -147,8 +152,9 @@ class Gemm:
             pc = pb and torch_ptr(out, (plan.m, plan.n), dev)
             if pc and current_device() == dev:
                 s = stream_handle(None, dev)
-                self.streams.enter(s)
-                plan.run(pa, pb, pc, s)
+                with plan.launch.lock:
+                    self.streams.enter(s)
+                    plan.run(pa, pb, pc, s)
                 return out
         return self._call(a, b, b_layout, out, stream)
 
@@ -183,15 +189,16 @@ class Gemm:
         key = (m, n, k, mode, A.device)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plan(key)
-        self.streams.enter(s)
+            plan = self._plan(key, s)
         b_param = B.as_param(np.uint16, (k, n) if mode == "copy" else (n, k))
         args = (A.as_param(np.uint16, (m, k)), b_param, C.as_param(np.uint16, (m, n)), s)
-        if A.device is not None and A.device != current_device():
-            with cuda.gpus[A.device]:
+        with plan.launch.lock:
+            self.streams.enter(s)
+            if A.device is not None and A.device != current_device():
+                with cuda.gpus[A.device]:
+                    plan.run(*args)
+            else:
                 plan.run(*args)
-        else:
-            plan.run(*args)
         # the next call with tensors like these takes the hot path
         self._hot = ((b_layout, plan, A.device, tuple(B.shape), None if B.row_major and
                       mode == "copy" or mode == "nk" else tuple(B.strides))
@@ -199,19 +206,31 @@ class Gemm:
                      B.dtype == "bfloat16" and C.dtype == "bfloat16" else None)
         return out
 
-    def _plan(self, key):
+    def _plan(self, key, stream):
         m, n, k, mode, device = key
         if device is not None and device != current_device():
             with cuda.gpus[device]:
-                return self._plan(key)
+                return self._plan(key, stream)
+        if is_capturing(stream):
+            raise MkError(f"{self.name}: the first call of shape {m} x {n} x {k} (b {mode}) "
+                          "is inside a CUDA graph capture; call once before capturing (a new "
+                          "shape plans, which allocates)")
         with self._lock:
-            if self.frame is None:
-                self.kind, self.frame = kind_for(self.tile), Frame()
             if key not in self._plans:
-                if len(self._plans) > 32:
-                    self._plans.clear()
-                self._plans[key] = _Plan(self, m, n, k, mode)
+                self._plans[key] = _Plan(self, m, n, k, mode, device)
+            self.frame = self._frames[device][1]
             return self._plans[key]
+
+    def _counter(self, device, grid):
+        """(tile build, Frame) of ``device``, made with the first plan there."""
+        if device not in self._frames:
+            self._frames[device] = (kind_for(self.tile), Frame(grid))
+        return self._frames[device]
+
+    def _transposer(self, k, n, device):
+        if (k, n, device) not in self._transposers:
+            self._transposers[k, n, device] = Transposer(k, n)
+        return self._transposers[k, n, device]
 
     def tile_flags(self, m, n, k, b_layout="kn"):
         """The tile flags of the plan for this shape (device uint32 array)."""
@@ -237,8 +256,9 @@ class _Plan:
     """One shape of a :class:`Gemm`: the compiled kernel, its order table and flags, the
     transposer and tensor maps, and the prepared :class:`~mknumba.kernels.launch.Launch`."""
 
-    def __init__(self, op, m, n, k, mode):
-        build, kernel = _build(op.kind)
+    def __init__(self, op, m, n, k, mode, device):
+        kind = kind_for(op.tile) if device not in op._frames else op._frames[device][0]
+        build, kernel = _build(kind)
         compiled, bps = compile_kernel(kernel, build.threads, build.smem_bytes)
         sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         try:
@@ -248,14 +268,15 @@ class _Plan:
         bm, bn = build.shape
         tiles_m, tiles_n = cdiv(m, bm), cdiv(n, bn)
         group_m = op.group_m or default_group_m(tiles_m, tiles_n, grid.compute_blocks)
+        frame = op._counter(device, grid.grid)[1]
         self.m, self.n, self.k, self.mode = m, n, k, mode
         self.tile_flags = cuda.to_device(np.zeros(tiles_m * tiles_n, np.uint32))
         self.order = cuda.to_device(grouped_order(tiles_m, tiles_n, int(group_m)))
-        self.transpose = Transposer(k, n) if mode == "copy" else None
+        self.transpose = op._transposer(k, n, device) if mode == "copy" else None
         self.tmaps = TensorMaps(m, n, k) if build.tma else NoTensorMaps()
         self.launch = Launch(kernel, compiled, dict(
             a=Slot((m, k)), bt=Slot((n, k)), c=Slot((m, n)), c_planes=Slot((1, m, n)),
-            tmaps=Slot((TensorMaps.ROW,)), tile_flags=self.tile_flags, frame=op.frame.words,
+            tmaps=Slot((TensorMaps.ROW,)), tile_flags=self.tile_flags, frame=frame.words,
             order=self.order, compute_blocks=grid.compute_blocks),
             grid.grid, build.threads, build.smem_bytes)
 

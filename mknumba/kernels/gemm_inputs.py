@@ -28,7 +28,7 @@ TRANSPOSE_TILE = 32
 
 @cuda.jit
 def transpose_kernel(src: Bits2D, dst: Bits2D):
-    """dst[j, i] = src[i, j] for 16-bit elements: block b takes the 32 x 32 tile b of dst's
+    """dst[j, i] = src[i, j] for 16-bit elements: block b takes the 32 x 32 tile b of src's
     row-major tile grid, through a padded shared tile (coalesced reads and writes)."""
     tile = cuda.shared.array((32, 33), dtype=np.uint16)
     tiles_c = (src.shape[1] + 31) // 32
@@ -114,14 +114,18 @@ class TensorMaps:
     """Device rows of ``uint64[32]``: the tensor maps of A [m, k] and B [n, k] for each pair of
     addresses met so far (see module). ``capacity`` rows per table; a full table is kept (a
     graph may refer to it) and a new one started, except during a capture, which is refused
-    (call once outside the capture with the same arrays first)."""
+    (call once outside the capture with the same arrays first). A row first written inside a
+    capture is written by the graph only, so the next call outside a capture writes it again
+    before using it."""
 
     ROW = 32
 
     def __init__(self, m, n, k, capacity=64):
         self.m, self.n, self.k, self.capacity = m, n, k, capacity
         self._tables = []
-        self._rows = {}
+        self._rows = {}           # (a, b) -> device address of the row
+        self._sources = {}        # (a, b) -> address of the row's pinned host copy
+        self._pending = set()     # rows written only inside a capture so far
         self._new_table()
 
     def _new_table(self):
@@ -133,32 +137,46 @@ class TensorMaps:
 
     def __call__(self, a_ptr, b_ptr, stream):
         """Device address of the row for (a_ptr, b_ptr), written on ``stream`` when new."""
-        key = (a_ptr, b_ptr)
-        addr = self._rows.get(key)
-        if addr is None:
-            addr = self._add(key, stream)
+        addr = self._rows.get((a_ptr, b_ptr))
+        if addr is None or self._pending:
+            addr = self._miss((a_ptr, b_ptr), stream)
         return addr
 
-    def _add(self, key, stream):
+    def _miss(self, key, stream):
+        capturing = is_capturing(stream)
+        addr = self._rows.get(key)
+        if addr is None:
+            addr = self._add(key, stream, capturing)
+            if capturing:
+                self._pending.add(key)
+        elif key in self._pending and not capturing:
+            self._copy(addr, self._sources[key], stream)
+            self._pending.discard(key)
+        return addr
+
+    def _add(self, key, stream, capturing):
         if self.used == self.capacity:
-            if is_capturing(stream):
+            if capturing:
                 raise MkError(f"{self.capacity} new input addresses during a CUDA graph "
                               "capture; call once before capturing with the same arrays")
             self._rows.clear()
+            self._sources.clear()
             self._new_table()
         i = self.used
         self.host[i, :16] = tensor_map(key[0], self.m, self.k, compute.SM90_TILE[0])
         self.host[i, 16:] = tensor_map(key[1], self.n, self.k, compute.SM90_TILE[1])
-        from cuda.bindings import driver as drv
         nbytes = self.ROW * 8
-        (err,) = drv.cuMemcpyHtoDAsync(self.base + i * nbytes,
-                                       self.host.ctypes.data + i * nbytes, nbytes,
-                                       drv.CUstream(stream))
+        addr, src = self.base + i * nbytes, self.host.ctypes.data + i * nbytes
+        self._copy(addr, src, stream)
+        self.used += 1
+        self._rows[key], self._sources[key] = addr, src
+        return addr
+
+    def _copy(self, addr, src, stream):
+        from cuda.bindings import driver as drv
+        (err,) = drv.cuMemcpyHtoDAsync(addr, src, self.ROW * 8, drv.CUstream(stream))
         if err != drv.CUresult.CUDA_SUCCESS:
             raise MkError(f"writing a tensor map failed: {err}")
-        self.used += 1
-        self._rows[key] = addr = self.base + i * nbytes
-        return addr
 
 
 class NoTensorMaps:

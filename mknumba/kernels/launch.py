@@ -18,10 +18,10 @@ A call then does three things, in this order:
    recomputed on the stream by every call, ahead of the kernel;
 3. **launch**: one driver call (``cuLaunchKernel``) on the caller's stream.
 
-The call number and the epoch live on the GPU (:class:`Frame`): each block reads them when it
-starts (``roles.blocks.begin``) and the last block to start advances them. So a launch has no
-argument that changes from call to call, and a captured CUDA graph replays correctly: each
-replay is a new call with a new epoch. The host never needs to know the epoch.
+The call number and the epoch live on the GPU (:class:`Frame`): each block takes a ticket when
+it starts (``roles.blocks.begin``) and derives them from it. So a launch has no argument that
+changes from call to call, and a captured CUDA graph replays correctly: each replay is a new
+call with a new epoch. The host never needs to know the epoch.
 """
 import ctypes
 import threading
@@ -32,7 +32,7 @@ from numba import cuda, types
 from .. import _compat  # noqa: F401  (numpy alias before numba compiles anything)
 from .._compat import SIMULATOR
 from ..errors import MkError, MkValueError
-from ..primitives import FRAME_CALLS, FRAME_EPOCH, FRAME_WORDS
+from ..primitives import FRAME_WORDS, epoch_of_host
 
 __all__ = ["array_type", "params", "signature", "compile_kernel", "pack", "Slot", "Launch",
            "Frame",
@@ -135,9 +135,8 @@ class Launch:
             raise TypeError(f"{kernel.py_func.__name__}: missing arguments {missing}, "
                             f"unknown {extra}")
         self.grid, self.threads, self.smem = int(grid), int(threads), int(smem)
-        self.types = dict(declared)
-        self.slots = {n: v.shape for n, v in values.items() if isinstance(v, Slot)}
         self.compiled = compiled
+        self.lock = threading.Lock()  # held by a call from its binds to its launch
         self.values = dict(values)    # the arrays stay alive as long as the launch refers to them
         if SIMULATOR:
             self.kernel = compiled
@@ -215,29 +214,30 @@ class Launch:
 
 
 class Frame:
-    """An op's call counter on its GPU (``primitives.FRAME_WORDS`` uint32 words): how many
-    blocks of the running launch have started, the number of the last call and its epoch.
+    """An op's call counter on its GPU: one uint64 of tickets (``primitives.FRAME_WORDS``),
+    one per block of every launch so far, for launches of ``grid`` blocks.
 
-    Each block of a launch reads the call number and epoch when it starts, and the last block
-    to start stores the new ones (``roles.blocks.begin``), so launches on one stream, graph
-    replays among them, number themselves. Epochs follow ``primitives.next_epoch``: 1, 2, ...,
-    2**32 - 1, 1, ... (never 0, which fresh flags hold); call numbers wrap at 2**32.
+    Each block of a launch takes a ticket when it starts (``roles.blocks.begin``), so launches
+    on one stream, graph replays among them, number themselves: call c holds tickets
+    [(c - 1) * grid, c * grid). Epochs follow ``primitives.epoch_of_host``: 1, 2, ...,
+    2**32 - 1, 1, ... (never 0, which fresh flags hold).
     """
 
-    def __init__(self):
-        self.words = cuda.to_device(np.zeros(FRAME_WORDS, np.uint32))
+    def __init__(self, grid):
+        self.grid = int(grid)
+        self.words = cuda.to_device(np.zeros(FRAME_WORDS, np.uint64))
 
     def read(self):
-        """``(calls, epoch)`` of the last call that started (waits for the device)."""
-        w = self.words.copy_to_host()
-        return int(w[FRAME_CALLS]), int(w[FRAME_EPOCH])
+        """``(calls mod 2**32, epoch)`` of the last call that started (waits for the device)."""
+        calls = int(self.words.copy_to_host()[0]) // self.grid
+        return calls & 0xFFFFFFFF, epoch_of_host(calls)
 
-    def set(self, calls, epoch):
-        """Pretend ``calls`` calls have run, the last with ``epoch`` (tests start near the
-        wrap). Only between calls; the op's flags must agree (each op's ``_start_at``)."""
-        w = np.zeros(FRAME_WORDS, np.uint32)
-        w[FRAME_CALLS], w[FRAME_EPOCH] = calls & 0xFFFFFFFF, epoch
-        self.words.copy_to_device(w)
+    def set(self, calls, epoch=None):
+        """Pretend ``calls`` calls have run (tests start near the wrap); ``epoch``, if given,
+        must be theirs. Only between calls; the op's flags must agree (``_start_at``)."""
+        if epoch is not None and epoch != epoch_of_host(calls):
+            raise MkValueError(f"call {calls} has epoch {epoch_of_host(calls)}, not {epoch}")
+        self.words.copy_to_device(np.array([calls * self.grid], np.uint64))
 
 
 # ---- streams ------------------------------------------------------------------------------------

@@ -5,16 +5,23 @@
     out, lse = op(q, k, v)   # q [batch, seq_local, heads, d], k/v [batch, seq_local, kv_heads, d]
 
 Within a step the attention of each KV slice is independent of the others, so one persistent
-launch overlaps moving the slices with computing on those already here. Roles, by block index:
+launch overlaps moving the slices with computing on those already here. Slots and flags are
+indexed by world rank. Roles, by block index (P parts per slice):
 
-  send     [0, P)       part p of this rank's K and V -> every other GPU of the node, into its
-                          slot for this rank (NVLink stores, peers in ring order: the next GPU
-                          first); publish that GPU's flags[me, p] = epoch
-  compute  [P, grid)    for each tile of query rows (batch, head, rows), one query row per
-                          thread: attend to the local slice, then to the slice of rank me - 1,
-                          me - 2, ... as each arrives (wait flags[src, :]); the running max,
-                          denominator and output stay in fp32 across slices (the LSE merge,
-                          ``roles.attention``); out (bf16) and lse (fp32) written once
+  send     [0, P)       several nodes: part p of this rank's K and V -> this GPU's own slot,
+                          then one command per rail peer to the proxy (the slice goes once to
+                          each other node, at launch; the proxy sets arrive[me, k|v, p] there);
+                          then part p -> every other GPU of the node, into its slot for this
+                          rank (NVLink stores, the next GPU first); publish flags[me, p] there
+  forward  [P, 2P)      several nodes: for each rail peer src: wait arrive[src, k and v, p];
+                          push part p of slot src to every other GPU of the node; publish
+                          flags[src, p] there
+  compute  [.., grid)   for each tile of query rows (batch, head, rows), one query row per
+                          thread: attend to the local slice, then to the others in ``order``
+                          (this node's GPUs in ring order, then the other nodes') as each
+                          arrives (flags[src, :], or arrive[src, ...] for a rail peer's); the
+                          running max, denominator and output stay in fp32 across slices (the
+                          LSE merge, ``roles.attention``); out (bf16) and lse (fp32) written once
 
 Slots are double-buffered by call parity (``slot = call & 1``): a rank cannot start call e+2
 before every peer has finished call e (its call e+1 waited on their call e+1 slices), so a
@@ -22,9 +29,7 @@ slot is never rewritten while a peer still reads it. Causal attention masks each
 global positions of the layout (``sched.sequence``: contiguous, or zigzag for equal work).
 
 The compute role here is the SIMT twin (one query row per thread, plain loads): correct on
-any GPU and in the simulator, not fast; the Hopper tile (TMA + wgmma) is still to come. One
-node for now: between nodes each slice is to go once to each node's rail peer through the
-proxy; a Comm of several nodes is refused.
+any GPU and in the simulator, not fast; the Hopper tile (TMA + wgmma) is still to come.
 """
 import math
 import sys
@@ -33,64 +38,122 @@ import numpy as np
 from numba import cuda, types
 
 from .. import primitives as prim
+from ..primitives import epoch_of_host
 from .._compat import SIMULATOR
 from ..arrays import operand
-from ..errors import ERR_WORDS, ROLE_COMPUTE, MkError, MkValueError
+from ..errors import ERR_WORDS, ROLE_COMPUTE, ROLE_RECV, MkError, MkValueError
 from ..roles.attention import HEAD_DIM_MAX, attend_slice, load_row, store_row
 from ..roles.blocks import begin, copy_tile, publish, wait
+from ..roles.send import enqueue
 from ..sched.sequence import check_layout, position
 from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, pack,
                      stream_handle)
 
 Bits4D, Bits7D = array_type(np.uint16, 4), array_type(np.uint16, 7)
 F32x3, Words, Flags = array_type(np.float32, 3), array_type(np.uint64, 1), array_type(np.uint32, 1)
-Cfg, Record = array_type(np.int64, 1), array_type(np.int64, 1)
+Cfg, Record, Ints = array_type(np.int64, 1), array_type(np.int64, 1), array_type(np.int32, 1)
 
-#: the launch's small integers (``launch.pack``)
+#: the launch's small integers (``launch.pack``): me is the world rank, local the rank in the
+#: node of g GPUs, words the uint64 words of one rank's K (and of its V)
 CFG_FIELDS = ("batch", "seq", "heads", "kv_heads", "d", "me", "world", "parts", "causal",
-              "zigzag")
-(C_BATCH, C_SEQ, C_HEADS, C_KV_HEADS, C_D, C_ME, C_WORLD, C_PARTS, C_CAUSAL,
- C_ZIGZAG) = range(len(CFG_FIELDS))
+              "zigzag", "local", "g", "nodes", "words", "win_kv", "win_arrive")
+(C_BATCH, C_SEQ, C_HEADS, C_KV_HEADS, C_D, C_ME, C_WORLD, C_PARTS, C_CAUSAL, C_ZIGZAG,
+ C_LOCAL, C_G, C_NODES, C_WORDS, C_WIN_KV, C_WIN_ARRIVE) = range(len(CFG_FIELDS))
+
+
+
+@cuda.jit(device=True)
+def push_part(k_src, k_off, v_src, v_off, kv_ptrs, kv_words, part, cfg, flags, flag_ptrs, slot,
+              src, epoch):
+    """Part ``part`` of slice ``src`` (its K words at ``k_src[k_off:]``, its V at
+    ``v_src[v_off:]``) -> every other GPU of the node, into its slot ``src``; then publish
+    that GPU's flags[src, part]."""
+    n, parts = cfg[C_WORDS], cfg[C_PARTS]
+    chunk = (n + parts - 1) // parts
+    off = part * chunk
+    cnt = max(0, min(chunk, n - off))
+    g, local = cfg[C_G], cfg[C_LOCAL]
+    base = (slot * cfg[C_WORLD] + src) * 2 * n
+    for j in range(1, g):
+        p = prim.peer_after(local, j, g)
+        to = prim.peer_view(kv_ptrs, p, kv_words)
+        copy_tile(k_src, k_off + off, to, base + off, cnt)
+        copy_tile(v_src, v_off + off, to, base + n + off, cnt)
+        publish(prim.peer_view(flag_ptrs, p, flags), src * parts + part, epoch)
 
 
 @cuda.jit
 def ring_attention_kernel(q: Bits4D, k: Bits4D, v: Bits4D, out: Bits4D, lse: F32x3,
                           k_words: Words, v_words: Words, kv: Bits7D, kv_words: Words,
-                          kv_ptrs: Words, flags: Flags, flag_ptrs: Words, frame: Flags,
-                          cfg: Cfg, scale: types.float32, timeout_ns: types.uint64,
-                          err: Record, rank: types.int64):
+                          kv_ptrs: Words, flags: Flags, flag_ptrs: Words, arrive: Flags,
+                          order: Ints, rail: Ints, ring: Flags, head: Flags, tail: Flags,
+                          frame: Words, cfg: Cfg, scale: types.float32,
+                          timeout_ns: types.uint64, err: Record, rank: types.int64):
     """q/out [batch, seq, heads, d], k/v [batch, seq, kv_heads, d]: bf16 bits; lse [batch,
     heads, seq] fp32; k_words/v_words: k and v as uint64 words; kv: the symmetric slots [2,
     world, 2 (k, v), batch, seq, kv_heads, d] (kv_words the same memory as words, kv_ptrs its
-    address table); flags [world * parts] (flag_ptrs likewise); frame: the op's call counter."""
+    address table); flags [world * parts], arrive [world * 2 * parts] (set by the proxy);
+    order int32 [world]: the slices in compute order; rail int32: the rail peers' world
+    ranks; ring/head/tail: the proxy's command ring; frame: the op's call counter."""
     epoch, call = begin(frame)
     deadline = prim.globaltimer() + timeout_ns
-    me, world, parts = cfg[C_ME], cfg[C_WORLD], cfg[C_PARTS]
+    me, world, parts, nodes, n = cfg[C_ME], cfg[C_WORLD], cfg[C_PARTS], cfg[C_NODES], \
+        cfg[C_WORDS]
     slot = call & 1
     blk = cuda.blockIdx.x
     if blk < parts:                                           # ---- send role
-        n = k_words.shape[0]
-        chunk = (n + parts - 1) // parts
-        off = blk * chunk
-        cnt = max(0, min(chunk, n - off))
-        base = (slot * world + me) * 2 * n
-        for j in range(1, world):
-            p = prim.peer_after(me, j, world)
-            dst = prim.peer_view(kv_ptrs, p, kv_words)
-            copy_tile(k_words, off, dst, base + off, cnt)
-            copy_tile(v_words, off, dst, base + n + off, cnt)
-            publish(prim.peer_view(flag_ptrs, p, flags), me * parts + blk, epoch)
+        if nodes > 1:         # to the other nodes first: the slowest link starts at launch
+            chunk = (n + parts - 1) // parts
+            off = blk * chunk
+            cnt = max(0, min(chunk, n - off))
+            own = (slot * world + me) * 2 * n
+            copy_tile(k_words, off, kv_words, own + off, cnt)
+            copy_tile(v_words, off, kv_words, own + n + off, cnt)
+            sent = cuda.shared.array(1, np.int32)
+            cuda.syncthreads()
+            if cuda.threadIdx.x == 0:
+                prim.fence_sys()              # the copies, before the proxy reads them
+                sent[0] = 1
+                for i in range(rail.shape[0]):
+                    for hv in range(2):
+                        at = (own + hv * n + off) * 8
+                        if sent[0] and not enqueue(
+                                ring, head, tail, rail[i], cfg[C_WIN_KV], at, cfg[C_WIN_KV],
+                                at, cnt * 8, blk, cfg[C_WIN_ARRIVE],
+                                (me * 2 + hv) * parts + blk, epoch, deadline, err, rank):
+                            sent[0] = 0       # recorded; the peers' waits expire too
+            cuda.syncthreads()
+            if sent[0] == 0:
+                return                        # the whole block, together
+        push_part(k_words, 0, v_words, 0, kv_ptrs, kv_words, blk, cfg, flags, flag_ptrs, slot,
+                  me, epoch)
         return
+    first = parts
+    if nodes > 1:
+        first = 2 * parts
+        if blk < first:                                       # ---- forward role
+            p = blk - parts
+            for i in range(rail.shape[0]):
+                src = rail[i]
+                for hv in range(2):
+                    if not wait(arrive, (src * 2 + hv) * parts + p, epoch, deadline, err, rank,
+                                ROLE_RECV):
+                        return
+                at = (slot * world + src) * 2 * n
+                push_part(kv_words, at, kv_words, at + n, kv_ptrs, kv_words, p, cfg, flags,
+                          flag_ptrs, slot, src, epoch)
+            return
     # ---- compute role
     batch, seq, heads, kv_heads, d = cfg[C_BATCH], cfg[C_SEQ], cfg[C_HEADS], cfg[C_KV_HEADS], \
         cfg[C_D]
     causal, zigzag = cfg[C_CAUSAL] != 0, cfg[C_ZIGZAG] != 0
+    local, g = cfg[C_LOCAL], cfg[C_G]
     qrow = cuda.local.array(HEAD_DIM_MAX, np.float32)
     acc = cuda.local.array(HEAD_DIM_MAX, np.float32)
     rows = cuda.blockDim.x
     tiles = (seq + rows - 1) // rows
     group = heads // kv_heads
-    for it in range(blk - parts, batch * heads * tiles, cuda.gridDim.x - parts):
+    for it in range(blk - first, batch * heads * tiles, cuda.gridDim.x - first):
         b = it // (heads * tiles)
         h = (it // tiles) % heads
         row = (it % tiles) * rows + cuda.threadIdx.x
@@ -104,13 +167,18 @@ def ring_attention_kernel(q: Bits4D, k: Bits4D, v: Bits4D, out: Bits4D, lse: F32
             for e in range(d):
                 acc[e] = np.float32(0.0)
         for j in range(world):
-            src = me if j == 0 else prim.peer_after(me, world - j, world)   # me - j
+            src = order[j]
             ks, vs = k, v
             if src != me:
+                # a rail peer's slice lands here through the proxy; every other one is pushed
+                # by a GPU of this node (its own, or forwarded from its rail peer)
+                from_rail = src % g == local
                 for p in range(parts):           # every thread: the wait is block-wide
-                    if not wait(flags, src * parts + p, epoch, deadline, err, rank,
-                                ROLE_COMPUTE):
-                        return
+                    for hh in range(2 if from_rail else 1):
+                        idx = (src * 2 + hh) * parts + p if from_rail else src * parts + p
+                        if not wait(arrive if from_rail else flags, idx, epoch, deadline, err,
+                                    rank, ROLE_COMPUTE):
+                            return
                 ks, vs = kv[slot, src, 0], kv[slot, src, 1]
             if active:
                 m, lsum = attend_slice(qrow, acc, m, lsum, ks, vs, b, h // group, d, seq, qpos,
@@ -122,7 +190,8 @@ def ring_attention_kernel(q: Bits4D, k: Bits4D, v: Bits4D, out: Bits4D, lse: F32
 class RingAttention:
     """Plan once, call many times: attention over a sequence split across the ranks of a node.
 
-    comm: the :class:`mknumba.Comm` (None: one GPU, see :func:`attention`); batch, seq_local
+    comm: the :class:`mknumba.Comm` (None: one GPU, see :func:`attention`); the ring is
+    its world, node by node (rank order is sequence order, ``layout``); batch, seq_local
     (this rank's rows), heads, kv_heads (grouped-query attention: heads % kv_heads == 0),
     head_dim (a multiple of 8, at most 128); causal; layout: how the global sequence is split
     ("contiguous" or "zigzag", ``sched.sequence``; shard and unshard with
@@ -152,63 +221,97 @@ class RingAttention:
         self.causal, self.layout = bool(causal), layout
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.d)
         self.comm = comm
-        if comm is not None and comm.nodes > 1:
-            raise MkValueError(f"{self.name}: {comm.nodes} nodes: not supported yet (one node: "
-                               "the slices between nodes are to go through the proxy)")
-        self.world = comm.local_size if comm is not None else 1
-        self.me = comm.local_rank if comm is not None else 0
+        self.world = comm.size if comm is not None else 1
+        self.me = comm.rank if comm is not None else 0
+        self.nodes = comm.nodes if comm is not None else 1
+        self.local = comm.local_rank if comm is not None else 0
+        self.g = comm.local_size if comm is not None else 1
         if comm is not None:
             comm.agree(self.name, dict(dims, causal=self.causal, layout=layout,
-                                       scale=self.scale), scope="node")
+                                       scale=self.scale))
         self.device = comm.device_id if comm is not None else (
             None if SIMULATOR else cuda.get_current_device().id)
         self.threads = int(threads or (8 if SIMULATOR else 128))
-        self.parts = 0 if self.world == 1 else int(send_blocks or (1 if SIMULATOR else 8))
+        self.words = self.batch * self.seq * self.kv_heads * self.d // 4   # of K, and of V
+        self.parts = 0
+        if self.world > 1:    # parts of a slice, each a flag; none of them empty
+            chunk = -(-self.words // int(send_blocks or (1 if SIMULATOR else 8)))
+            self.parts = -(-self.words // chunk)
         tiles = self.batch * self.heads * -(-self.seq // self.threads)
         sms = 2 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         self.compute_blocks = int(compute_blocks or min(tiles, 4 * sms))
         self._allocate()
-        self.frame = Frame()
         self.streams = StreamOrder(self.name)
         compiled, bps = compile_kernel(ring_attention_kernel, self.threads, 0)
-        grid = self.parts + self.compute_blocks
+        comm_blocks = self.parts * (2 if self.nodes > 1 else 1)
+        grid = comm_blocks + self.compute_blocks
+        self.frame = Frame(grid)
         if not SIMULATOR and self.parts and grid > bps * sms:
             raise MkValueError(f"{self.name}: {grid} blocks are more than fit on the GPU at "
                                f"once ({bps} per SM)")
         cfg = pack(CFG_FIELDS, batch=self.batch, seq=self.seq, heads=self.heads,
                    kv_heads=self.kv_heads, d=self.d, me=self.me, world=self.world,
-                   parts=self.parts, causal=self.causal, zigzag=layout == "zigzag")
+                   parts=self.parts, causal=self.causal, zigzag=layout == "zigzag",
+                   local=self.local, g=self.g, nodes=self.nodes, words=self.words,
+                   win_kv=self._wins[0], win_arrive=self._wins[1])
         b, s, h, hk, d = self.batch, self.seq, self.heads, self.kv_heads, self.d
         self.launch = Launch(ring_attention_kernel, compiled, dict(
             q=Slot((b, s, h, d)), k=Slot((b, s, hk, d)), v=Slot((b, s, hk, d)),
-            out=Slot((b, s, h, d)), lse=Slot((b, h, s)), k_words=Slot((self.kv_words,)),
-            v_words=Slot((self.kv_words,)), kv=self._kv_view, kv_words=self._kv_local,
-            kv_ptrs=self._kv_ptrs, flags=self._flags_local, flag_ptrs=self._flag_ptrs,
-            frame=self.frame.words, cfg=cuda.to_device(cfg), scale=np.float32(self.scale),
-            timeout_ns=self.timeout_ns, err=self.err, rank=comm.rank if comm else 0),
-            grid, self.threads, 0)
+            out=Slot((b, s, h, d)), lse=Slot((b, h, s)), k_words=Slot((self.words,)),
+            v_words=Slot((self.words,)), **self._device_args,
+            order=cuda.to_device(self.order()), frame=self.frame.words, cfg=cuda.to_device(cfg),
+            scale=np.float32(self.scale), timeout_ns=self.timeout_ns, err=self.err,
+            rank=self.me), grid, self.threads, 0)
         self.freed = False
 
+    def order(self):
+        """The world ranks whose slices this rank attends to, in order: its own, this node's
+        other GPUs in ring order (the previous GPU's first), then each other node's, its
+        rail peer's first (that slice arrives directly, the others forwarded)."""
+        out = [self.me]
+        base = self.me - self.local
+        out += [base + (self.local - j) % self.g for j in range(1, self.g)]
+        node = base // self.g
+        for i in range(1, self.nodes):
+            nb = ((node - i) % self.nodes) * self.g
+            out += [nb + (self.local - j) % self.g for j in range(self.g)]
+        return np.array(out, np.int32)
+
     def _allocate(self):
-        """The symmetric slots for other ranks' K and V, their flags, the error record."""
+        """The symmetric slots for other ranks' K and V (one per world rank), their flags, the
+        network's arrival flags and proxy windows, the error record."""
         b, s, hk, d, W = self.batch, self.seq, self.kv_heads, self.d, self.world
-        self.kv_words = b * s * hk * d // 4
         comm = self.comm
-        if comm is not None and W > 1:
-            self._kv = comm.alloc_symmetric((2 * W * 2 * self.kv_words,), np.uint64)
-            self._fl = comm.alloc_flags(W * self.parts)
-            self._buffers = [self._kv, self._fl]
-            self._kv_local, self._kv_ptrs = self._kv.local, self._kv.ptrs
-            self._flags_local, self._flag_ptrs = self._fl.local, self._fl.ptrs
-            shape = (2, W, 2, b, s, hk, d)
+        self._buffers, self._wins = [], (0, 0)
+        z64, z32 = np.zeros(1, np.uint64), np.zeros(1, np.uint32)
+        if W > 1:
+            kv = comm.alloc_symmetric((2 * W * 2 * self.words,), np.uint64)
+            fl = comm.alloc_flags(W * self.parts)
+            self._buffers = [kv, fl]
+            args = dict(kv=kv.local.view(np.uint16).reshape(2, W, 2, b, s, hk, d),
+                        kv_words=kv.local, kv_ptrs=kv.ptrs, flags=fl.local, flag_ptrs=fl.ptrs)
+            self._flag_arrays = [fl.local]
         else:                     # one GPU: no slots to fill, the kernel reads k and v
-            self._buffers = []
-            self._kv_local = cuda.to_device(np.zeros(1, np.uint64))
-            self._kv_ptrs = cuda.to_device(np.zeros(1, np.uint64))
-            self._flags_local = cuda.to_device(np.zeros(1, np.uint32))
-            self._flag_ptrs = cuda.to_device(np.zeros(1, np.uint64))
-            shape = (1, 1, 1, 1, 1, 1, 4)
-        self._kv_view = self._kv_local.view(np.uint16).reshape(shape)
+            args = dict(kv=cuda.to_device(np.zeros((1, 1, 1, 1, 1, 1, 4), np.uint16)),
+                        kv_words=cuda.to_device(z64), kv_ptrs=cuda.to_device(z64),
+                        flags=cuda.to_device(z32), flag_ptrs=cuda.to_device(z64))
+            self._flag_arrays = []
+        if self.nodes > 1:
+            if comm.proxy is None:
+                raise MkError(f"{self.name}: {self.nodes} nodes need the proxy, which this "
+                              "Comm did not start")
+            arrive = comm.alloc_flags(W * 2 * self.parts)
+            self._buffers.append(arrive)
+            self._flag_arrays.append(arrive.local)
+            self._wins = (comm.proxy.register(kv), comm.proxy.register(arrive))
+            ring, head, tail = comm.proxy.device_args()
+            args.update(arrive=arrive.local, ring=ring, head=head, tail=tail,
+                        rail=cuda.to_device(np.array(comm.rail_peers, np.int32)))
+        else:
+            args.update(arrive=cuda.to_device(z32), ring=cuda.mapped_array(12, np.uint32),
+                        head=cuda.to_device(z32), tail=cuda.mapped_array(1, np.uint32),
+                        rail=cuda.to_device(np.zeros(1, np.int32)))
+        self._device_args = args
         if comm is not None:
             self.err, self.timeout_ns = comm.new_error_record(), comm.timeout_ns
         else:
@@ -240,17 +343,18 @@ class RingAttention:
         L_ = operand(lse, self.name, "lse", dtypes=("float32",), shape=(b, h, s),
                      device_id=dev, align=4)
         st = stream_handle(stream, dev if Q.torch else None)
-        self.streams.enter(st)
         L = self.launch
         u16 = np.uint16
-        L.bind("q", Q.as_param(u16, (b, s, h, d)))
-        L.bind("k", K.as_param(u16, (b, s, hk, d)))
-        L.bind("v", V.as_param(u16, (b, s, hk, d)))
-        L.bind("k_words", K.as_param(np.uint64, (self.kv_words,)))
-        L.bind("v_words", V.as_param(np.uint64, (self.kv_words,)))
-        L.bind("out", O.as_param(u16, (b, s, h, d)))
-        L.bind("lse", L_.as_param(np.float32, (b, h, s)))
-        L(st)
+        with L.lock:                      # one call at a time binds and launches
+            self.streams.enter(st)
+            L.bind("q", Q.as_param(u16, (b, s, h, d)))
+            L.bind("k", K.as_param(u16, (b, s, hk, d)))
+            L.bind("v", V.as_param(u16, (b, s, hk, d)))
+            L.bind("k_words", K.as_param(np.uint64, (self.words,)))
+            L.bind("v_words", V.as_param(np.uint64, (self.words,)))
+            L.bind("out", O.as_param(u16, (b, s, h, d)))
+            L.bind("lse", L_.as_param(np.float32, (b, h, s)))
+            L(st)
         return out, lse
 
     def _check_error(self, what):
@@ -262,20 +366,22 @@ class RingAttention:
             if msg:
                 raise MkTimeoutError(msg)
 
-    def synchronize(self, stream=0):
-        """Wait for this rank's calls; raise MkTimeoutError if a device wait expired."""
+    def synchronize(self, stream=None):
+        """Wait for this rank's calls (on ``stream``, default the stream of the last call);
+        raise MkTimeoutError if a device wait expired."""
         if self.comm is not None:
-            self.comm.synchronize(stream)
+            self.comm.synchronize(stream if stream is not None else (self.streams.last or 0))
         elif not SIMULATOR:
             cuda.synchronize()
         self._check_error(self.name)
 
     def _start_at(self, calls):
         """Tests: set this rank's state as if ``calls`` calls had run (see GemmReduce)."""
-        epoch = (calls - 1) % 0xFFFFFFFF + 1 if calls else 0
+        epoch = epoch_of_host(calls)
         self.synchronize()
         self.frame.set(calls, epoch)
-        self._flags_local.copy_to_device(np.full(self._flags_local.shape, epoch, np.uint32))
+        for flags in self._flag_arrays:
+            flags.copy_to_device(np.full(flags.shape, epoch, np.uint32))
 
     def free(self):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
@@ -284,6 +390,7 @@ class RingAttention:
         self.synchronize()
         for buf in self._buffers:
             self.comm.free(buf)
+        self._buffers = []
         self.freed = True
 
 
@@ -294,7 +401,7 @@ def _empty(like, torch, shape, dtype):
     return cuda.device_array(shape, np.uint16 if dtype == "bfloat16" else np.float32)
 
 
-_SINGLE = {}
+_SINGLE = {}    # one op per shape and GPU, kept (a captured graph may refer to it)
 
 
 def attention(q, k, v, causal=False, scale=None, out=None, lse=None, stream=None):

@@ -8,35 +8,27 @@ import numpy as np
 from numba import cuda
 
 from .. import primitives as prim
-from ..primitives import FRAME_ARRIVALS, FRAME_CALLS, FRAME_EPOCH
 
 
 @cuda.jit(device=True)
 def begin(frame):
     """Every block of a launch calls this first, with all its threads: ``(epoch, call)`` of
-    this launch, from the op's call counter ``frame`` (uint32, ``primitives.FRAME_*``).
+    this launch, from the op's call counter ``frame`` (uint64 tickets, ``kernels.launch.Frame``).
 
-    Thread 0 reads the last call's number and epoch, then counts its block in; the last block
-    to arrive stores the new ones and resets the count. Every other block read before it
-    arrived, and launches of one op run one after another, so the next launch reads what this
-    one stored: launches number themselves, and a replayed CUDA graph gets a new epoch each
-    time (``kernels.launch``). ``call`` counts from 1 and wraps at 2**32.
+    Thread 0 takes the next ticket; launches of one op run one after another, so launch c (1,
+    2, ...) holds tickets [(c - 1) * grid, c * grid) and ``call = ticket // grid + 1``. Nothing
+    is reset, so a launch numbers itself on the GPU (a replayed CUDA graph gets a new epoch each
+    time), and should two launches ever overlap, the calls after them are numbered right again.
+    ``epoch = primitives.epoch_of(call)``; ``call`` is int64.
     """
-    got = cuda.shared.array(2, np.uint32)
+    got = cuda.shared.array(1, np.int64)
     if cuda.threadIdx.x == 0:
-        call = np.uint32((np.int64(prim.ld_acquire(frame, FRAME_CALLS)) + 1) & 0xFFFFFFFF)
-        epoch = prim.next_epoch(prim.ld_acquire(frame, FRAME_EPOCH))
-        got[0] = epoch
-        got[1] = call
-        if prim.atomic_add_acq_rel(frame, FRAME_ARRIVALS, np.uint32(1)) == cuda.gridDim.x - 1:
-            prim.st_release(frame, FRAME_CALLS, call)
-            prim.st_release(frame, FRAME_EPOCH, epoch)
-            prim.st_release(frame, FRAME_ARRIVALS, np.uint32(0))
+        ticket = prim.atomic_add_relaxed(frame, 0, np.uint64(1))
+        got[0] = np.int64(ticket // np.uint64(cuda.gridDim.x)) + 1
     cuda.syncthreads()
-    epoch = got[0]
-    call = got[1]
+    call = got[0]
     cuda.syncthreads()   # read by all before a later begin (a next call) could rewrite it
-    return epoch, call
+    return prim.epoch_of(call), call
 
 
 @cuda.jit(device=True)

@@ -56,7 +56,7 @@ def to_host(x, arrays):
 
 def run(comm, dims, calls, arrays, layout, causal):
     b, s, h, hk, d = dims
-    W, r = comm.local_size, comm.local_rank
+    W, r = comm.size, comm.rank
     op = mk.RingAttention(comm, b, s, h, hk, d, causal=causal, layout=layout)
     rng = np.random.default_rng(77)                  # one global sequence on every rank
     sent, got = [], []

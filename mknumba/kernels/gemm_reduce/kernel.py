@@ -256,7 +256,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
             pull_tiles: Ints,
             stage: Words, recv: Words, arrive: Flags, red_flags: Flags, chunk_count: Flags,
             chunk_ready: Flags, ring: Flags, head: Flags, tail: Flags,
-            frame: Flags, timeout_ns: types.uint64, err: Record, rank: types.int64,
+            frame: Words, timeout_ns: types.uint64, err: Record, rank: types.int64,
             trace: Trace, queue: Flags):
         """a [m, k], bt [n, k], part_c [2, P, m, n]: bf16 bits (per slot, plane 0 this GPU's
         partials, planes 1..G-1 its inbox when delivering); part: the same memory as uint64

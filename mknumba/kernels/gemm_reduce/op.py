@@ -6,10 +6,11 @@ from numba import cuda
 from ..._compat import SIMULATOR
 from ...arrays import is_torch, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
+from ...primitives import epoch_of_host
 from ...sched.reduce import nonempty
 from ..gemm import Gemm, _new_output
 from ..gemm_inputs import NoTensorMaps, TensorMaps, Transposer, b_mode
-from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, pack,
+from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, is_capturing, pack,
                       stream_handle)
 from .kernel import CFG_FIELDS, Q_PULL, Q_REDUCE, TRACE_EVENTS, build
 from .plan import GemmReducePlan
@@ -60,7 +61,7 @@ class GemmReduce(GemmReducePlan):
             self.shared = (cuda.device_array(self.m * self.n // 4, np.uint64)
                            if self.shared_out else None)
             return
-        self.frame = Frame()
+        self.frame = Frame(self.grid)
         _, self.threads, self._kernel = build(self.kind, self.moves)
         self.tmaps = TensorMaps(self.m, self.n, self.k) if self.build.tma else NoTensorMaps()
         self._allocate(comm.local_size, comm.nodes)
@@ -242,27 +243,33 @@ class GemmReduce(GemmReducePlan):
         """Bind the parameters (``Operand.as_param``: addresses on the GPU) and launch: B as
         [n, k] (transposed on the stream when ``mode`` is "copy"), its tensor maps, and the
         cfg for calls into the shared output or not."""
-        self.streams.enter(stream)
         L = self.launch
-        bt = self._transposer()(b, stream) if mode == "copy" else b
-        L.bind("a", a)
-        L.bind("bt", bt)
-        L.bind("tmaps", self.tmaps(a, bt, stream))
-        L.bind("out", out_words)
-        L.bind("out_c", out_c)
-        # the owners write every GPU's shared output (direct, planned); a call into another
-        # array copies it out of this GPU's shared output at the end
-        L.bind("cfg", self._cfg_ptr[self.direct and into_shared])
-        L(stream)
+        with L.lock:                      # one call at a time binds and launches
+            self.streams.enter(stream)
+            bt = self._transposer(stream)(b, stream) if mode == "copy" else b
+            L.bind("a", a)
+            L.bind("bt", bt)
+            L.bind("tmaps", self.tmaps(a, bt, stream))
+            L.bind("out", out_words)
+            L.bind("out_c", out_c)
+            # the owners write every GPU's shared output (direct, planned); a call into
+            # another array copies it out of this GPU's shared output at the end
+            L.bind("cfg", self._cfg_ptr[self.direct and into_shared])
+            L(stream)
 
-    def _transposer(self):
+    def _transposer(self, stream):
         if self._transpose is None:       # made at the first call with a row-major [k, n] b
+            if is_capturing(stream):
+                raise MkError(f"{self.name}: the first call with a row-major b is inside a "
+                              "CUDA graph capture; call once before capturing (it allocates "
+                              "the transposed copy's buffer), or pass w.T")
             self._transpose = Transposer(self.k, self.n)
         return self._transpose
 
     def synchronize(self, stream=None):
-        """Wait for this rank's calls; raise MkTimeoutError if a device wait expired."""
-        self.comm.synchronize(stream or 0)   # polls: the proxy thread needs the GIL meanwhile
+        """Wait for this rank's calls (on ``stream``, default the stream of the last call);
+        raise MkTimeoutError if a device wait expired."""
+        self.comm.synchronize(stream if stream is not None else (self.streams.last or 0))
         self.comm.check(self.err, self.name)
 
     def clear_trace(self):
@@ -284,7 +291,7 @@ class GemmReduce(GemmReducePlan):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
         if self.freed:
             return
-        self.comm.synchronize()
+        self.comm.synchronize(self.streams.last or 0)
         for buf in self._buffers:
             self.comm.free(buf)
         self._buffers = []
@@ -297,9 +304,8 @@ class GemmReduce(GemmReducePlan):
         epoch flag, the work queues' and chunk counters' tickets), e.g. just short of 2**32,
         to run the next calls across the wrap. Collective in effect: every rank must do it
         with the same ``calls`` between calls, after synchronising."""
-        from ...primitives import next_epoch_host
-        epoch = (calls - 1) % 0xFFFFFFFF + 1 if calls else 0
-        self.comm.synchronize()
+        epoch = epoch_of_host(calls)
+        self.comm.synchronize(self.streams.last or 0)
         self.frame.set(calls, epoch)
         flags = [self.tile_flags, self.final_flags] + ([self.arrive, self.red_flags,
                                                         self.chunk_ready]
@@ -319,7 +325,6 @@ class GemmReduce(GemmReducePlan):
             c = np.zeros(self.chunk_count.local.shape, np.uint64)
             c[:len(p.chunk_tiles)] = calls * p.chunk_tiles.astype(np.uint64)
             self.chunk_count.local.copy_to_device((c & 0xFFFFFFFF).astype(np.uint32))
-        assert next_epoch_host(epoch) != 0
 
 
 def _address(arr):

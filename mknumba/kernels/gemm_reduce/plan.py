@@ -164,7 +164,7 @@ class GemmReducePlan:
         """Collective: every rank must plan the same exchange (the flags and buffers it writes
         into on other GPUs follow from these), in the caller's terms first; SM splits and
         joining are each rank's own."""
-        comm.agree(self.name, dict(m=self.m, n=self.n, dtype="bfloat16",
+        comm.agree(self.name, dict(op=self.name, m=self.m, n=self.n, dtype="bfloat16",
                                    tile=(self.bm, self.bn), chunk_tiles=self.chunk_tiles,
                                    split=self.split, deliver=self.deliver, fold=self.fold,
                                    shared_out=self.shared_out))
