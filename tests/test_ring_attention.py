@@ -136,13 +136,6 @@ def test_sim_ring(ranks, gpn, transport):
     _passes(out, ranks)
 
 
-def test_sim_example_causal_two_nodes():
-    """The example with --causal (zigzag) on 2 emulated nodes of 2."""
-    out = run_mpi(os.path.join(ROOT, "examples", "ring_attention.py"), 4, "--causal",
-                  env={"MKNUMBA_GPUS_PER_NODE": "2"})
-    assert "OK" in out and "4 ranks, 2 node(s) of 2" in out, out[-3000:]
-
-
 @pytest.mark.gpu
 def test_gpu_ring_1x2_hundred_calls_torch():
     out = run_mpi("ring_checks.py", 2, 2, 256, 4, 2, 64, 100, "torch", simulator=False,

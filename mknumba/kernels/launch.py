@@ -3,7 +3,7 @@
 A kernel declares its parameters once, in its own signature, with numba types as annotations:
 
     @cuda.jit
-    def gemm_kernel(a: Bits2D, bt: Bits2D, c: Bits2D, frame: Words32, ...):
+    def gemm_kernel(a: Bits2D, bt: Bits2D, c: Bits2D, ..., frame: Words64, ...):
 
 Everything else derives from that declaration: :func:`signature` (the types the op compiles for
 at plan time, and the types the tests compile for without a GPU), the positions of the arguments
@@ -35,8 +35,7 @@ from ..errors import MkError, MkValueError
 from ..primitives import FRAME_WORDS, epoch_of_host
 
 __all__ = ["array_type", "params", "signature", "compile_kernel", "pack", "Slot", "Launch",
-           "Frame",
-           "stream_handle", "StreamOrder", "is_capturing"]
+           "Frame", "stream_handle", "StreamOrder", "is_capturing"]
 
 
 def array_type(dtype, ndim):

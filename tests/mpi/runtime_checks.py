@@ -120,7 +120,8 @@ def check_timeout(comm):
             pass
         else:
             raise AssertionError("a timed-out op accepted another call")
-    check_fused_timeout(comm)
+    if comm.size == 2:          # one layout is enough (each simulated timeout costs seconds)
+        check_fused_timeout(comm)
     comm.barrier()
 
 
