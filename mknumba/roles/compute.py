@@ -52,7 +52,7 @@ SM90_STAGING = {0: 0, 1: 0, 2: 8 * 16 * 128}    # epilogue staging bytes per MK_
 SM90_EPILOGUE = 2
 #: the fused kernels' tile: the same, plus a tenth warp that publishes the tile flags, so the
 #: fence before each flag (which waits for the tile's stores) stalls no MMA warp. In the 1x2
-#: fused kernels it was faster at 14 of 16 points (benchmarks/NOTES.md, sixth session).
+#: fused kernels it was faster at 14 of 16 points (benchmarks/NOTES.md).
 SM90_FUSED_TILE = "sm90:e2p1"
 
 

@@ -14,8 +14,8 @@ are copied out at the end, so a little more may go to communication there.
 import math
 from typing import NamedTuple
 
-# From the sweep in benchmarks/results/fused.json (2x H200, 2026-12-01, tenth session;
-# regenerate with benchmarks/split_table.py):
+# From the sweep recorded in benchmarks/results/fused.json (its records carry the GPU, the
+# date and the command; regenerate with benchmarks/split_table.py):
 # (kernel, topology) -> [(m, k_local, comm_sms, deliver, fold)].
 RECORDED = {
     ('gemm_allreduce', '1x2'): [(2048, 128, 16, 1, 0), (2048, 512, 8, 0, 0), (4096, 256, 8, 1, 0),
@@ -64,7 +64,7 @@ def rule_of_thumb(kernel, topology, m, n, k, sms):
     """The split when no sweep covers the shape: more communication SMs when communication is
     a larger share (small k: little compute per output byte), fewer for compute-heavy shapes;
     delivered partials on one node of several GPUs (faster at 14 of the 16 recorded 1x2
-    points, benchmarks/NOTES.md, tenth session)."""
+    points, benchmarks/results/fused.json)."""
     nodes, gpus = (int(x) for x in topology.split("x"))
     per_byte_flops = k  # GEMM flops per output element ~ 2k; bytes moved per element ~ const
     base = 16 if per_byte_flops <= 1024 else 8

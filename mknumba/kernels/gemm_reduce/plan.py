@@ -124,8 +124,8 @@ class GemmReducePlan:
     def _split(self, split, nodes):
         """Row bands per tile for the 1-node reduce and pull roles (default 1). Meant for the
         tail of small shapes, where a few last tiles keep a few reduce blocks busy while the
-        rest idle; measured on 2xH200 (benchmarks/NOTES.md, seventh session) 4 bands made the
-        2048-point calls slower (more flags, each behind a system fence), so it is opt-in."""
+        rest idle; measured on 2xH200 (benchmarks/NOTES.md), 4 bands made the 2048-point calls
+        slower (more flags, each behind a system fence), so it is opt-in."""
         if split in (None, 1):
             return 1
         if nodes > 1:     # stage slots and network chunks count whole tiles
