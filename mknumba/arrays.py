@@ -14,11 +14,12 @@ bfloat16 comes in four spellings, all read as the same 16 bits: PyTorch's ``torc
 import sys
 
 import numpy as np
+from numba import cuda
 
 from ._compat import SIMULATOR
 from .errors import MkValueError
 
-__all__ = ["Operand", "operand", "check_device", "BF16", "to_bf16_bits", "from_bf16_bits",
+__all__ = ["Operand", "operand", "check_device", "new_output", "BF16", "to_bf16_bits", "from_bf16_bits",
            "is_torch", "torch_ptr"]
 
 #: the dtype names read as bf16 bits
@@ -158,6 +159,15 @@ def operand(x, op, name, *, dtypes=BF16, shape=None, ndim=None, device_id=None,
     return o
 
 
+def new_output(like, torch, shape, dtype="bfloat16"):
+    """A fresh output of ``shape`` on the device of input ``like``: a PyTorch tensor when the
+    inputs are (``torch``), else a numba array (bf16 as its bits, uint16)."""
+    if torch:
+        t = sys.modules["torch"]
+        return t.empty(shape, dtype=getattr(t, dtype), device=like.device)
+    return cuda.device_array(shape, np.uint16 if dtype == "bfloat16" else np.dtype(dtype))
+
+
 def check_device(o, op, device_id):
     """Raise unless operand ``o`` lives on GPU ``device_id`` (where that can be told)."""
     if SIMULATOR:
@@ -203,11 +213,12 @@ def _describe(o, x, op, name):
     dt = np.dtype(getattr(x, "dtype", None) or cai["typestr"])
     o.ptr, o.shape, o.itemsize = cai["data"][0], tuple(cai["shape"]), dt.itemsize
     o._strides = tuple(st // dt.itemsize for st in cai.get("strides") or
-                       _c_strides(o.shape, dt.itemsize))
+                       c_strides(o.shape, dt.itemsize))
     o.dtype = dt.name
 
 
-def _c_strides(shape, itemsize):
+def c_strides(shape, itemsize):
+    """Byte strides of a C-contiguous array of ``shape``."""
     out, step = [], itemsize
     for n in reversed(shape):
         out.append(step)

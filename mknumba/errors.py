@@ -33,6 +33,13 @@ ERR_SET, ERR_RANK, ERR_ROLE, ERR_FLAG, ERR_EXPECTED, ERR_SEEN, ERR_BLOCK = range
 ERR_WORDS = 8
 
 
+def raise_if_timed_out(rec, what=""):
+    """Raise :class:`MkTimeoutError` describing the error record ``rec`` if a wait wrote it."""
+    msg = describe_error_record(rec, what)
+    if msg:
+        raise MkTimeoutError(msg)
+
+
 def describe_error_record(rec, what=""):
     """Format an error record (a length-8 int64 array) as a sentence; '' when it is clear."""
     rec = np.asarray(rec)

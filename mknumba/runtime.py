@@ -19,7 +19,7 @@ import numpy as np
 from numba import cuda
 
 from ._compat import SIMULATOR
-from .errors import ERR_WORDS, MkError, MkTimeoutError, MkValueError, describe_error_record
+from .errors import ERR_WORDS, MkError, MkValueError, raise_if_timed_out
 from .symmem import SymmetricBuffer
 from .topology import make_topology
 
@@ -163,9 +163,7 @@ class Comm:
         (a dead proxy is the likelier cause of a timeout, so it is reported first)."""
         if self.proxy is not None:
             self.proxy.check()
-        msg = describe_error_record(record, what)
-        if msg:
-            raise MkTimeoutError(msg)
+        raise_if_timed_out(record, what)
 
     # -- collective helpers and teardown ----------------------------------------------------------
     def synchronize(self, stream=0):

@@ -63,22 +63,8 @@ ONE_GPU = textwrap.dedent("""
     from numba import cuda
     import mknumba as mk
     import ml_dtypes
+    from ring_checks import reference as ref      # tests/mpi: the float64 reference
     rng = np.random.default_rng(1)
-
-    def ref(q, k, v, causal):
-        b, s, h, d = q.shape
-        g = h // k.shape[2]
-        out, lse = np.zeros(q.shape), np.zeros((b, h, s))
-        for bi in range(b):
-            for hi in range(h):
-                sc = q[bi, :, hi] @ k[bi, :, hi // g].T / np.sqrt(d)
-                if causal:
-                    sc = np.where(np.tri(s, dtype=bool), sc, -np.inf)
-                mx = sc.max(1, keepdims=True)
-                p = np.exp(sc - mx)
-                out[bi, :, hi] = p / p.sum(1, keepdims=True) @ v[bi, :, hi // g]
-                lse[bi, hi] = (mx + np.log(p.sum(1, keepdims=True)))[:, 0]
-        return out, lse
 
     # seq 11 is not a multiple of the tile; 4 heads over 2 KV heads (GQA); ml_dtypes bf16 in
     for causal in (False, True):
@@ -110,7 +96,8 @@ ONE_GPU = textwrap.dedent("""
 
 def test_sim_one_gpu_attention_and_bad_input():
     pytest.importorskip("ml_dtypes")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=ROOT)
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "mpi")]))
     r = subprocess.run([sys.executable, "-c", ONE_GPU], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]

@@ -26,7 +26,6 @@ from .. import primitives as prim
 from .._compat import SIMULATOR
 from ..arrays import is_torch, operand, torch_ptr
 from ..errors import ERR_SET, ROLE_RECV, MkError, MkValueError
-from ..primitives import epoch_of_host
 from ..roles.blocks import begin, copy_tile, publish, wait
 from .launch import Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, stream_handle
 
@@ -192,10 +191,8 @@ class AllGather:
     def _start_at(self, calls):
         """Tests: set this rank's state as if ``calls`` calls had run (the call counter and
         every flag), e.g. just short of 2**32. Every rank, between calls, after a sync."""
-        epoch = epoch_of_host(calls)
         self.comm.synchronize(self.streams.last or 0)
-        self.frame.set(calls, epoch)
-        self.flags.local.copy_to_device(np.full(self.flags.local.shape, epoch, np.uint32))
+        self.frame.start_at(calls, [self.flags.local])
 
     def free(self):
         """Collective: release the op's symmetric buffers."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from .. import _compat  # noqa: F401  (numpy alias before numba compiles anything)
 from .._compat import SIMULATOR
-from ..arrays import check_device, is_torch, operand, torch_ptr
+from ..arrays import check_device, is_torch, new_output, operand, torch_ptr
 from ..errors import MkError, MkValueError
 from ..roles import compute
 from ..roles.blocks import begin
@@ -180,7 +180,7 @@ class Gemm:
         mode = b_mode(B, b_layout, n, k, self.name)
         given = out is not None
         if out is None:
-            out = _new_output(a, A, (m, n))
+            out = new_output(a, A.torch, (m, n))
         C = operand(out, self.name, "out", shape=(m, n), device_id=A.device)
         if A.torch != C.torch:
             raise MkValueError(f"{self.name}: out must be a PyTorch tensor exactly when the "
@@ -242,14 +242,6 @@ class Gemm:
     def calls(self):
         """(calls, epoch) of the last call (reads the device counter: waits for it)."""
         return self.frame.read() if self.frame is not None else (0, 0)
-
-
-def _new_output(x, X, shape):
-    """A fresh bf16 output like input ``x``: a torch tensor, or a numba array of bf16 bits."""
-    if X.torch:
-        import torch
-        return torch.empty(shape, dtype=torch.bfloat16, device=x.device)
-    return cuda.device_array(shape, dtype=np.uint16)
 
 
 class _Plan:

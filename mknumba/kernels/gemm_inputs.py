@@ -19,7 +19,7 @@ from .._compat import SIMULATOR
 from ..errors import MkError, MkValueError
 from ..roles import compute
 from ..sched.tiles import cdiv
-from .launch import Launch, Slot, array_type, compile_kernel, is_capturing
+from .launch import Launch, Slot, array_type, compile_kernel, is_capturing, param
 
 Bits2D = array_type(np.uint16, 2)
 
@@ -62,7 +62,7 @@ class Transposer:
         self.launch = Launch(transpose_kernel, _TRANSPOSE[dev],
                              dict(src=Slot((k, n)), dst=self.bt),
                              cdiv(k, TRANSPOSE_TILE) * cdiv(n, TRANSPOSE_TILE), threads, 0)
-        self.ptr = self.bt if SIMULATOR else self.bt.__cuda_array_interface__["data"][0]
+        self.ptr = param(self.bt)
 
     def __call__(self, b, stream):
         """Transpose ``b`` (a [k, n] row-major parameter: ``Operand.as_param``) into
@@ -184,7 +184,7 @@ class NoTensorMaps:
 
     def __init__(self):
         self.dev = cuda.to_device(np.zeros(TensorMaps.ROW, np.uint64))
-        self.addr = self.dev if SIMULATOR else self.dev.__cuda_array_interface__["data"][0]
+        self.addr = param(self.dev)
 
     def __call__(self, a_ptr, b_ptr, stream):
         return self.addr

@@ -31,11 +31,12 @@ from numba import cuda, types
 
 from .. import _compat  # noqa: F401  (numpy alias before numba compiles anything)
 from .._compat import SIMULATOR
+from ..arrays import c_strides
 from ..errors import MkError, MkValueError
 from ..primitives import FRAME_WORDS, epoch_of_host
 
-__all__ = ["array_type", "params", "signature", "compile_kernel", "pack", "Slot", "Launch",
-           "Frame", "stream_handle", "StreamOrder", "is_capturing"]
+__all__ = ["array_type", "params", "signature", "compile_kernel", "pack", "Slot", "param",
+           "Launch", "Frame", "stream_handle", "StreamOrder", "is_capturing"]
 
 
 def array_type(dtype, ndim):
@@ -111,9 +112,13 @@ def _cai(x):
     d = x.__cuda_array_interface__
     itemsize = np.dtype(d["typestr"]).itemsize
     shape = tuple(d["shape"])
-    strides = d.get("strides") or tuple(
-        int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize for i in range(len(shape)))
-    return d["data"][0], shape, tuple(strides), itemsize
+    return d["data"][0], shape, tuple(d.get("strides") or c_strides(shape, itemsize)), itemsize
+
+
+def param(arr):
+    """A device array of the op's own as a bound parameter (:meth:`Launch.bind`): its address
+    on the GPU, the array itself in the simulator."""
+    return arr if SIMULATOR else arr.__cuda_array_interface__["data"][0]
 
 
 class Launch:
@@ -163,8 +168,7 @@ class Launch:
             if isinstance(value, Slot):
                 itemsize = np.dtype(str(ty.dtype)).itemsize
                 shape = value.shape
-                strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize
-                                for i in range(len(shape)))
+                strides = c_strides(shape, itemsize)
                 ptr = 0
             else:
                 ptr, shape, strides, itemsize = _cai(value)
@@ -237,6 +241,15 @@ class Frame:
         if epoch is not None and epoch != epoch_of_host(calls):
             raise MkValueError(f"call {calls} has epoch {epoch_of_host(calls)}, not {epoch}")
         self.words.copy_to_device(np.array([calls * self.grid], np.uint64))
+
+    def start_at(self, calls, flags=()):
+        """Set the op's state as if ``calls`` calls had run: the counter (:meth:`set`) and
+        every epoch flag array in ``flags`` at the last call's epoch (tests start near the
+        wrap; only between calls, after a synchronisation)."""
+        epoch = epoch_of_host(calls)
+        self.set(calls)
+        for f in flags:
+            f.copy_to_device(np.full(f.shape, epoch, np.uint32))
 
 
 # ---- streams ------------------------------------------------------------------------------------

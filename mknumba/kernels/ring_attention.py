@@ -32,16 +32,15 @@ The compute role here is the SIMT twin (one query row per thread, plain loads): 
 any GPU and in the simulator, not fast; the Hopper tile (TMA + wgmma) is still to come.
 """
 import math
-import sys
 
 import numpy as np
 from numba import cuda, types
 
 from .. import primitives as prim
-from ..primitives import epoch_of_host
 from .._compat import SIMULATOR
-from ..arrays import operand
-from ..errors import ERR_WORDS, ROLE_COMPUTE, ROLE_RECV, MkError, MkValueError
+from ..arrays import new_output, operand
+from ..errors import (ERR_WORDS, ROLE_COMPUTE, ROLE_RECV, MkError, MkValueError,
+                      raise_if_timed_out)
 from ..roles.attention import HEAD_DIM_MAX, attend_slice, load_row, store_row
 from ..roles.blocks import begin, copy_tile, publish, wait
 from ..roles.send import enqueue
@@ -336,9 +335,9 @@ class RingAttention:
             raise MkValueError(f"{self.name}: q, k and v must all be PyTorch tensors or all "
                                "device arrays")
         if out is None:
-            out = _empty(q, Q.torch, (b, s, h, d), "bfloat16")
+            out = new_output(q, Q.torch, (b, s, h, d))
         if lse is None:
-            lse = _empty(q, Q.torch, (b, h, s), "float32")
+            lse = new_output(q, Q.torch, (b, h, s), "float32")
         O = operand(out, self.name, "out", shape=(b, s, h, d), device_id=dev, align=8)
         L_ = operand(lse, self.name, "lse", dtypes=("float32",), shape=(b, h, s),
                      device_id=dev, align=4)
@@ -361,10 +360,7 @@ class RingAttention:
         if self.comm is not None:
             self.comm.check(self.err, what)
         else:
-            from ..errors import MkTimeoutError, describe_error_record
-            msg = describe_error_record(self.err, what)
-            if msg:
-                raise MkTimeoutError(msg)
+            raise_if_timed_out(self.err, what)
 
     def synchronize(self, stream=None):
         """Wait for this rank's calls (on ``stream``, default the stream of the last call);
@@ -377,11 +373,8 @@ class RingAttention:
 
     def _start_at(self, calls):
         """Tests: set this rank's state as if ``calls`` calls had run (see GemmReduce)."""
-        epoch = epoch_of_host(calls)
         self.synchronize()
-        self.frame.set(calls, epoch)
-        for flags in self._flag_arrays:
-            flags.copy_to_device(np.full(flags.shape, epoch, np.uint32))
+        self.frame.start_at(calls, self._flag_arrays)
 
     def free(self):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
@@ -392,13 +385,6 @@ class RingAttention:
             self.comm.free(buf)
         self._buffers = []
         self.freed = True
-
-
-def _empty(like, torch, shape, dtype):
-    if torch:
-        t = sys.modules["torch"]
-        return t.empty(shape, dtype=getattr(t, dtype), device=like.device)
-    return cuda.device_array(shape, np.uint16 if dtype == "bfloat16" else np.float32)
 
 
 _SINGLE = {}    # one op per shape and GPU, kept (a captured graph may refer to it)

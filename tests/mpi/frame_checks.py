@@ -509,20 +509,25 @@ def _refused(fn, words):
 
 
 # ---- GPU: CUDA graphs, streams, devices -------------------------------------------------------
+def gemm_and_fused_cases(comm, opts):
+    """(name, op, a shape, b shape, out shape, reference of a call key) for a Gemm and, on
+    several ranks, both fused ops."""
+    gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    cases = [("gemm", mk.Gemm(), (gm, gk), (gk, gn), (gm, gn), lambda key: matmul_sum(
+        [(rand_bits(opts, (gm, gk), comm.rank, *key, 0),
+          rand_bits(opts, (gk, gn), comm.rank, *key, 1))]))]
+    for op in (fused_ops(comm, opts) if comm.size > 1 else []):
+        cases.append((op.name, op, (m, k), (k, n), op.out_shape(),
+                      lambda key, op=op: fused_ref(comm, opts, op, key)))
+    return cases
+
+
 def check_graph(comm, opts, A):
     """torch.cuda.graph: one capture, many replays with new data in the captured inputs."""
     torch = _torch()
     replays = opts["calls"]
-    gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
-    m, n, k = opts["m"], opts["n"], opts["k"]
-    g = mk.Gemm()
-    cases = [("gemm", g, (gm, gk), (gk, gn), (gm, gn), lambda key: matmul_sum(
-        [(rand_bits(opts, (gm, gk), comm.rank, *key, 0),
-          rand_bits(opts, (gk, gn), comm.rank, *key, 1))]))]
-    if comm.size > 1:
-        for op in fused_ops(comm, opts):
-            cases.append((op.name, op, (m, k), (k, n), op.out_shape(),
-                          lambda key, op=op: fused_ref(comm, opts, op, key)))
+    cases = gemm_and_fused_cases(comm, opts)
     worst = 0.0
     for ci, (name, op, ashape, bshape, oshape, ref_of) in enumerate(cases):
         def inputs(key):
@@ -561,7 +566,7 @@ def check_graph(comm, opts, A):
         got = op.frame.read()
         assert got == (launches, launches), f"{name}: frame {got}, {launches} launches made"
         del graph
-        if op is not g:
+        if name != "gemm":            # the fused ops hold symmetric buffers
             op.synchronize()
             op.free()
     say("graph", comm, f"ops={len(cases)} replays={replays} max_rel_err={worst:.2e}")
@@ -628,15 +633,7 @@ def check_streams(comm, opts, A, calls=8):
     """One op, two torch streams in turn, back to back."""
     torch = _torch()
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
-    m, n, k = opts["m"], opts["n"], opts["k"]
-    g = mk.Gemm()
-    cases = [("gemm", g, (gm, gk), (gk, gn), (gm, gn), lambda key: matmul_sum(
-        [(rand_bits(opts, (gm, gk), comm.rank, *key, 0),
-          rand_bits(opts, (gk, gn), comm.rank, *key, 1))]))]
-    for op in (fused_ops(comm, opts) if comm.size > 1 else []):
-        cases.append((op.name, op, (m, k), (k, n), op.out_shape(),
-                      lambda key, op=op: fused_ref(comm, opts, op, key)))
+    cases = gemm_and_fused_cases(comm, opts)
     shape = (opts["ag"],)
     ag = mk.AllGather(comm, shape, "float32")
     worst = 0.0

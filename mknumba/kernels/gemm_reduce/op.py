@@ -4,14 +4,13 @@ import numpy as np
 from numba import cuda
 
 from ..._compat import SIMULATOR
-from ...arrays import is_torch, operand, torch_ptr
+from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
-from ...primitives import epoch_of_host
 from ...sched.reduce import nonempty
-from ..gemm import Gemm, _new_output
+from ..gemm import Gemm
 from ..gemm_inputs import NoTensorMaps, TensorMaps, Transposer, b_mode
 from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, is_capturing, pack,
-                      stream_handle)
+                      param, stream_handle)
 from .kernel import CFG_FIELDS, Q_PULL, Q_REDUCE, TRACE_EVENTS, build
 from .plan import GemmReducePlan
 
@@ -130,8 +129,7 @@ class GemmReduce(GemmReducePlan):
         self._cfg = {into: cuda.to_device(pack(CFG_FIELDS, **cfg,
                                                    out_shared=into and self.direct))
                      for into in (False, True)}
-        self._cfg_ptr = {into: c if SIMULATOR else c.__cuda_array_interface__["data"][0]
-                         for into, c in self._cfg.items()}
+        self._cfg_ptr = {into: param(c) for into, c in self._cfg.items()}
         self.queue = cuda.to_device(np.zeros(2, np.uint32))
         items = max(self.grid, len(plan.red_tiles) * self.split, plan.n_cmds, plan.n_final,
                     len(plan.pull_tiles) * self.split) if self.tracing else 1
@@ -224,7 +222,7 @@ class GemmReduce(GemmReducePlan):
                                "device arrays")
         if out is None:
             out = self.output(torch=A.torch) if self.shared_out else \
-                _new_output(a, A, self.out_shape())
+                new_output(a, A.torch, self.out_shape())
         O = operand(out, self.name, "out", shape=self.out_shape(), device_id=dev)
         if O.torch != A.torch:
             raise MkValueError(f"{self.name}: out must be a PyTorch tensor exactly when the "
@@ -304,14 +302,11 @@ class GemmReduce(GemmReducePlan):
         epoch flag, the work queues' and chunk counters' tickets), e.g. just short of 2**32,
         to run the next calls across the wrap. Collective in effect: every rank must do it
         with the same ``calls`` between calls, after synchronising."""
-        epoch = epoch_of_host(calls)
         self.comm.synchronize(self.streams.last or 0)
-        self.frame.set(calls, epoch)
         flags = [self.tile_flags, self.final_flags] + ([self.arrive, self.red_flags,
                                                         self.chunk_ready]
                                                        if self.comm.nodes > 1 else [])
-        for f in flags:
-            f.local.copy_to_device(np.full(f.local.shape, epoch, np.uint32))
+        self.frame.start_at(calls, [f.local for f in flags])
         rb, p = self.role_blocks, self.plan
         reduce_end = rb["compute"] + rb["reduce"]
         recv_end = reduce_end + rb["send"] + rb["recv"]
