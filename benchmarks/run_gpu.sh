@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one call: GPU tests, compute-sanitizer, every benchmark, a short table.
 #   OUT=/some/dir bash benchmarks/run_gpu.sh [pytest -k expression] [benchmark name pattern]
+# SANITIZE=0 leaves out compute-sanitizer; a pytest expression "none" runs no tests.
 # Writes under $OUT: env.txt, tests.log, bench.log and one JSON per benchmark
 # (DESIGN.md §8 records); copy the JSON into benchmarks/results/ to commit it.
 set -uo pipefail
@@ -17,12 +18,15 @@ NGPU=$(nvidia-smi -L | wc -l)
 
 # With one GPU the multi-rank tests run their ranks on the shared GPU (correctness only).
 [ "$NGPU" -lt 2 ] && export MKNUMBA_ALLOW_SHARED_GPU=1
-$PY -m pytest -q -m gpu -rs ${1:+-k "$1"} tests 2>&1 | tee "$OUT/tests.log" | tail -25
-tests_rc=${PIPESTATUS[0]}
+tests_rc=0
+if [ "${1:-}" != none ]; then
+  $PY -m pytest -q -m gpu -rs ${1:+-k "$1"} tests 2>&1 | tee "$OUT/tests.log" | tail -25
+  tests_rc=${PIPESTATUS[0]}
+fi
 
 : > "$OUT/sanitizer.log"
 # compute-sanitizer on a two-rank fused run (both ops, 3 calls): memcheck, then racecheck.
-for tool in memcheck racecheck; do
+[ "${SANITIZE:-1}" = 0 ] || for tool in memcheck racecheck; do
   MKNUMBA_ALLOW_SHARED_GPU=1 MKNUMBA_TIMEOUT_S=300 timeout 400 mpirun --allow-run-as-root \
     --oversubscribe -x MKNUMBA_ALLOW_SHARED_GPU -x MKNUMBA_TIMEOUT_S -x PYTHONPATH -n 2 \
     compute-sanitizer --tool $tool --print-limit 20 --error-exitcode 9 \
