@@ -17,17 +17,23 @@ def shape_str(shape):
 
 
 def main(paths):
+    render(rows(paths))
+
+
+def render(records):
+    """Print records (an iterable of dicts) as a table."""
     cols = ["kernel", "shape", "topo", "transport", "ours_ms", "base", "base_ms", "speedup",
-            "floor_ms", "of_floor"]
+            "tflops", "base_tflops", "floor_ms", "of_floor"]
     table = []
-    for r in rows(paths):
+    for r in records:
         of_floor = r["floor_ms"] / r["ours_ms"] if r.get("floor_ms") and r.get("ours_ms") else None
         extra = f" sms_reserved={r['sms_reserved']}" if r.get("sms_reserved") else ""
         if r["kernel"] == "host_cost":
             extra += f" op={r['op']} graph={int(r['graph'])} host_us={r['host_us']:.2f}"
         table.append([r["kernel"], shape_str(r["shape"]) + extra, r.get("topology", ""),
                       r.get("transport", ""), r.get("ours_ms"), r.get("baseline", ""),
-                      r.get("baseline_ms"), r.get("speedup"), r.get("floor_ms"), of_floor])
+                      r.get("baseline_ms"), r.get("speedup"), r.get("tflops"),
+                      r.get("baseline_tflops"), r.get("floor_ms"), of_floor])
     fmt = [lambda v: "" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))]
     cells = [[fmt[0](v) for v in row] for row in table]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]

@@ -90,3 +90,34 @@ def test_epoch_reached_wraps(value, epoch, ready):
     from mknumba.primitives import epoch_reached
     assert bool(epoch_reached.py_func(np.uint32(value), np.uint32(epoch))) is ready
 
+
+
+@pytest.mark.parametrize("helper", ["gemm_tile.cu", "attention_tile.cu", "tile_moves.cu"])
+def test_linked_tiles_assemble_for_sm90a(helper):
+    """Each linked helper, as NVRTC gets it (its ``#include "sm90.cuh"`` pasted in), compiles and
+    assembles for sm_90a; ptxas does not serialize its wgmma (any call in a function that
+    issues wgmma makes it do so: an IEEE division's slow path is such a call)."""
+    import os
+    import mknumba
+    from mknumba.roles.compute import linked_source
+    nvrtc = pytest.importorskip("cuda.bindings.nvrtc")
+    core = pytest.importorskip("cuda.core")
+    from numba.cuda.cuda_paths import get_cuda_paths
+    path = linked_source(os.path.join(os.path.dirname(mknumba.__file__), "roles", "cuda", helper))
+    with open(path, "rb") as f:
+        src = f.read()
+    err, prog = nvrtc.nvrtcCreateProgram(src, helper.encode(), 0, [], [])
+    include = get_cuda_paths()["include_dir"].info
+    opts = [b"--gpu-architecture=sm_90a", b"-rdc=true", f"-I{include}".encode()]
+    (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    _, n = nvrtc.nvrtcGetProgramLogSize(prog)
+    log = b" " * n
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS, log.decode()
+    _, n = nvrtc.nvrtcGetPTXSize(prog)
+    ptx = b" " * n
+    nvrtc.nvrtcGetPTX(prog, ptx)
+    linker = core.Linker(core.ObjectCode.from_ptx(ptx.rstrip(b"\0 ")),
+                         options=core.LinkerOptions(arch="sm_90a", verbose=True))
+    assert len(bytes(linker.link("cubin").code)) > 0
+    assert "serialized" not in linker.get_info_log(), linker.get_info_log()

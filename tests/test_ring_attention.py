@@ -39,17 +39,22 @@ def test_zigzag_balances_causal_work():
 
 
 def test_ring_kernel_compiles_for_sm90a():
-    """The kernel, for its own declaration, compiles to PTX for sm_90a without a GPU."""
+    """Both builds of the kernel (SIMT and sm90 compute roles), for their own declaration,
+    compile to PTX for sm_90a without a GPU."""
     script = textwrap.dedent("""
         import numba.cuda.dispatcher as disp
         disp.get_current_device = lambda: type("D", (), {"compute_capability": (9, 0)})()
         from numba import cuda
         from mknumba.kernels.launch import signature
-        from mknumba.kernels.ring_attention import ring_attention_kernel as k
-        ptx, _ = cuda.compile_ptx(k.py_func, signature(k), cc=(9, 0))
-        assert "atom.add.relaxed.gpu.u64" in ptx and "st.release.sys" in ptx, "flags"
-        assert "ld.acquire.sys" in ptx, "the wait polls with acquire loads"
-        print("compiled", len(ptx))
+        from mknumba.kernels.ring_attention import make_kernel
+        for tile in ("simt", "sm90"):
+            k = make_kernel(tile)
+            ptx, _ = cuda.compile_ptx(k.py_func, signature(k), cc=(9, 0))
+            assert "atom.add.relaxed.gpu.u64" in ptx and "st.release.sys" in ptx, "flags"
+            assert "ld.acquire.sys" in ptx, "the wait polls with acquire loads"
+            if tile == "sm90":
+                assert "mk_attn_sm90_load_kv" in ptx and "mk_attn_sm90_tile" in ptx
+            print("compiled", tile, len(ptx))
     """)
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
@@ -121,6 +126,14 @@ def test_sim_ring(ranks, gpn, transport):
         env["MKNUMBA_TRANSPORT"] = transport
     out = run_mpi("ring_checks.py", ranks, 1, 6, 2, 1, 16, 2, env=env)
     _passes(out, ranks)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_one_gpu():
+    """mk.attention on the GPU's own tile (sm90 on an H200) and its SIMT twin against float64
+    PyTorch: d 64 and 128, causal and not, GQA, ragged lengths, 100 calls."""
+    out = run_mpi("attention_checks.py", 1, simulator=False)
+    assert out.count("PASS attention") == 11, out[-4000:]
 
 
 @pytest.mark.gpu

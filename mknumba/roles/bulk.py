@@ -36,8 +36,8 @@ def bulk_functions(wait=0):
     flag). Returns ``(init, reduce_peers, copy_tile_2d, drain)``; sm_90a only."""
     if wait in _BULK:
         return _BULK[wait]
-    from .compute import helper_copy
-    helper = HELPER if wait == 0 else helper_copy(HELPER, f"#define MK_BULK_WAIT {wait}\n")
+    from .compute import linked_source
+    helper = linked_source(HELPER, f"#define MK_BULK_WAIT {wait}\n" if wait else "")
     u64, i32, i64 = types.uint64, types.int32, types.int64
     init_fn = cuda.declare_device("mk_bulk_init", i32(u64), link=[helper], abi="c")
     drain_fn = cuda.declare_device("mk_bulk_drain", i32(u64), link=[helper], abi="c")

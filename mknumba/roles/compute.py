@@ -87,10 +87,9 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False):
         raise MkValueError(f"no epilogue {epilogue} in gemm_tile.cu")
     key = (epilogue, bool(publisher))
     if key not in _SM90_BUILDS:
-        helper = HELPER
-        if key != (SM90_EPILOGUE, False):
-            helper = helper_copy(HELPER, f"#define MK_EPILOGUE {epilogue}\n"
-                                         f"#define MK_PUBLISHER {key[1]:d}\n")
+        helper = linked_source(HELPER, "" if key == (SM90_EPILOGUE, False) else
+                               f"#define MK_EPILOGUE {epilogue}\n"
+                               f"#define MK_PUBLISHER {key[1]:d}\n")
         u64, i32 = types.uint64, types.int32
         init_fn = cuda.declare_device("mk_gemm_sm90_init", i32(u64, u64), link=[helper],
                                       abi="c")
@@ -117,14 +116,23 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False):
     return _SM90_BUILDS[key]
 
 
-def helper_copy(helper, defines):
-    """A linked helper (``cuda/*.cu``) with ``defines`` prepended, in the temp directory under a
-    name made from its content: every process (and rank) that asks for the same build shares
-    one file (NVRTC takes no -D through declare_device)."""
+def linked_source(helper, defines=""):
+    """A linked helper (``cuda/*.cu``) as NVRTC gets it: ``defines`` prepended and each
+    ``#include "*.cuh"`` of ours replaced by that file (NVRTC, as numba drives it, searches no
+    directory of ours). Written to the temp directory under a name made from its content, so
+    every process (and rank) that asks for the same build shares one file."""
     import hashlib
+    import re
     import tempfile
-    with open(helper) as f:
-        text = defines + f.read()
+    here = os.path.dirname(helper)
+
+    def expand(path):
+        with open(path) as f:
+            text = f.read()
+        return re.sub(r'^#include "([\w.]+\.cuh)"$',
+                      lambda m: expand(os.path.join(here, m.group(1))), text, flags=re.M)
+
+    text = defines + expand(helper)
     digest = hashlib.sha1(text.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(helper))[0]
     path = os.path.join(tempfile.gettempdir(), f"mknumba-{stem}-{digest}.cu")

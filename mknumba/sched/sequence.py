@@ -25,13 +25,21 @@ def position(i, rank, seq_local, world, zigzag):
     return (2 * world - 1 - rank) * half + i - half
 
 
+def runs(rank, seq_local, world, layout):
+    """A rank's positions as two runs, ``(base0, split, base1)``: local row i is at
+    ``base0 + i`` for i < split, else ``base1 + (i - split)`` (how the sm_90a attention tile
+    takes them; increasing in i for both layouts)."""
+    if layout == "contiguous":
+        return rank * seq_local, seq_local, (rank + 1) * seq_local
+    half = seq_local // 2
+    return rank * half, half, (2 * world - 1 - rank) * half
+
+
 def positions(rank, seq_local, world, layout):
     """NumPy array of the global positions of a rank's local rows."""
     i = np.arange(seq_local)
-    if layout == "contiguous":
-        return rank * seq_local + i
-    half = seq_local // 2
-    return np.where(i < half, rank * half + i, (2 * world - 1 - rank) * half + i - half)
+    base0, split, base1 = runs(rank, seq_local, world, layout)
+    return np.where(i < split, base0 + i, base1 + i - split)
 
 
 def check_layout(layout, seq_local, what):

@@ -27,7 +27,7 @@
 // fence before the flag (which waits for the tile's stores to drain) stalls only that warp.
 // Without it (the library's build) consumer thread 0 publishes after a barrier of the consumers.
 
-#include <cuda_bf16.h>
+#include "sm90.cuh"
 
 #ifndef MK_EPILOGUE
 #define MK_EPILOGUE 2
@@ -60,89 +60,6 @@ __device__ __forceinline__ Ring ring_at(unsigned long long smem_generic) {
     return Ring{base, base + B_OFFSET, base + STAGING_OFFSET, base + BAR_OFFSET,
                 base + BAR_OFFSET + 8 * STAGES, base + BAR_OFFSET + 16 * STAGES,
                 base + BAR_OFFSET + 16 * STAGES + 8};
-}
-
-// ---- mbarrier ------------------------------------------------------------------------------
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned phase) {
-    unsigned done;
-    do {
-        asm volatile("{ .reg .pred p;\n"
-                     "  mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-                     "  selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(bar), "r"(phase) : "memory");
-    } while (!done);
-}
-
-__device__ __forceinline__ void mbar_arrive(unsigned bar) {
-    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes)
-                 : "memory");
-}
-
-// ---- bulk tensor copy: one box of a 2-D tensor map into shared memory ------------------------
-// Out-of-range parts of the box are filled with zeros and still count toward complete_tx, so
-// ragged M, N and K need no special case in the main loop.
-__device__ __forceinline__ void tma_load_2d(unsigned dst, unsigned long long tmap, int inner,
-                                            int outer, unsigned bar) {
-    asm volatile(
-        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
-        " [%0], [%1, {%2, %3}], [%4];" ::"r"(dst), "l"(tmap), "r"(inner), "r"(outer), "r"(bar)
-        : "memory");
-}
-
-// ---- wgmma ---------------------------------------------------------------------------------
-// Shared-memory matrix descriptor for a K-major, 128B-swizzled tile whose rows are 128 B (64 bf16):
-// stride between 8-row core-matrix groups 1024 B; the leading offset is unused with this swizzle.
-__device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
-    return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) |
-           (1ull << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() {
-    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N> __device__ __forceinline__ void wgmma_wait() {
-    asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
-#define MK_ACC8(i)                                                                                 \
-    "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]),    \
-        "+f"(d[i + 6]), "+f"(d[i + 7])
-
-// d[64 x 256 fp32, distributed over the warpgroup] += A_desc[64 x 16] @ B_desc[256 x 16]^T
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long da,
-                                                 unsigned long long db) {
-    asm volatile(
-        "{\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63,"
-        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79,"
-        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
-        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
-        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, 1, 1, 1, 0, 0;\n"
-        "}\n"
-        : MK_ACC8(0), MK_ACC8(8), MK_ACC8(16), MK_ACC8(24), MK_ACC8(32), MK_ACC8(40), MK_ACC8(48),
-          MK_ACC8(56), MK_ACC8(64), MK_ACC8(72), MK_ACC8(80), MK_ACC8(88), MK_ACC8(96),
-          MK_ACC8(104), MK_ACC8(112), MK_ACC8(120)
-        : "l"(da), "l"(db));
-}
-
-// Keeps the compiler from moving accumulator reads/writes across the asynchronous MMAs.
-__device__ __forceinline__ void fence_operands(float (&d)[128]) {
-#pragma unroll
-    for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // Folded partials (the fused ReduceScatter's owner, see compute.py): the word w of bf16x2 at
@@ -189,11 +106,6 @@ __device__ __forceinline__ uint4 add_planes_v4(uint4 v, unsigned long long adden
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-__device__ __forceinline__ unsigned pack_bf16x2(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // lo in the low half: the lower column
-    return *reinterpret_cast<unsigned *>(&v);
-}
-
 // Four 8 x 8 bf16 matrices into shared memory: lane l gives the address of row l % 8 of matrix
 // l / 8; register i holds this thread's fragment of matrix i (row lane / 4, columns 2 (lane % 4)
 // and +1: the accumulator layout of one 8-column group).
@@ -204,14 +116,6 @@ __device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned
                  : "memory");
 }
 
-__device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "r"(addr)
-                 : "memory");
-    return v;
-}
 #endif
 
 #if !MK_PUBLISHER
@@ -236,9 +140,9 @@ extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned lo
             mbar_init(r.staged, CONSUMER_THREADS / 32);  // each consumer warp's stores of a tile
             mbar_init(r.published, 1);              // the publisher: that tile's flag is out
         }
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        asm volatile("prefetch.tensormap [%0];" ::"l"(tmaps) : "memory");
-        asm volatile("prefetch.tensormap [%0];" ::"l"(tmaps + 128) : "memory");
+        mbar_init_fence();
+        prefetch_tensormap(tmaps);
+        prefetch_tensormap(tmaps + 128);
     }
     return 0;
 }

@@ -26,6 +26,8 @@
 // may publish a flag with its usual fence + release, and may start the next move on this buffer
 // (with MK_BULK_WAIT 1 only read; mk_bulk_drain then does the rest before a flag).
 
+#include "sm90.cuh"
+
 #ifndef MK_BULK_WAIT
 // 0: a move returns once its stores are written (the caller may publish a flag at once);
 // 1: once they are read out of shared memory (call mk_bulk_drain before publishing a flag)
@@ -45,16 +47,6 @@ __device__ __forceinline__ unsigned base_of(unsigned long long smem_generic) {
     return (base + 127u) & ~127u;
 }
 
-__device__ __forceinline__ void wait_parity(unsigned bar, unsigned phase) {
-    // The TMA engine completes or faults the copies it was given: no timeout is needed here.
-    asm volatile("{\n"
-                 "  .reg .pred p;\n"
-                 "  WAIT_%=:\n"
-                 "  mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "  @!p bra WAIT_%=;\n"
-                 "}" ::"r"(bar), "r"(phase) : "memory");
-}
-
 __device__ __forceinline__ void bulk_load(unsigned dst, unsigned long long src, unsigned bytes,
                                           unsigned bar) {
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -65,13 +57,6 @@ __device__ __forceinline__ void bulk_load(unsigned dst, unsigned long long src, 
 __device__ __forceinline__ void bulk_store(unsigned long long dst, unsigned src, unsigned bytes) {
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
                  "r"(src), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ uint4 ld_shared_v4(unsigned addr) {
-    uint4 v;
-    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
-    return v;
 }
 
 __device__ __forceinline__ void st_shared_v4(unsigned addr, uint4 v) {
@@ -92,8 +77,8 @@ __device__ __forceinline__ unsigned add_bf16x2(unsigned a, unsigned b) {
 extern "C" __device__ int mk_bulk_init(unsigned long long smem) {
     if (threadIdx.x == 0) {
         const unsigned bar = base_of(smem) + BAR_OFFSET;
-        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar) : "memory");
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        mbar_init(bar, 1);
+        mbar_init_fence();
     }
     __syncthreads();
     return 0;
@@ -113,17 +98,16 @@ extern "C" __device__ int mk_bulk_move(unsigned long long smem, int seq,
 
     if (tid < 32) {  // ---- warp 0 hands every source row to the TMA engine
         if (lane == 0)
-            asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar),
-                         "r"(total * nsrc) : "memory");
+            mbar_expect_tx(bar, total * nsrc);
         __syncwarp();
-        asm volatile("fence.proxy.async.global;" ::: "memory");
+        fence_proxy_async();
         for (int r = lane; r < rows; r += 32) {
             bulk_load(base + r * row_bytes, src0 + r * src_stride, row_bytes, bar);
             if (nsrc > 1)
                 bulk_load(base + BUF_BYTES + r * row_bytes, src1 + r * src_stride, row_bytes, bar);
         }
     }
-    wait_parity(bar, seq & 1);
+    mbar_wait(bar, seq & 1);  // the TMA engine completes or faults: no timeout
 
     if (nsrc > 1) {  // ---- sum in place into buffer 0, 16 bytes (8 bf16) per step
         for (unsigned off = 16u * tid; off < total; off += 16u * blockDim.x) {
@@ -148,7 +132,7 @@ extern "C" __device__ int mk_bulk_move(unsigned long long smem, int seq,
             asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
         } else {
             asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-            asm volatile("fence.proxy.async.global;" ::: "memory");
+            fence_proxy_async();
         }
     }
     __syncthreads();
@@ -159,7 +143,7 @@ extern "C" __device__ int mk_bulk_move(unsigned long long smem, int seq,
 extern "C" __device__ int mk_bulk_drain(unsigned long long smem) {
     if (threadIdx.x < 32) {
         asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-        asm volatile("fence.proxy.async.global;" ::: "memory");
+        fence_proxy_async();
     }
     __syncthreads();
     return 0;
