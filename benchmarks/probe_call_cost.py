@@ -55,5 +55,5 @@ t("stride()", lambda: a.stride())
 t("is_contiguous", lambda: a.is_contiguous())
 from cuda.bindings import driver as drv
 fn = drv.CUfunction(L._fn); cs = drv.CUstream(s)
-t("bindings launch", lambda: drv.cuLaunchKernel(fn, L.grid, 1, 1, L.threads, 1, 1, L.smem, cs, L._params_addr, 0), 500)
+t("bindings launch", lambda: drv.cuLaunchKernel(fn, L.grid, 1, 1, L.threads, 1, 1, L.smem, cs, None, L._extra_addr), 500)
 t("operand(out c)", lambda: operand(c, "x", "out", shape=(M, N), device_id=0))

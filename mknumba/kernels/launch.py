@@ -13,7 +13,8 @@ A call then does three things, in this order:
 
 1. **check** its operands (``mknumba.arrays.operand``: dtype, shape, layout, device);
 2. **bind** their addresses into the :class:`Launch`, which holds the kernel's arguments
-   converted once, at plan time, so a call rewrites a few pointers and nothing else. A launch
+   converted once, at plan time, in the one buffer the driver copies at launch, so a call
+   rewrites a few pointers and nothing else. A launch
    never keeps a copy of an input: what an op derives from an input (a transposed B) is
    recomputed on the stream by every call, ahead of the kernel;
 3. **launch**: one driver call (``cuLaunchKernel``) on the caller's stream.
@@ -148,12 +149,10 @@ class Launch:
             self.args = dict(values)
             return
         self._cvals = []
-        self._data = {}          # name -> the ctypes pointer a bind rewrites
+        self._slots = {}         # name -> index in _cvals of the data pointer a bind rewrites
         for name, ty in declared:
             self._flatten(name, ty, values[name])
-        self._params = (ctypes.c_void_p * len(self._cvals))(
-            *[ctypes.addressof(v) for v in self._cvals])
-        self._params_addr = ctypes.addressof(self._params)
+        self._pack()
         from cuda.bindings import driver as drv
         handle = compiled._codelibrary.get_cufunc().handle
         err, fn = drv.cuKernelGetFunction(handle)   # the kernel in the current context
@@ -177,10 +176,10 @@ class Launch:
             if len(shape) != ty.ndim:
                 raise TypeError(f"argument {name}: {len(shape)}-d, declared {ty}")
             c = ctypes.c_ssize_t
-            data = ctypes.c_void_p(ptr)
-            self._data[name] = data
+            self._slots[name] = len(self._cvals) + 4
             self._cvals += [ctypes.c_void_p(0), ctypes.c_void_p(0),
-                            c(int(np.prod(shape, dtype=np.int64))), c(itemsize), data]
+                            c(int(np.prod(shape, dtype=np.int64))), c(itemsize),
+                            ctypes.c_void_p(ptr)]
             self._cvals += [c(s) for s in shape] + [c(s) for s in strides]
         elif isinstance(ty, types.Integer):
             self._cvals.append(getattr(ctypes, f"c_{ty}")(int(value)))
@@ -190,6 +189,28 @@ class Launch:
             self._cvals.append(ctypes.c_double(value))
         else:
             raise TypeError(f"argument {name}: type {ty} is not supported by the launch frame")
+
+    def _pack(self):
+        """The parameters as the kernel holds them: one buffer, each at its aligned offset
+        (the driver copies it whole: ``CU_LAUNCH_PARAM_BUFFER_POINTER``, cheaper than one
+        pointer per parameter for kernels with hundreds of them)."""
+        offsets, end = [], 0
+        for v in self._cvals:
+            align = ctypes.alignment(type(v))
+            end = (end + align - 1) // align * align
+            offsets.append(end)
+            end += ctypes.sizeof(v)
+        self._buffer = (ctypes.c_char * max(end, 8))()
+        base = ctypes.addressof(self._buffer)
+        for v, off in zip(self._cvals, offsets):
+            ctypes.memmove(base + off, ctypes.addressof(v), ctypes.sizeof(v))
+        self._data = {name: ctypes.c_void_p.from_buffer(self._buffer, offsets[i])
+                      for name, i in self._slots.items()}
+        self._size = ctypes.c_size_t(end)
+        # CU_LAUNCH_PARAM_BUFFER_POINTER (1), buffer, CU_LAUNCH_PARAM_BUFFER_SIZE (2), &size,
+        # CU_LAUNCH_PARAM_END (0)
+        self._extra = (ctypes.c_void_p * 5)(1, base, 2, ctypes.addressof(self._size), 0)
+        self._extra_addr = ctypes.addressof(self._extra)
 
     def bind(self, name, x):
         """Point array argument ``name`` at ``x``: an address (GPU), or in the simulator an
@@ -209,7 +230,7 @@ class Launch:
         if cs is None:
             cs = self._streams[stream] = self._drv.CUstream(stream)
         (err,) = self._drv.cuLaunchKernel(self._fn, self.grid, 1, 1, self.threads, 1, 1,
-                                          self.smem, cs, self._params_addr, 0)
+                                          self.smem, cs, None, self._extra_addr)
         if err:
             raise MkError(f"kernel launch failed: {err}"
                           + (" (is this GPU's context current?)" if int(err) in (201, 400)
