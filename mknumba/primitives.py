@@ -22,7 +22,8 @@ from .errors import (ERR_BLOCK, ERR_EXPECTED, ERR_FLAG, ERR_RANK, ERR_ROLE, ERR_
 from numba import cuda
 
 __all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "atomic_add_release",
-           "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys", "nanosleep",
+           "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys",
+           "fence_proxy_async", "nanosleep",
            "globaltimer", "peer_view", "peer_after", "data_ptr", "epoch_reached", "wait_flag", "record_timeout",
            "acquire", "release", "pack_bf16x2", "add_bf16x2",
            "epoch_of", "epoch_of_host", "next_epoch_host", "FRAME_WORDS"]
@@ -138,6 +139,17 @@ if not SIMULATOR:
     fence_gpu, fence_sys = _make_fence("gpu"), _make_fence("sys")
 
     @intrinsic
+    def fence_proxy_async(typingctx):
+        """Order this thread's view of global memory (generic proxy: plain and acquire loads,
+        other threads' and GPUs' stores it has acquired) before the bulk tensor copies (TMA,
+        the async proxy) it issues next. A flag acquired, then data read by TMA, needs it in
+        between: the acquire alone orders generic-proxy accesses only."""
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], "fence.proxy.async.global;", "", [])
+            return context.get_dummy_value()
+        return types.none(), codegen
+
+    @intrinsic
     def nanosleep(typingctx, ns):
         """Suspend the calling thread for about ``ns`` nanoseconds (0..1e6)."""
         def codegen(context, builder, sig, args):
@@ -215,7 +227,7 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
     def fence_gpu():
         pass
 
-    fence_sys = fence_gpu
+    fence_sys = fence_proxy_async = fence_gpu    # the simulator has no async proxy
 
     def nanosleep(ns):
         time.sleep(max(int(ns), 1000) * 1e-9)  # yields the GIL to the other simulated threads

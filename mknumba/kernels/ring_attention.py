@@ -45,6 +45,7 @@ from ..roles.attention import HEAD_DIM_MAX, attend_slice, load_row, store_row
 from ..roles.blocks import begin, copy_tile, publish, wait
 from ..roles.send import enqueue
 from ..sched.sequence import check_layout, position
+from ..sched.tiles import arrival_order
 from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, pack,
                      stream_handle)
 
@@ -267,14 +268,7 @@ class RingAttention:
         """The world ranks whose slices this rank attends to, in order: its own, this node's
         other GPUs in ring order (the previous GPU's first), then each other node's, its
         rail peer's first (that slice arrives directly, the others forwarded)."""
-        out = [self.me]
-        base = self.me - self.local
-        out += [base + (self.local - j) % self.g for j in range(1, self.g)]
-        node = base // self.g
-        for i in range(1, self.nodes):
-            nb = ((node - i) % self.nodes) * self.g
-            out += [nb + (self.local - j) % self.g for j in range(self.g)]
-        return np.array(out, np.int32)
+        return arrival_order(self.me, self.local, self.g, self.nodes)
 
     def _allocate(self):
         """The symmetric slots for other ranks' K and V (one per world rank), their flags, the
