@@ -81,6 +81,8 @@ def main():
     rs = mk.GemmReduceScatter(comm, M, N, K)
     ar = mk.GemmAllReduce(comm, M, N, K)
     ag = mk.AllGather(comm, x.shape, np.float32)
+    agg = mk.AllGatherGemm(comm, M, N, K)
+    a_shard = a[:M // W]                                            # this rank's rows
     rs_out = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
     ag_out = torch.empty((ag.members,) + tuple(x.shape), device="cuda", dtype=torch.float32)
     cases = [
@@ -91,6 +93,7 @@ def main():
         ("mk.GemmReduceScatter", lambda: rs(a, w.T, out=rs_out), False),
         ("mk.GemmAllReduce", lambda: ar(a, w.T, out=c), False),
         ("mk.AllGather", lambda: ag(x, out=ag_out), False),
+        ("mk.AllGatherGemm", lambda: agg(a_shard, w.T, out=c), False),
     ]
     records = []
     for name, fn, graph in cases:
@@ -100,7 +103,7 @@ def main():
                 "host_cost", {"m": M, "n": N, "k": K}, dtype="bfloat16", world=W,
                 topology=topo, transport=None, ours_ms=None, baseline=None, baseline_ms=None,
                 floor_ms=None, op=name, host_us=us, graph=in_graph))
-    for op in (rs, ar, ag):
+    for op in (rs, ar, ag, agg):
         op.synchronize()
         op.free()
     if comm.rank == 0:

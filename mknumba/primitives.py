@@ -22,7 +22,8 @@ from .errors import (ERR_BLOCK, ERR_EXPECTED, ERR_FLAG, ERR_RANK, ERR_ROLE, ERR_
 from numba import cuda
 
 __all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "atomic_add_release",
-           "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys", "nanosleep",
+           "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys",
+           "fence_proxy_async", "nanosleep",
            "globaltimer", "peer_view", "peer_after", "data_ptr", "epoch_reached", "wait_flag", "record_timeout",
            "acquire", "release", "pack_bf16x2", "add_bf16x2",
            "epoch_of", "epoch_of_host", "next_epoch_host", "FRAME_WORDS"]
@@ -138,6 +139,17 @@ if not SIMULATOR:
     fence_gpu, fence_sys = _make_fence("gpu"), _make_fence("sys")
 
     @intrinsic
+    def fence_proxy_async(typingctx):
+        """Order this thread's view of global memory (generic proxy: plain and acquire loads,
+        other threads' and GPUs' stores it has acquired) before the bulk tensor copies (TMA,
+        the async proxy) it issues next. A flag acquired, then data read by TMA, needs it in
+        between: the acquire alone orders generic-proxy accesses only."""
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [], "fence.proxy.async.global;", "", [])
+            return context.get_dummy_value()
+        return types.none(), codegen
+
+    @intrinsic
     def nanosleep(typingctx, ns):
         """Suspend the calling thread for about ``ns`` nanoseconds (0..1e6)."""
         def codegen(context, builder, sig, args):
@@ -173,6 +185,17 @@ if not SIMULATOR:
             out.strides = tmpl.strides
             return out._getvalue()
         return template.copy(readonly=False)(ptrs, peer, template), codegen
+
+    @intrinsic
+    def udiv32(typingctx, a, b):
+        """``a // b`` for integers in [0, 2**32) as a 32-bit divide (int64 result). A 64-bit
+        divide by a run-time value is a subroutine call in SASS, and any call in a kernel makes
+        ptxas serialize every wgmma in it: kernels that run the Hopper tiles divide with this."""
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            q = builder.udiv(builder.trunc(args[0], i32), builder.trunc(args[1], i32))
+            return builder.zext(q, ir.IntType(64))
+        return types.int64(a, b), codegen
 
     @intrinsic
     def data_ptr(typingctx, arr):
@@ -215,7 +238,7 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
     def fence_gpu():
         pass
 
-    fence_sys = fence_gpu
+    fence_sys = fence_proxy_async = fence_gpu    # the simulator has no async proxy
 
     def nanosleep(ns):
         time.sleep(max(int(ns), 1000) * 1e-9)  # yields the GIL to the other simulated threads
@@ -232,6 +255,9 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
     def data_ptr(arr):
         raise NotImplementedError("data_ptr has no meaning in the simulator")
 
+    def udiv32(a, b):
+        return (int(a) & 0xFFFFFFFF) // (int(b) & 0xFFFFFFFF)
+
     def pack_bf16x2(hi, lo):
         from .roles.compute import f32_to_bf16    # (roles import this module: load it late)
         return np.uint32((int(f32_to_bf16(hi)) << 16) | int(f32_to_bf16(lo)))
@@ -242,6 +268,26 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
         hi = float(bf16_to_f32(a >> 16)) + float(bf16_to_f32(b >> 16))   # exact in float64
         lo = float(bf16_to_f32(a)) + float(bf16_to_f32(b))
         return np.uint32((int(f32_to_bf16(hi)) << 16) | int(f32_to_bf16(lo)))
+
+
+@cuda.jit(device=True, inline=True)
+def umod32(a, b):
+    """``a % b`` for integers in [0, 2**32), through :func:`udiv32`."""
+    return a - udiv32(a, b) * b
+
+
+@cuda.jit(device=True, inline=True)
+def udiv64_small(n, d):
+    """``n // d`` for a uint64 n and 0 < d < 2**16, in 32-bit divides (:func:`udiv32`):
+    long division in base 2**16, each step's dividend below d * 2**16."""
+    q = np.uint64(0)
+    r = np.uint64(0)
+    for shift in (48, 32, 16, 0):
+        cur = (r << np.uint64(16)) | ((n >> np.uint64(shift)) & np.uint64(0xFFFF))
+        qd = np.uint64(udiv32(cur, d))
+        r = cur - qd * np.uint64(d)
+        q = (q << np.uint64(16)) | qd
+    return q
 
 
 @cuda.jit(device=True, inline=True)

@@ -24,6 +24,7 @@ def test_primitives_emit_ordered_ptx(fake_sm90):
             P.peer_view(ptrs, 1, tmpl)[cuda.threadIdx.x, 0] = 5.0
             P.fence_sys()
             P.fence_gpu()
+            P.fence_proxy_async()
             P.st_release_sys(flags, 2, epoch)
             P.st_release(flags, 2, epoch)
             P.atomic_add_release_sys(flags, 1, 1)
@@ -36,7 +37,8 @@ def test_primitives_emit_ordered_ptx(fake_sm90):
     for instr in ["ld.acquire.sys.b32", "ld.acquire.gpu.b64", "st.release.sys.b32",
                   "st.release.gpu.b32", "atom.add.release.sys.u32", "atom.add.release.gpu.u32",
                   "atom.add.relaxed.gpu.u64", "fence.acq_rel.sys", "fence.acq_rel.gpu",
-                  "nanosleep.u32", "%globaltimer", "atom.global.cas.b64"]:
+                  "nanosleep.u32", "%globaltimer", "atom.global.cas.b64",
+                  "fence.proxy.async.global"]:
         assert instr in ptx, instr
     # The poll stays inside the loop: a load that LLVM hoisted would appear once, before it.
     loop = ptx[ptx.index("nanosleep"):]
@@ -121,3 +123,32 @@ def test_linked_tiles_assemble_for_sm90a(helper):
                          options=core.LinkerOptions(arch="sm_90a", verbose=True))
     assert len(bytes(linker.link("cubin").code)) > 0
     assert "serialized" not in linker.get_info_log(), linker.get_info_log()
+
+
+def test_allgather_gemm_kernel_compiles_for_sm90a(fake_sm90):
+    """AllGatherGemm's kernel around the fused ops' Hopper tile (TMA + wgmma, a publisher
+    warp), compiled for its own declaration and linked with the tile's helper: its waits poll
+    with acquire loads, each followed by the proxy fence that orders them before the tile's
+    TMA loads of the gathered A; the send role's commit to the proxy ring; no multicast."""
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    from numba.cuda import compiler
+    from mknumba.kernels.allgather_gemm import kernel as K
+    from mknumba.kernels.launch import signature
+    from mknumba.roles.compute import SM90_FUSED_TILE
+    _, threads, kernel = K.build(SM90_FUSED_TILE)
+    lib, _ = compiler._compile_pyfunc_with_fixup(
+        kernel.py_func, signature(kernel), device=False, cc=fake_sm90,
+        launch_bounds=(threads, 1), lto=True, abi="numba")
+    lib._lto = True
+    assert len(bytes(lib.get_cubin(cc=fake_sm90).code)) > 0
+    ptx = lib.get_lto_ptx(cc=fake_sm90).replace("\x00", "")
+    assert ptx.count("wgmma.mma_async") >= 4, "wgmma missing"
+    for instr in ("cp.async.bulk.tensor.2d", "fence.proxy.async.global", "ld.acquire.sys",
+                  "st.release.sys", "fence.acq_rel.sys", "atom.add.relaxed.gpu.u64"):
+        assert instr in ptx, instr
+    # the compute role's wait: the proxy fence follows the poll's acquire loads
+    assert ptx.index("fence.proxy.async.global") > ptx.index("ld.acquire.sys")
+    assert "multimem" not in ptx                  # never NVLink multicast
+    # the SIMT twin (GPUs without sm_90a) compiles too
+    _, _, simt = K.build("simt")
+    assert "ld.acquire.sys" in _ptx(simt.py_func, signature(simt), fake_sm90)

@@ -49,6 +49,7 @@ from ..roles.attention import (HEAD_DIM_MAX, LOG2E, RUN_BYTES, SM90_CONSUMERS, S
 from ..roles.blocks import begin, copy_tile, publish, wait
 from ..roles.send import enqueue
 from ..sched.sequence import check_layout, position, runs
+from ..sched.tiles import arrival_order
 from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, pack, param,
                      stream_handle)
 from .tensor_maps import MAP_WORDS, MapTable, tensor_map
@@ -73,7 +74,7 @@ def push_part(k_src, k_off, v_src, v_off, kv_ptrs, kv_words, part, cfg, flags, f
     ``v_src[v_off:]``) -> every other GPU of the node, into its slot ``src``; then publish
     that GPU's flags[src, part]."""
     n, parts = cfg[C_WORDS], cfg[C_PARTS]
-    chunk = (n + parts - 1) // parts
+    chunk = prim.udiv32(n + parts - 1, parts)
     off = part * chunk
     cnt = max(0, min(chunk, n - off))
     g, local = cfg[C_G], cfg[C_LOCAL]
@@ -93,7 +94,7 @@ def slice_ready(src, flags, arrive, cfg, epoch, deadline, err, rank, block_wide)
     GPU of this node (``flags``). ``block_wide``: all threads of the block call this (one
     poller, the others at a barrier); else one thread does. False on timeout."""
     parts = cfg[C_PARTS]
-    from_rail = src % cfg[C_G] == cfg[C_LOCAL]
+    from_rail = prim.umod32(src, cfg[C_G]) == cfg[C_LOCAL]
     for p in range(parts):
         for hv in range(2 if from_rail else 1):
             fl, idx = flags, src * parts + p
@@ -118,10 +119,14 @@ def query_tile(k, worker, workers, batch, heads, tiles, rows, causal):
     bh = batch * heads
     if it >= bh * tiles:
         return batch, 0, 0
+    # 32-bit divides (prim.udiv32): this runs beside the sm90 tile's wgmma
     if causal:
-        b_h, rt = it % bh, tiles - 1 - it // bh
-        return b_h // heads, b_h % heads, rt * rows
-    return it // (heads * tiles), (it // tiles) % heads, (it % tiles) * rows
+        rt = prim.udiv32(it, bh)
+        b = prim.udiv32(it - rt * bh, heads)
+        return b, it - rt * bh - b * heads, (tiles - 1 - rt) * rows
+    r = prim.udiv32(it, tiles)
+    b = prim.udiv32(r, heads)
+    return b, r - b * heads, (it - r * tiles) * rows
 
 
 # The compute role, in two builds with one argument list: worker (0 ..) of ``workers`` compute
@@ -187,7 +192,7 @@ def compute_sm90_role():
         attn_init(smem)
         cuda.syncthreads()
         tiles = (seq + SM90_ROWS - 1) // SM90_ROWS
-        group = heads // kv_heads
+        group = prim.udiv32(heads, kv_heads)
         q_run = prim.data_ptr(runs)
         user, slots = prim.data_ptr(user_maps), prim.data_ptr(slot_maps)
         tid = cuda.threadIdx.x
@@ -212,7 +217,8 @@ def compute_sm90_role():
                                                     err, rank, False):
                             live = 0          # recorded; the tiles pass through uncopied
                         k_map = slots + ((slot * world + src) * 2) * 128
-                    kv_seq = attn_load_kv(smem, k_map, k_map + 128, b, (h // group) * d, d, seq,
+                    kv_seq = attn_load_kv(smem, k_map, k_map + 128, b, prim.udiv32(h, group) * d,
+                                          d, seq,
                                           row0, q_run, q_run + RUN_BYTES * (j + 1), causal,
                                           kv_seq, live)
             return
@@ -261,7 +267,7 @@ def make_kernel(tile):
         blk = cuda.blockIdx.x
         if blk < parts:                                           # ---- send role
             if nodes > 1:     # to the other nodes first: the slowest link starts at launch
-                chunk = (n + parts - 1) // parts
+                chunk = prim.udiv32(n + parts - 1, parts)
                 off = blk * chunk
                 cnt = max(0, min(chunk, n - off))
                 own = (slot * world + me) * 2 * n
@@ -444,14 +450,7 @@ class RingAttention:
         """The world ranks whose slices this rank attends to, in order: its own, this node's
         other GPUs in ring order (the previous GPU's first), then each other node's, its
         rail peer's first (that slice arrives directly, the others forwarded)."""
-        out = [self.me]
-        base = self.me - self.local
-        out += [base + (self.local - j) % self.g for j in range(1, self.g)]
-        node = base // self.g
-        for i in range(1, self.nodes):
-            nb = ((node - i) % self.nodes) * self.g
-            out += [nb + (self.local - j) % self.g for j in range(self.g)]
-        return np.array(out, np.int32)
+        return arrival_order(self.me, self.local, self.g, self.nodes)
 
     def _allocate(self):
         """The symmetric slots for other ranks' K and V (one per world rank), their flags, the

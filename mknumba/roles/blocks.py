@@ -24,7 +24,7 @@ def begin(frame):
     got = cuda.shared.array(1, np.int64)
     if cuda.threadIdx.x == 0:
         ticket = prim.atomic_add_relaxed(frame, 0, np.uint64(1))
-        got[0] = np.int64(ticket // np.uint64(cuda.gridDim.x)) + 1
+        got[0] = np.int64(prim.udiv64_small(ticket, cuda.gridDim.x)) + 1
     cuda.syncthreads()
     call = got[0]
     cuda.syncthreads()   # read by all before a later begin (a next call) could rewrite it
@@ -37,8 +37,10 @@ def copy_tile(src, src_off, dst, dst_off, n):
 
     src, dst: 1-d arrays of one dtype (dst may be a peer's buffer from ``peer_view``).
     """
-    for i in range(cuda.threadIdx.x, n, cuda.blockDim.x):
+    i = cuda.threadIdx.x        # a while loop: range() with a run-time step divides (64-bit)
+    while i < n:
         dst[dst_off + i] = src[src_off + i]
+        i += cuda.blockDim.x
 
 
 @cuda.jit(device=True)

@@ -36,7 +36,7 @@ from numba import cuda, types
 
 from .._compat import SIMULATOR
 from ..errors import ROLE_COMPUTE, MkValueError
-from ..primitives import data_ptr, peer_view, release, wait_flag
+from ..primitives import data_ptr, peer_view, release, udiv32, wait_flag
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
 
@@ -230,8 +230,12 @@ def make_compute_role(tile_init, tile, destination):
     ``c_row0`` on; ``adds`` planes of ``addend`` to fold in, see the tile contract), the flag
     array and index that announce it, and whether the release is at system scope (the flag's
     reader is another GPU) or GPU scope; ``ready(where, t, adds, epoch)`` waits, in every
-    thread, until the planes to fold in are there (False: timed out, error recorded). ``where`` is the kernel's tuple of what they
-    need (:data:`OWN_TILE`, :data:`TO_OWNER`).
+    thread and before every tile, until the tile's inputs are there: the planes to fold in,
+    or (AllGather + GEMM) the rows of A that other GPUs send (False: timed out, error
+    recorded). Per thread, not block-wide: the sm_90a tile's producer warp runs ahead into
+    the next tile while the consumers finish this one, and a block barrier would stall it.
+    ``where`` is the kernel's tuple of what they need (:data:`OWN_TILE`, :data:`TO_OWNER`,
+    ``kernels.allgather_gemm``).
     """
     place, ready = destination
 
@@ -242,11 +246,13 @@ def make_compute_role(tile_init, tile, destination):
         tile_init(smem, tmaps)
         cuda.syncthreads()
         seq = 0
-        for i in range(blk, order.shape[0], blocks):
+        i = blk         # no range() with a run-time step, no 64-bit divide: see udiv32
+        while i < order.shape[0]:
             t = order[i]
-            tm = t // tiles_n
+            tm = udiv32(t, tiles_n)
+            i += blocks
             c, c_row0, addend, adds, flags, idx, system = place(where, t, tm)
-            if adds > 0 and not ready(where, t, adds, epoch):   # each thread acquires them
+            if not ready(where, t, adds, epoch):   # each thread acquires the tile's inputs
                 adds = 0              # timed out (recorded): store the product alone, go on
             if tile(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tm, t - tm * tiles_n,
                     seq):
@@ -300,7 +306,8 @@ def to_owner(where, t, tm):
 @cuda.jit(device=True, inline=True)
 def inbox_ready(where, t, adds, epoch):
     """Wait (this thread, acquire at system scope) until every other local GPU has delivered
-    tile ``t`` into its inbox plane here (:func:`to_owner` with ``fold``)."""
+    tile ``t`` into its inbox plane here (:func:`to_owner` with ``fold``; nothing to wait for
+    when ``adds`` is 0)."""
     flags, tiles = where[3], where[5]
     deadline, err, rank = where[13]
     for j in range(1, adds + 1):

@@ -10,7 +10,8 @@ Compute block ``b`` visits entries ``b, b + compute_blocks, b + 2 * compute_bloc
 order table of tile ids (``grouped_order`` for a plain GEMM, ``sched.reduce`` for the fused
 kernels). Grouped order: the blocks running at one moment cover a compact ``group_m``-row band of
 tiles, so the A rows and B columns they read stay in L2 instead of streaming from HBM once per
-tile.
+tile. Where the inputs arrive over time (AllGather + GEMM), ``gather_order`` visits tile rows in
+the order their rows of A arrive (``arrival_order``), grouped within each arrival.
 """
 from dataclasses import dataclass
 
@@ -84,3 +85,41 @@ def plan_grid(sms, blocks_per_sm, reserved_sms=0):
     grid = sms * blocks_per_sm
     return GridPlan(grid=grid, compute_blocks=(sms - reserved_sms) * blocks_per_sm,
                     blocks_per_sm=blocks_per_sm, sms=sms, reserved_sms=reserved_sms)
+
+
+def arrival_order(rank, local, g, nodes):
+    """World ranks in the order their shards (slices) reach ``rank``, which is ``local`` of
+    ``g`` GPUs per node on ``nodes`` nodes (int32): its own; this node's other GPUs, the
+    previous GPU first (each GPU pushes to its next one first, ``primitives.peer_after``);
+    then each other node's, the previous node first, its rail peer's first (that one comes
+    straight through the proxy, the others are forwarded inside this node after it)."""
+    out = [rank]
+    base = rank - local
+    out += [base + (local - j) % g for j in range(1, g)]
+    node = base // g
+    for i in range(1, nodes):
+        nb = ((node - i) % nodes) * g
+        out += [nb + (local - j) % g for j in range(g)]
+    return np.array(out, np.int32)
+
+
+def gather_order(m, shard_rows, bm, tiles_n, arrival, group_m):
+    """Tile ids of C = AllGather(A) @ B in the order their rows of A arrive (int32, a compute
+    role's order table): A's rows ``[r * shard_rows, (r + 1) * shard_rows)`` come from world
+    rank r, ranks arrive in ``arrival`` order (:func:`arrival_order`); a tile row waits for
+    the last shard it touches (a ragged tile row may span two). Tile rows that arrive together
+    are visited in grouped raster order (bands of ``group_m`` rows), one arrival after another,
+    so a band never waits on a later shard than its rows need."""
+    tiles_m = cdiv(m, bm)
+    when = np.empty(len(arrival), np.int64)
+    when[np.asarray(arrival)] = np.arange(len(arrival))
+    first = np.arange(tiles_m) * bm
+    last = np.minimum(first + bm, m) - 1
+    ready = np.maximum(when[first // shard_rows], when[last // shard_rows])
+    out = []
+    for w in np.unique(ready):
+        rows = np.flatnonzero(ready == w)
+        tm, tn = tile_coords_host(np.arange(len(rows) * tiles_n), len(rows), tiles_n,
+                                  max(1, min(group_m, len(rows))))
+        out.append(rows[tm] * tiles_n + tn)
+    return np.concatenate(out).astype(np.int32)

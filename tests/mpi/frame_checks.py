@@ -24,9 +24,10 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
              ``op.frame.set`` after a first call (its counter is made at the first call).
   alternate  a GemmReduceScatter, a GemmAllReduce and an AllGather on one comm, called in
              turn for 4 rounds back to back, every result checked.
-  free       a call after ``free()`` raises MkError; a second ``free()`` does what each op says.
-  disagree   AllGather planned with other dtypes / shapes on the ranks: MkValueError on every
-             rank, naming the field and both values.
+  free       a call after ``free()`` raises MkError; a second ``free()`` does what each op says
+             (AllGatherGemm too; its other frame checks are in ``allgather_gemm_checks.py``).
+  disagree   AllGather planned with other dtypes / shapes on the ranks, AllGatherGemm with
+             another k: MkValueError on every rank, naming the field and both values.
   dtypes     every spelling of bf16 (ml_dtypes.bfloat16, uint16 and int16 bits; torch.bfloat16)
              into mknumba.gemm; float32 refused by gemm, the fused ops and AllGather, naming
              the op.
@@ -431,8 +432,17 @@ def check_free(comm, opts, A):
         assert "freed" in str(e), str(e)
     else:
         raise AssertionError("AllGather: a second free() did not raise")
+    agg = mk.AllGatherGemm(comm, opts["m"], opts["n"], opts["k"])
+    agg.free()
+    try:
+        agg(a, b)
+    except mk.MkError as e:
+        assert "free" in str(e) and "AllGatherGemm" in str(e), str(e)
+    else:
+        raise AssertionError("AllGatherGemm: a call after free() did not raise")
+    agg.free()          # a second free() returns quietly, as GemmReduce's
     comm.barrier()
-    say("free", comm, "GemmReduceScatter GemmAllReduce AllGather")
+    say("free", comm, "GemmReduceScatter GemmAllReduce AllGather AllGatherGemm")
 
 
 # ---- disagree ---------------------------------------------------------------------------------
@@ -452,8 +462,19 @@ def check_disagree(comm, opts, A):
         else:
             op.free()
             raise AssertionError(f"AllGather with another {field} per rank was accepted")
+    k = opts["k"]
+    try:                # the fused ops' caller's terms: AllGatherGemm's inner dimension
+        op = mk.AllGatherGemm(comm, opts["m"], opts["n"], k if comm.rank == 0 else k + 8)
+    except mk.MkValueError as e:
+        msg = str(e)
+        assert "AllGatherGemm" in msg and "k:" in msg, msg
+        assert f"{k} here" in msg or f"{k} there" in msg, msg
+        assert f"{k + 8} here" in msg or f"{k + 8} there" in msg, msg
+    else:
+        op.free()
+        raise AssertionError("AllGatherGemm with another k per rank was accepted")
     comm.barrier()      # every rank raised (nobody waits in a collective), and the comm works
-    say("disagree", comm, "dtype shape")
+    say("disagree", comm, "dtype shape AllGatherGemm:k")
 
 
 # ---- dtypes -----------------------------------------------------------------------------------

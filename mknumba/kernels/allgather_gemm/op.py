@@ -1,0 +1,218 @@
+"""AllGather + GEMM on the host: plan once (``plan``), allocate the symmetric gathered A and its
+flags, prepare the launch; each call checks its arrays, binds them and launches."""
+import numpy as np
+from numba import cuda
+
+from ..._compat import SIMULATOR
+from ...arrays import is_torch, new_output, operand, torch_ptr
+from ...errors import ERR_SET, MkError, MkValueError
+from ..gemm_inputs import NoTensorMaps, TensorMaps, Transposer, b_mode
+from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, is_capturing, pack,
+                      param, stream_handle)
+from .kernel import CFG_FIELDS, build
+from .plan import AllGatherGemmPlan
+
+
+class AllGatherGemm(AllGatherGemmPlan):
+    """``out = AllGather(a) @ b`` in one persistent launch (a column-parallel linear layer).
+
+    comm: the :class:`mknumba.Comm`; m: rows of the gathered A (every rank holds ``m / world``
+    of them, world rank r rows ``[r * m / world, (r + 1) * m / world)``); n: columns of this
+    rank's b and of out; k: the inner dimension. n and k multiples of 8. Every rank must pass
+    the same m, n, k (checked).
+
+    gathered: plan the collect role, so that calls can also write the gathered A into an
+    array of the caller's (``op(a, b, gathered=buf)``; backward passes need it); costs
+    ``collect_sms`` SMs (default 4; 1 in the simulator). comm_sms: SMs of the send and
+    forward roles (default 16, not measured yet); part_rows: rows of a shard behind one flag
+    (default: one tile row, 128 on Hopper; between nodes whole tile rows of about 1 MiB, one
+    proxy command each); tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else
+    "simt") | "sm90" | "simt" | another build (``roles.compute.tile_build``); group_m: tile
+    rows per band of the tile order.
+
+    Calls are asynchronous on the stream of the inputs (the current PyTorch stream for
+    tensors, else ``stream``); :meth:`synchronize` waits and raises any device-side timeout.
+    """
+
+    def __init__(self, comm, m, n, k, dtype="bfloat16", *, gathered=False, comm_sms=None,
+                 collect_sms=None, part_rows=None, tile="auto", group_m=None):
+        self._plan(comm, m, n, k, dtype, gathered, comm_sms, collect_sms, part_rows, tile,
+                   group_m)
+        self.streams = StreamOrder(self.name)
+        self.freed = False
+        self._buffers = []
+        self._transpose = None        # made at the first call with a row-major [k, n] b
+        self.err = comm.new_error_record()
+        self.frame = Frame(self.grid)
+        _, self.threads, self._kernel = build(self.kind)
+        self.tmaps = TensorMaps(self.m, self.n, self.k) if self.build.tma else NoTensorMaps()
+        self._allocate(comm)
+
+    def _allocate(self, comm):
+        m, n, k, W, P = self.m, self.n, self.k, self.world, self.parts
+        # the gathered A, one [m, k] slot per call parity (see the package docstring)
+        self.gathered_buf = comm.alloc_symmetric((2 * m * k // 4,), np.uint64)
+        self.flags = comm.alloc_flags(W * P)
+        self._buffers = [self.gathered_buf, self.flags]
+        self.tile_flags = cuda.to_device(np.zeros(self.tiles_m * self.tiles_n, np.uint32))
+        base = _address(self.gathered_buf.local)         # the slots' tensor maps
+        self._slot_ptr = (None, None) if base is None else (base, base + m * k * 2)
+        z32 = np.zeros(1, np.uint32)
+        wins = (0, 0)
+        if comm.nodes > 1:
+            if comm.proxy is None:
+                raise MkError(f"{self.name}: {comm.nodes} nodes need the proxy "
+                              "(mknumba.proxy), which this Comm did not start")
+            wins = (comm.proxy.register(self.gathered_buf), comm.proxy.register(self.flags))
+            ring, head, tail = comm.proxy.device_args()
+            rail = cuda.to_device(np.array(comm.rail_peers, np.int32))
+        else:
+            ring, head, tail = (cuda.mapped_array(12, np.uint32), cuda.to_device(z32),
+                                cuda.mapped_array(1, np.uint32))
+            rail = cuda.to_device(np.zeros(1, np.int32))
+        rb = self.role_blocks
+        send_end = rb["send"]
+        forward_end = send_end + rb["forward"]
+        cfg = dict(m=m, n=n, k=k, shard=self.shard, rows=self.part_rows, parts=P,
+                   me=comm.rank, local=comm.local_rank, g=comm.local_size, nodes=comm.nodes,
+                   world=W, tiles_n=self.tiles_n, send_end=send_end, forward_end=forward_end,
+                   collect_end=forward_end + rb["collect"], win_gathered=wins[0],
+                   win_flags=wins[1])
+        # a call that fills the caller's gathered A (collect) or not
+        self._cfg = {c: cuda.to_device(pack(CFG_FIELDS, **cfg, collect=c)) for c in (0, 1)}
+        self._cfg_ptr = {c: param(x) for c, x in self._cfg.items()}
+        self._no_gathered = cuda.to_device(np.zeros(1, np.uint64))    # never read
+        compiled, bps = compile_kernel(self._kernel, self.threads, self.build.smem_bytes)
+        if bps < 1:
+            raise MkError(f"{self.name}: the kernel does not fit on an SM")
+        local = self.gathered_buf.local
+        self.launch = Launch(self._kernel, compiled, dict(
+            a=Slot((self.shard * k // 4,)), bt=Slot((n, k)), tmaps=Slot((TensorMaps.ROW,)),
+            tmaps_odd=Slot((TensorMaps.ROW,)),
+            gathered=local.view(np.uint16).reshape(2, m, k), gathered_words=local,
+            gathered_ptrs=self.gathered_buf.ptrs, flags=self.flags.local,
+            flag_ptrs=self.flags.ptrs, out=Slot((m, n)), gathered_out=Slot((m * k // 4,)),
+            tile_flags=self.tile_flags, cfg=Slot((len(CFG_FIELDS),)),
+            order=cuda.to_device(self.order), shards=cuda.to_device(self.arrival), rail=rail,
+            ring=ring, head=head, tail=tail, frame=self.frame.words,
+            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank),
+            self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
+
+    # -- calls ------------------------------------------------------------------------------------
+    def out_shape(self):
+        return (self.m, self.n)
+
+    def __call__(self, a, b, out=None, gathered=None, stream=None):
+        """a: this rank's rows of A, [m / world, k] bf16; b: [k, n] bf16 (row-major, or a
+        column-major view such as ``w.T`` of a row-major [n, k] ``w``: no copy) -> out
+        [m, n] bf16 = AllGather(a) @ b, A's rows in world rank order. gathered: an [m, k]
+        bf16 array (row-major) that also receives the gathered A (needs ``gathered=True`` at
+        planning). PyTorch tensors in -> tensor out (on the current PyTorch stream);
+        numba/CuPy arrays in (bf16 as ml_dtypes.bfloat16 or bits as uint16/int16) -> numba
+        array of bf16 bits out (on ``stream``). A row-major b is transposed on every call
+        (the op keeps no copy of an input)."""
+        if (out is not None and gathered is None and stream is None and not self.freed
+                and self.comm.proxy is None and is_torch(a)):     # the hot path: tensors
+            dev, (m, n, k) = self.comm.device_id, (self.m, self.n, self.k)
+            pa = torch_ptr(a, (self.shard, k), dev)
+            pb = pa and torch_ptr(b, (k, n), dev, (1, k))          # w.T: no copy
+            mode = "view"
+            if pa and not pb:
+                pb, mode = torch_ptr(b, (k, n), dev), "copy"
+            pc = pb and torch_ptr(out, (m, n), dev)
+            if pc and not self.err[ERR_SET]:
+                self._run(pa, pb, mode, pc, None, stream_handle(None, dev))
+                return out
+        return self._call(a, b, out, gathered, stream)
+
+    def _call(self, a, b, out, gathered, stream):
+        """A call with every check."""
+        if self.freed:
+            raise MkError(f"{self.name}: called after free()")
+        self.comm.check(self.err, f"{self.name} (an earlier call)")
+        dev = self.comm.device_id
+        m, n, k = self.m, self.n, self.k
+        A = operand(a, self.name, "a", shape=(self.shard, k), device_id=dev)
+        B = operand(b, self.name, "b", shape=(k, n), layouts=("row", "col"), device_id=dev)
+        if A.torch != B.torch:
+            raise MkValueError(f"{self.name}: a and b must both be PyTorch tensors or both be "
+                               "device arrays")
+        if out is None:
+            out = new_output(a, A.torch, (m, n))
+        O = operand(out, self.name, "out", shape=(m, n), device_id=dev)
+        if O.torch != A.torch:
+            raise MkValueError(f"{self.name}: out must be a PyTorch tensor exactly when the "
+                               "inputs are")
+        g = None
+        if gathered is not None:
+            if not self.gathered:
+                raise MkValueError(f"{self.name}: gathered= needs the op planned with "
+                                   "gathered=True (it holds SMs back to copy A out)")
+            Gd = operand(gathered, self.name, "gathered", shape=(m, k), device_id=dev)
+            if Gd.torch != A.torch:
+                raise MkValueError(f"{self.name}: gathered must be a PyTorch tensor exactly "
+                                   "when the inputs are")
+            g = Gd.as_param(np.uint64, (m * k // 4,))
+        mode = b_mode(B, "kn", n, k, self.name)
+        self._run(A.as_param(np.uint64, (self.shard * k // 4,)),
+                  B.as_param(np.uint16, (k, n) if mode == "copy" else (n, k)), mode,
+                  O.as_param(np.uint16, (m, n)), g,
+                  stream_handle(stream, dev if A.torch else None))
+        return out
+
+    def _run(self, a, b, mode, out, gathered, stream):
+        """Bind the parameters (``Operand.as_param``: addresses on the GPU) and launch: B as
+        [n, k] (transposed on the stream when ``mode`` is "copy"), the tensor maps of each
+        slot of the gathered A with it, and the cfg that collects the gathered A or not."""
+        L = self.launch
+        with L.lock:                      # one call at a time binds and launches
+            self.streams.enter(stream)
+            bt = self._transposer(stream)(b, stream) if mode == "copy" else b
+            L.bind("a", a)
+            L.bind("bt", bt)
+            L.bind("tmaps", self.tmaps(self._slot_ptr[0], bt, stream))
+            L.bind("tmaps_odd", self.tmaps(self._slot_ptr[1], bt, stream))
+            L.bind("out", out)
+            collect = gathered is not None
+            L.bind("gathered_out", gathered if collect else param(self._no_gathered))
+            L.bind("cfg", self._cfg_ptr[int(collect)])
+            L(stream)
+
+    def _transposer(self, stream):
+        if self._transpose is None:       # made at the first call with a row-major [k, n] b
+            if is_capturing(stream):
+                raise MkError(f"{self.name}: the first call with a row-major b is inside a "
+                              "CUDA graph capture; call once before capturing (it allocates "
+                              "the transposed copy's buffer), or pass w.T")
+            self._transpose = Transposer(self.k, self.n)
+        return self._transpose
+
+    def synchronize(self, stream=None):
+        """Wait for this rank's calls (on ``stream``, default the stream of the last call);
+        raise MkTimeoutError if a device wait expired."""
+        self.comm.synchronize(stream if stream is not None else (self.streams.last or 0))
+        self.comm.check(self.err, self.name)
+
+    def free(self):
+        """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
+        if self.freed:
+            return
+        self.comm.synchronize(self.streams.last or 0)
+        for buf in self._buffers:
+            self.comm.free(buf)
+        self._buffers = []
+        self.freed = True
+
+    def _start_at(self, calls):
+        """Tests: set this rank's state as if ``calls`` calls had run (the call counter and
+        every epoch flag), e.g. just short of 2**32, to run the next calls across the wrap.
+        Collective in effect: every rank must do it with the same ``calls`` between calls,
+        after synchronising."""
+        self.comm.synchronize(self.streams.last or 0)
+        self.frame.start_at(calls, [self.flags.local, self.tile_flags])
+
+
+def _address(arr):
+    """Device address of a numba array's first element (None in the simulator: no tensor
+    maps there)."""
+    return None if SIMULATOR else arr.__cuda_array_interface__["data"][0]

@@ -1,0 +1,119 @@
+"""Planning AllGather + GEMM: options, the shard's parts, the SM split between roles, the tile
+order, rank agreement.
+
+Everything here is decided once, when the op is built; a call only binds its arrays.
+"""
+from numba import cuda
+
+from ..._compat import SIMULATOR
+from ...errors import MkValueError
+from ...roles import compute
+from ...sched.tiles import arrival_order, cdiv, default_group_m, gather_order
+from ..gemm import check_shapes, kind_for
+
+#: Bytes of a shard's part that crosses the network in one proxy command (the host proxy
+#: spends microseconds per command: ``sched.split.CHUNK_BYTES``).
+NETWORK_PART_BYTES = 1 << 20
+#: Send and forward blocks on the GPU when ``comm_sms`` is not given. Not measured yet (issue
+#: 19, item 2): a block stores about 21 GB/s over NVLink (benchmarks/NOTES.md), so 16 blocks
+#: keep a good part of one NVLink busy.
+DEFAULT_COMM_SMS = 16
+DEFAULT_COLLECT_SMS = 4
+
+
+class AllGatherGemmPlan:
+    """The planning half of :class:`~mknumba.kernels.allgather_gemm.AllGatherGemm`."""
+
+    name = "AllGatherGemm"
+    kernel_name = "allgather_gemm"
+
+    def _plan(self, comm, m, n, k, dtype, gathered, comm_sms, collect_sms, part_rows, tile,
+              group_m):
+        """Resolve every option and the role split (sets the attributes the op reads)."""
+        # first, before any check that could fail on some ranks only and leave the others
+        # waiting in a collective: every rank must ask for the same exchange
+        self._check_agreement(comm, dict(op=self.name, m=m, n=n, k=k,
+                                         dtype=str(dtype).split(".")[-1], tile=tile,
+                                         part_rows=part_rows))
+        if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
+            raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
+        for key, value in dict(m=m, n=n, k=k).items():
+            if int(value) != value or value < 1:
+                raise MkValueError(f"{self.name}: {key} must be a positive integer, got {value}")
+        m, n, k = int(m), int(n), int(k)
+        W = comm.size
+        if m % W:
+            raise MkValueError(f"{self.name}: m={m} must be divisible by the world size {W} "
+                               "(each rank holds m / world rows of A)")
+        check_shapes(m, n, k, self.name)
+        self.comm, self.m, self.n, self.k, self.world = comm, m, n, k, W
+        self.shard = m // W
+        self.kind = kind_for(tile, self.name)
+        if tile == "auto" and self.kind == "sm90":
+            self.kind = compute.SM90_FUSED_TILE   # a warp of its own publishes tile flags
+        self.build = compute.tile_build(self.kind)
+        if self.build.timing_only:
+            raise MkValueError(f"{self.name}: tile build {tile!r} leaves the output unwritten "
+                               "(timing only)")
+        self.bm, self.bn = self.build.shape
+        G, nodes = comm.local_size, comm.nodes
+        self.topology = f"{nodes}x{G}"
+        # Parts of a shard, each with its flag: the paper's 128 rows (one tile row) inside a
+        # node; between nodes, whole tile rows of about NETWORK_PART_BYTES per proxy command.
+        if part_rows is None:
+            part_rows = self.bm
+            if nodes > 1:
+                part_rows = max(self.bm, NETWORK_PART_BYTES // (2 * k) // self.bm * self.bm)
+        part_rows = int(part_rows)
+        if part_rows < 1:
+            raise MkValueError(f"{self.name}: part_rows={part_rows} must be >= 1")
+        self.part_rows = min(part_rows, self.shard)
+        self.parts = cdiv(self.shard, self.part_rows)
+        self.gathered = bool(gathered)
+        self.tiles_m, self.tiles_n = cdiv(m, self.bm), cdiv(n, self.bn)
+        self._roles(comm_sms, collect_sms, G, nodes)
+        self.group_m = int(group_m or default_group_m(self.tiles_m, self.tiles_n,
+                                                      self.role_blocks["compute"]))
+        self.arrival = arrival_order(comm.rank, comm.local_rank, G, nodes)
+        self.order = gather_order(m, self.shard, self.bm, self.tiles_n, self.arrival,
+                                  self.group_m)
+
+    def _roles(self, comm_sms, collect_sms, G, nodes):
+        """The grid (one block per SM) and its roles in block order: send, forward (between
+        nodes, G > 1), collect (planned with ``gathered``), compute."""
+        sms = None if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        forward = nodes > 1 and G > 1
+        if comm_sms is None:
+            comm_sms = (2 if forward else 1) if SIMULATOR else DEFAULT_COMM_SMS
+        comm_sms = int(comm_sms)
+        need = 2 if forward else 1
+        if comm_sms < need:
+            raise MkValueError(f"{self.name}: comm_sms={comm_sms} must be at least {need} for "
+                               f"topology {self.topology} (send{' and forward' * forward})")
+        # a block with no part of its own would idle: at most one per part
+        fwd = min(self.parts, comm_sms // 2) if forward else 0
+        send = min(self.parts, comm_sms - fwd)
+        collect = 0
+        if self.gathered:
+            collect = int(collect_sms if collect_sms is not None else
+                          1 if SIMULATOR else DEFAULT_COLLECT_SMS)
+            if collect < 1:
+                raise MkValueError(f"{self.name}: collect_sms={collect} must be >= 1")
+            collect = min(collect, self.world * self.parts)
+        elif collect_sms is not None:
+            raise MkValueError(f"{self.name}: collect_sms is for an op planned with "
+                               "gathered=True")
+        held = send + fwd + collect
+        # the simulator runs blocks one at a time: two compute blocks are plenty
+        grid = held + 2 if SIMULATOR else sms
+        if held >= grid:
+            raise MkValueError(f"{self.name}: {held} blocks for send, forward and collect "
+                               f"leave none of the {grid} SMs to compute")
+        self.role_blocks = dict(send=send, forward=fwd, collect=collect, compute=grid - held)
+        self.grid = grid
+
+    def _check_agreement(self, comm, fields):
+        """Collective: every rank must plan the same exchange (the buffers, flags and offsets
+        it writes into on other GPUs follow from these), in the caller's terms. The SM split
+        and ``gathered`` are each rank's own."""
+        comm.agree(self.name, fields)

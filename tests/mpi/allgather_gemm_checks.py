@@ -1,0 +1,305 @@
+"""Multi-rank checks of AllGatherGemm, run under mpiexec:
+
+    mpiexec -n N python -m mpi4py tests/mpi/allgather_gemm_checks.py CHECK[,CHECK...] [key=value ...]
+
+keys: m (rows of the gathered A: world x this rank's rows), n, k, calls, part_rows (0: the op's
+choice), arrays=numba|torch (torch: GPU only), seed, ag (the AllGather's float32 elements). Inputs come from ``rand_bits(seed, rank,
+call, ...)`` (``frame_checks``), so every rank regenerates the others' shards for its float64
+reference without communicating.
+
+Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exits non-zero):
+
+  calls     one op planned with gathered=True: ``calls`` calls back to back, each with fresh
+            random a and b and a poisoned (NaN) out; b alternately row-major [k, n] and the
+            column-major view ``w.T`` of a row-major [n, k] w; every other call also into a
+            poisoned gathered A of the caller's. After one synchronisation: every out against
+            a float64 reference of AllGather(a) @ b (relative Frobenius error <= 1e-2, every
+            element written) and every gathered A bit for bit.
+  inplace   one a and one b (row-major, then a column-major view) updated in place with fresh
+            data between 2 calls, the first with out=, the second without: each result follows
+            the update.
+  bad       arguments refused with MkValueError before anything is launched, naming the op
+            and the argument: a's shape, a float32 a, b's shape, out's shape, a strided b,
+            gathered= on an op planned without it, gathered's shape; and at planning: m not
+            divisible by the world, n not a multiple of 8.
+  disagree  ranks planning different k (then n): MkValueError on every rank naming the field
+            and both values.
+  wrap      ``_start_at(2**32 - 2)``, then 2 calls back to back across the wrap of the call
+            counter and the epoch (which skips 0), every result checked, then the device
+            counter and every part's flag read back.
+  alternate an AllGatherGemm and an AllGather on one comm called in turn, back to back, for
+            2 rounds, every result checked.
+  timeout   (2+ ranks) only rank 0 calls, with a 3 s bound: its compute role's wait for the
+            other ranks' rows expires, and synchronize() raises MkTimeoutError naming the op,
+            the rank, the role and the flag within the bound (plus the simulator's slack);
+            the next call refuses.
+"""
+import sys
+import time
+
+import numpy as np
+
+import mknumba as mk
+from frame_checks import (Arrays, ag_out, ag_ref, bits_f64, check_close, expected_after,
+                          rand_bits, rand_f32, same_bits, _refused)
+from mknumba._compat import SIMULATOR
+
+
+def shard_rows(comm, opts):
+    return opts["m"] // comm.size
+
+
+def inputs(comm, opts, rank, *key):
+    """(a, b) bits of ``rank``'s call ``key``: a [m / world, k], b [k, n]."""
+    s, n, k = shard_rows(comm, opts), opts["n"], opts["k"]
+    return rand_bits(opts, (s, k), rank, *key, 0), rand_bits(opts, (k, n), rank, *key, 1)
+
+
+def gathered_ref(comm, opts, *key):
+    """Every rank's a of call ``key``, in world rank order: the gathered A (bits)."""
+    return np.concatenate([inputs(comm, opts, r, *key)[0] for r in range(comm.size)])
+
+
+def reference(comm, opts, *key):
+    """float64 AllGather(a) @ b of this rank's call ``key``."""
+    return bits_f64(gathered_ref(comm, opts, *key)) @ bits_f64(inputs(comm, opts, comm.rank,
+                                                                      *key)[1])
+
+
+def make_op(comm, opts, **kw):
+    return mk.AllGatherGemm(comm, opts["m"], opts["n"], opts["k"],
+                            part_rows=opts["part_rows"] or None, **kw)
+
+
+def b_arg(A, b_bits, layout):
+    """(device array holding b, what to pass as b): row-major [k, n], or the column-major
+    [k, n] view of a row-major [n, k] copy."""
+    if layout == "row":
+        d = A.dev(b_bits)
+        return d, d
+    d = A.dev(np.ascontiguousarray(b_bits.T))
+    return d, A.col_view(d)
+
+
+# ---- calls --------------------------------------------------------------------------------------
+def check_calls(comm, opts, A):
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    op = make_op(comm, opts, gathered=True)
+    results = []
+    keep = []                       # inputs stay alive until the calls are done
+    for call in range(opts["calls"]):
+        key = (1, call)
+        a_bits, b_bits = inputs(comm, opts, comm.rank, *key)
+        a = A.dev(a_bits)
+        db, b = b_arg(A, b_bits, "row" if call % 2 == 0 else "col")
+        out = A.poisoned((m, n))
+        g = A.poisoned((m, k)) if call % 2 == 1 else None
+        res = op(a, b, out=out, gathered=g)
+        assert res is out, "out= given, another array returned"
+        results.append((key, out, g))
+        keep.append((a, db, b))
+    op.synchronize()
+    worst = 0.0
+    for key, out, g in results:
+        worst = max(worst, check_close(A.host(out), reference(comm, opts, *key),
+                                       f"call {key[1]}"))
+        if g is not None:
+            got = A.host(g)
+            want = gathered_ref(comm, opts, *key)
+            assert np.array_equal(got, want), \
+                f"call {key[1]}: gathered A differs in {np.sum(got != want)} of {got.size}"
+    assert op.frame.read() == (opts["calls"], opts["calls"]), op.frame.read()
+    op.free()
+    say("calls", comm, f"m={m} n={n} k={k} calls={opts['calls']} parts={op.parts} "
+                       f"part_rows={op.part_rows} roles={op.role_blocks} arrays={A.kind} "
+                       f"max_rel_err={worst:.2e}")
+
+
+# ---- inplace ------------------------------------------------------------------------------------
+def check_inplace(comm, opts, A):
+    m, n = opts["m"], opts["n"]
+    op = make_op(comm, opts)
+    out = A.poisoned((m, n))
+    worst = 0.0
+    for li, layout in enumerate(("row", "col")):
+        a_bits, b_bits = inputs(comm, opts, comm.rank, 2, li, 0)
+        a = A.dev(a_bits)
+        db, b = b_arg(A, b_bits, layout)
+        for call in range(2):
+            key = (2, li, call)
+            if call:                  # new values, same addresses
+                a_bits, b_bits = inputs(comm, opts, comm.rank, *key)
+                A.put(a, a_bits)
+                A.put(db, b_bits if layout == "row" else np.ascontiguousarray(b_bits.T))
+            A.poison(out)
+            res = op(a, b, out=out) if call == 0 else op(a, b)
+            worst = max(worst, check_close(A.host(res), reference(comm, opts, *key),
+                                           f"b {layout}-major call {call}"))
+    op.synchronize()
+    op.free()
+    say("inplace", comm, f"arrays={A.kind} max_rel_err={worst:.2e}")
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+def check_bad(comm, opts, A):
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    s = shard_rows(comm, opts)
+    op = make_op(comm, opts)
+    a_bits, b_bits = inputs(comm, opts, comm.rank, 3)
+    a, b = A.dev(a_bits), A.dev(b_bits)
+    name = "AllGatherGemm"
+    _refused(lambda: op(A.dev(rand_bits(opts, (m, k), 3)), b), [name, "a", "shape"])
+    _refused(lambda: op(A.dev(bits_f64(a_bits).astype(np.float32)), b), [name, "a", "float32"])
+    _refused(lambda: op(a, A.dev(rand_bits(opts, (k + 8, n), 3))), [name, "b", "shape"])
+    _refused(lambda: op(a, b, out=A.poisoned((s, n))), [name, "out", "shape"])
+    wide = A.dev(rand_bits(opts, (k, 2 * n), 3))
+    _refused(lambda: op(a, wide[:, :n]), [name, "b", "strides"])
+    _refused(lambda: op(a, b, gathered=A.poisoned((m, k))), [name, "gathered=True"])
+    op.free()
+    op = make_op(comm, opts, gathered=True)
+    _refused(lambda: op(a, b, gathered=A.poisoned((s, k))), [name, "gathered", "shape"])
+    op.free()
+    if comm.size > 1:
+        _refused(lambda: mk.AllGatherGemm(comm, comm.size * 8 + 1, n, k),
+                 [name, "divisible", "world"])
+    _refused(lambda: mk.AllGatherGemm(comm, m, n + 4, k), [name, "multiples of 8"])
+    comm.barrier()
+    say("bad", comm, "a b out gathered m n")
+
+
+def check_disagree(comm, opts, A):
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    for field, kw in (("k", dict(k=k if comm.rank == 0 else k + 8)),
+                      ("n", dict(n=n if comm.rank == 0 else n + 8))):
+        args = dict(dict(m=m, n=n, k=k), **kw)
+        try:
+            op = mk.AllGatherGemm(comm, **args)
+        except mk.MkValueError as e:
+            msg = str(e)
+            assert "AllGatherGemm" in msg and f"{field}:" in msg, msg
+            want = {"k": (k, k + 8), "n": (n, n + 8)}[field]
+            assert all(str(v) in msg for v in want), msg
+        else:
+            op.free()
+            raise AssertionError(f"AllGatherGemm with another {field} per rank was accepted")
+    comm.barrier()      # every rank raised (nobody waits in a collective), and the comm works
+    say("disagree", comm, "k n")
+
+
+# ---- wrap and alternate -----------------------------------------------------------------------
+def check_wrap(comm, opts, A, start=2 ** 32 - 2, calls=2):
+    m, n = opts["m"], opts["n"]
+    want = expected_after(start, calls)
+    assert want == (0, 1), want      # epochs 2**32-1, then 1: never 0
+    op = make_op(comm, opts)
+    comm.barrier()                   # no peer is still in a call that writes our flags
+    op._start_at(start)
+    comm.barrier()                   # nobody's next call publishes before every rank is set
+    outs = []
+    for call in range(calls):
+        key = (4, call)
+        a_bits, b_bits = inputs(comm, opts, comm.rank, *key)
+        outs.append((key, op(A.dev(a_bits), A.dev(b_bits), out=A.poisoned((m, n)))))
+    op.synchronize()
+    worst = 0.0
+    for key, out in outs:
+        worst = max(worst, check_close(A.host(out), reference(comm, opts, *key),
+                                       f"call {key[1]} after _start_at(2**32-2)"))
+    assert op.frame.read() == want, f"frame (calls, epoch) = {op.frame.read()}, expected {want}"
+    flags = op.flags.local.copy_to_host()
+    assert (flags == want[1]).all(), f"flags {flags}, expected epoch {want[1]}"
+    op.free()
+    say("wrap", comm, f"frame={want} max_rel_err={worst:.2e}")
+
+
+def check_alternate(comm, opts, A, rounds=2):
+    m, n = opts["m"], opts["n"]
+    op = make_op(comm, opts)
+    ag = mk.AllGather(comm, (opts["ag"],), "float32")
+    results = []
+    for r in range(rounds):          # back to back: no host synchronisation
+        a_bits, b_bits = inputs(comm, opts, comm.rank, 5, r)
+        results.append((op, r, op(A.dev(a_bits), A.dev(b_bits), out=A.poisoned((m, n)))))
+        x = A.dev(rand_f32(opts, (opts["ag"],), comm.rank, 5, r))
+        results.append((ag, r, ag(x, out=ag_out(comm, opts, A))))
+    op.synchronize()
+    ag.synchronize()
+    worst = 0.0
+    for o, r, out in results:
+        if o is ag:
+            same_bits(A.host(out), ag_ref(comm, opts, 5, r), f"AllGather round {r}")
+        else:
+            worst = max(worst, check_close(A.host(out), reference(comm, opts, 5, r),
+                                           f"AllGatherGemm round {r}"))
+    for o in (op, ag):
+        assert o.frame.read() == (rounds, rounds), o.frame.read()
+    op.free()
+    ag.free()
+    say("alternate", comm, f"rounds={rounds} max_rel_err={worst:.2e}")
+
+
+def check_timeout(comm, opts, A, bound_s=3.0):
+    m, n = opts["m"], opts["n"]
+    saved, comm.timeout_ns = comm.timeout_ns, int(bound_s * 1e9)   # as mk.init(timeout_s=3)
+    try:
+        op = make_op(comm, opts)
+    finally:
+        comm.timeout_ns = saved
+    if comm.rank == 0:                       # nobody else calls: their rows never come
+        a_bits, b_bits = inputs(comm, opts, 0, 6)
+        a, b = A.dev(a_bits), A.dev(b_bits)
+        t0 = time.monotonic()
+        op(a, b, out=A.poisoned((m, n)))
+        try:
+            op.synchronize()
+        except mk.MkTimeoutError as e:
+            took, msg = time.monotonic() - t0, str(e)
+            slack = 60.0 if SIMULATOR else 2.0     # the simulator runs blocks one by one
+            assert took <= bound_s + slack, f"raised after {took:.1f} s, bound {bound_s} s"
+            for words in ("AllGatherGemm", "rank 0", "compute role", "to reach epoch 1"):
+                assert words in msg, f"{words!r} not in: {msg}"
+        else:
+            raise AssertionError("a call whose peers never called did not time out")
+        try:                                 # the op stays poisoned: later calls refuse
+            op(a, b)
+        except mk.MkTimeoutError:
+            pass
+        else:
+            raise AssertionError("a timed-out op accepted another call")
+    comm.barrier()
+    op.free()
+    say("timeout", comm, f"bound={bound_s}s")
+
+
+def say(check, comm, what):
+    print(f"PASS {check} rank {comm.rank} topology {comm.nodes}x{comm.local_size} {what}",
+          flush=True)
+
+
+CHECKS = dict(calls=check_calls, inplace=check_inplace, bad=check_bad, disagree=check_disagree,
+              wrap=check_wrap, alternate=check_alternate, timeout=check_timeout)
+
+
+def main():
+    names = sys.argv[1].split(",")
+    opts = dict(m=64, n=40, k=24, calls=4, part_rows=0, seed=4321, arrays="numba", ag=24)
+    for arg in sys.argv[2:]:
+        key, value = arg.split("=", 1)
+        assert key in opts, f"unknown option {key}"
+        opts[key] = value if key == "arrays" else int(value)
+    for name in names:
+        assert name in CHECKS, f"unknown check {name}; one of {sorted(CHECKS)}"
+    with mk.init() as comm:
+        if not SIMULATOR and opts["arrays"] == "torch":
+            import torch
+            torch.cuda.set_device(comm.device_id)
+        A = Arrays(opts["arrays"])
+        for name in names:
+            t0 = time.perf_counter()
+            CHECKS[name](comm, opts, A)
+            print(f"time {name} rank {comm.rank} {time.perf_counter() - t0:.1f}s", flush=True)
+        comm.barrier()
+
+
+if __name__ == "__main__":
+    main()
