@@ -277,6 +277,14 @@ def umod32(a, b):
 
 
 @cuda.jit(device=True, inline=True)
+def steps(start, stop, step):
+    """How many values ``range(start, stop, step)`` has (step > 0, values below 2**31): loop
+    as ``for j in range(steps(a, b, s)): i = a + j * s``, since range() with a run-time step
+    divides in 64 bits (see :func:`udiv32`)."""
+    return udiv32(max(stop - start + step - 1, 0), step)
+
+
+@cuda.jit(device=True, inline=True)
 def udiv64_small(n, d):
     """``n // d`` for a uint64 n and 0 < d < 2**16, in 32-bit divides (:func:`udiv32`):
     long division in base 2**16, each step's dividend below d * 2**16."""

@@ -125,23 +125,66 @@ def test_linked_tiles_assemble_for_sm90a(helper):
     assert "serialized" not in linker.get_info_log(), linker.get_info_log()
 
 
+def _link_sm90a(kernel, threads, cc):
+    """``kernel`` compiled for its own declaration and linked with its helpers as on a Hopper
+    GPU (LTO): (PTX of the whole kernel, ptxas's log of assembling it for sm_90a)."""
+    pytest.importorskip("cuda.bindings.nvjitlink")
+    core = pytest.importorskip("cuda.core")
+    from numba.cuda import compiler
+    from mknumba.kernels.launch import signature
+    lib, _ = compiler._compile_pyfunc_with_fixup(
+        kernel.py_func, signature(kernel), device=False, cc=cc,
+        launch_bounds=(threads, 1), lto=True, abi="numba")
+    lib._lto = True
+    ptx = lib.get_lto_ptx(cc=cc).replace("\x00", "")
+    linker = core.Linker(core.ObjectCode.from_ptx(ptx.encode()),
+                         options=core.LinkerOptions(arch="sm_90a", verbose=True))
+    assert len(bytes(linker.link("cubin").code)) > 0
+    return ptx, linker.get_info_log().replace("\x00", "")
+
+
+def _hopper_kernel(name):
+    from mknumba.roles.compute import SM90_FUSED_TILE
+    if name == "gemm":
+        from mknumba.kernels import gemm
+        build, kernel = gemm._build("sm90")
+        return kernel, build.threads
+    if name == "gemm_reduce":
+        from mknumba.kernels.gemm_reduce import kernel as K
+        _, threads, kernel = K.build(SM90_FUSED_TILE, "threads")
+        return kernel, threads
+    if name == "allgather_gemm":
+        from mknumba.kernels.allgather_gemm import kernel as K
+        _, threads, kernel = K.build(SM90_FUSED_TILE)
+        return kernel, threads
+    from mknumba.kernels.ring_attention import make_kernel
+    from mknumba.roles.attention import SM90_THREADS
+    return make_kernel("sm90"), SM90_THREADS
+
+
+@pytest.mark.parametrize("name", ["gemm", "gemm_reduce", "ring_attention"])
+def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
+    """No wgmma of a Hopper kernel is serialized. ptxas serializes all of a kernel's wgmma when
+    the kernel makes a call, and a 64-bit divide by a run-time value is one (so is range() with
+    a run-time step): kernels divide with primitives.udiv32 / steps. Measured: mk.Gemm at
+    2048 x 2048 x 512 went from 0.42x to 1.42x torch.matmul (benchmarks/NOTES.md).
+    (allgather_gemm: checked in its own test below, which links it anyway.)"""
+    ptx, log = _link_sm90a(*_hopper_kernel(name), fake_sm90)
+    assert "wgmma.mma_async" in ptx
+    assert "serialized" not in log, log
+    assert not re.search(r"\b(div|rem)\.[su]64\b", ptx), "a 64-bit divide"
+
+
 def test_allgather_gemm_kernel_compiles_for_sm90a(fake_sm90):
     """AllGatherGemm's kernel around the fused ops' Hopper tile (TMA + wgmma, a publisher
     warp), compiled for its own declaration and linked with the tile's helper: its waits poll
     with acquire loads, each followed by the proxy fence that orders them before the tile's
-    TMA loads of the gathered A; the send role's commit to the proxy ring; no multicast."""
-    pytest.importorskip("cuda.bindings.nvjitlink")
-    from numba.cuda import compiler
+    TMA loads of the gathered A; the send role's commit to the proxy ring; no multicast; no
+    serialized wgmma."""
     from mknumba.kernels.allgather_gemm import kernel as K
     from mknumba.kernels.launch import signature
-    from mknumba.roles.compute import SM90_FUSED_TILE
-    _, threads, kernel = K.build(SM90_FUSED_TILE)
-    lib, _ = compiler._compile_pyfunc_with_fixup(
-        kernel.py_func, signature(kernel), device=False, cc=fake_sm90,
-        launch_bounds=(threads, 1), lto=True, abi="numba")
-    lib._lto = True
-    assert len(bytes(lib.get_cubin(cc=fake_sm90).code)) > 0
-    ptx = lib.get_lto_ptx(cc=fake_sm90).replace("\x00", "")
+    ptx, log = _link_sm90a(*_hopper_kernel("allgather_gemm"), fake_sm90)
+    assert "serialized" not in log, log
     assert ptx.count("wgmma.mma_async") >= 4, "wgmma missing"
     for instr in ("cp.async.bulk.tensor.2d", "fence.proxy.async.global", "ld.acquire.sys",
                   "st.release.sys", "fence.acq_rel.sys", "atom.add.relaxed.gpu.u64"):

@@ -111,7 +111,7 @@ def take_band(queue, q, call, n_tiles, bands, workers):
     """:func:`take` for a queue of ``n_tiles`` tiles cut into ``bands`` row bands each:
     ``(item, tile index, band)``, item ``n_tiles * bands`` or more once all are taken."""
     i = take(queue, q, call, n_tiles * bands, workers)
-    it = i // bands
+    it = prim.udiv32(i, bands)
     return i, it, i - it * bands
 
 

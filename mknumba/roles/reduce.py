@@ -151,7 +151,8 @@ def reduce_peers(ptrs, template, members, me, src_off, src_stride,
     acc = cuda.local.array(LANES, np.float32)
     w = cuda.local.array(WORDS, np.uint64)
     x = cuda.local.array(WORDS, np.uint64)
-    for r in range(r0, rows, ROWS * rstep):
+    for j in range(prim.steps(r0, rows, ROWS * rstep)):
+        r = r0 + j * ROWS * rstep
         for c in range(ln, wcols, 64):
             if members == 2:
                 p = 1 - me
@@ -190,7 +191,8 @@ def sum_local(own, own_off, recv, recv_off, recv_step, nsrc, dst, dst_off, dst_s
     acc = cuda.local.array(LANES, np.float32)
     w = cuda.local.array(WORDS, np.uint64)
     x = cuda.local.array(WORDS, np.uint64)
-    for r in range(r0, rows, ROWS * rstep):
+    for j in range(prim.steps(r0, rows, ROWS * rstep)):
+        r = r0 + j * ROWS * rstep
         for c in range(ln, wcols, 64):
             _load(own, own_off, bwords, r, c, rstep, rows, wcols, w)
             if nsrc == 1:
@@ -216,7 +218,8 @@ def copy_tile_2d(src, src_off, src_stride, dst, dst_off, dst_stride, rows, wcols
     loads per thread in flight before its stores."""
     r0, rstep, ln = _warp_rows()
     w = cuda.local.array(WORDS, np.uint64)
-    for r in range(r0, rows, ROWS * rstep):
+    for j in range(prim.steps(r0, rows, ROWS * rstep)):
+        r = r0 + j * ROWS * rstep
         for c in range(ln, wcols, 64):
             _load(src, src_off, src_stride, r, c, rstep, rows, wcols, w)
             _store(w, dst, dst_off, dst_stride, r, c, rstep, rows, wcols)

@@ -69,11 +69,11 @@ def make_kernel(tile_init, tile, bm, bn, threads):
         be polling at the start of a call, while the flags' and rows' NVLink stores land."""
         flags, tiles_n, m, shard, rows, parts = where[3:9]
         deadline, err, rank = where[9]
-        r = (t // tiles_n) * bm
+        r = prim.udiv32(t, tiles_n) * bm
         end = min(m, r + bm)
         while r < end:
-            src = r // shard
-            p = (r - src * shard) // rows
+            src = prim.udiv32(r, shard)
+            p = prim.udiv32(r - src * shard, rows)
             if not prim.wait_flag(flags, src * parts + p, epoch, deadline, err, rank,
                                   ROLE_COMPUTE, 1000):
                 return False
@@ -96,7 +96,8 @@ def make_kernel(tile_init, tile, bm, bn, threads):
         me, parts = cfg[C_ME], cfg[C_PARTS]
         row0 = (call & 1) * cfg[C_M] + me * cfg[C_SHARD]     # my rows in this call's slot
         sent = cuda.shared.array(1, np.int32)
-        for p in range(first, parts, step):
+        for jp in range(prim.steps(first, parts, step)):
+            p = first + jp * step
             r0, rows = part_rows(cfg, p)
             at = (row0 + r0) * kw
             copy_tile_2d(a, r0 * kw, kw, gathered, at, kw, rows, kw)
@@ -114,7 +115,8 @@ def make_kernel(tile_init, tile, bm, bn, threads):
                 if sent[0] == 0:
                     return False              # the whole block, together
         g, local = cfg[C_G], cfg[C_LOCAL]
-        for p in range(first, parts, step):
+        for jp in range(prim.steps(first, parts, step)):
+            p = first + jp * step
             r0, rows = part_rows(cfg, p)
             for j in range(1, g):
                 q = prim.peer_after(local, j, g)
@@ -135,7 +137,8 @@ def make_kernel(tile_init, tile, bm, bn, threads):
         for i in range(rail.shape[0]):
             src = rail[i]
             row0 = (call & 1) * cfg[C_M] + src * cfg[C_SHARD]
-            for p in range(first, parts, step):
+            for jp in range(prim.steps(first, parts, step)):
+                p = first + jp * step
                 if not wait(flags, src * parts + p, epoch, deadline, err, rank, ROLE_RECV):
                     return False
                 r0, rows = part_rows(cfg, p)
@@ -156,8 +159,9 @@ def make_kernel(tile_init, tile, bm, bn, threads):
         kw = cfg[C_K] // 4
         parts, shard = cfg[C_PARTS], cfg[C_SHARD]
         slot = (call & 1) * cfg[C_M]
-        for it in range(first, cfg[C_WORLD] * parts, step):
-            i = it // parts
+        for j in range(prim.steps(first, cfg[C_WORLD] * parts, step)):
+            it = first + j * step
+            i = prim.udiv32(it, parts)
             p = it - i * parts
             src = shards[i]
             if not wait(flags, src * parts + p, epoch, deadline, err, rank, ROLE_INTRA):

@@ -65,7 +65,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
     @cuda.jit(device=True, inline=True)
     def origin(t, tiles_n, band, sub):
         """First row (elements) and column (words) of row band ``band`` of tile ``t``."""
-        tm = t // tiles_n
+        tm = prim.udiv32(t, tiles_n)
         return tm * bm + band * sub, (t - tm * tiles_n) * bw
 
     @cuda.jit(device=True, inline=True)
@@ -100,7 +100,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         if nodes == 1:
             move_init(smem)
         split = cfg[C_SPLIT]          # items per tile: bands of bm / split rows (1 node only)
-        sub = bm // split
+        sub = prim.udiv32(bm, split)
         while True:
             i, it, band = take_band(queue, Q_REDUCE, call, cfg[C_NRED], split, workers)
             if it >= cfg[C_NRED]:
@@ -158,7 +158,8 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         tr = cfg[C_TRACE] != 0
         stage_base = (call & 1) * cfg[C_STAGE_SLOTS] * tile_words
         recv_base = (call & 1) * cfg[C_RECV_SLOTS] * tile_words
-        for c in range(first, cfg[C_NCMDS], step):
+        for j in range(prim.steps(first, cfg[C_NCMDS], step)):
+            c = first + j * step
             q = cmds[c, 0]
             if not prim.wait_flag(chunk_ready, q, epoch, deadline, err, rank, ROLE_SEND, 100,
                                   False):
@@ -190,10 +191,11 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         nsrc = cfg[C_NODES] - 1
         nfinal = cfg[C_NFINAL]
         bcast = cfg[C_ALLREDUCE] != 0 and G > 1
-        for i in range(first, nfinal, step):
+        for j in range(prim.steps(first, nfinal, step)):
+            i = first + j * step
             for s in range(nsrc):
-                if not wait(arrive, s * cfg[C_RECV_CHUNKS] + i // cfg[C_CHUNK], epoch, deadline,
-                            err, rank, ROLE_RECV):
+                if not wait(arrive, s * cfg[C_RECV_CHUNKS] + prim.udiv32(i, cfg[C_CHUNK]),
+                            epoch, deadline, err, rank, ROLE_RECV):
                     return False
             stamp(tr, trace, T_RECV_ARRIVED, i)
             fs = final_slots[i]
@@ -227,7 +229,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         seq = 0
         move_init(smem)
         split = cfg[C_SPLIT]
-        sub = bm // split
+        sub = prim.udiv32(bm, split)
         while True:
             i, it, band = take_band(queue, Q_PULL, call, cfg[C_NPULL], split, workers)
             if it >= cfg[C_NPULL]:
