@@ -36,16 +36,11 @@ an output the op owns, see ``op.output()``: valid until the next call), ``chunk_
 Without a GPU this runs in numba's CUDA simulator at a small size. Either way it checks both ops
 against a float64 NumPy reference of the same bf16 inputs, and exits non-zero if they differ.
 """
-import os
+import numpy as np
 
-if not os.path.exists("/dev/nvidia0") and not os.environ.get("NUMBA_ENABLE_CUDASIM"):
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"     # no GPU: numba's simulator stands in
-
-import numpy as np  # noqa: E402
-from numba import cuda  # noqa: E402
-
-import mknumba as mk  # noqa: E402
-from mknumba._compat import SIMULATOR  # noqa: E402
+import mknumba as mk          # before numba.cuda: without a GPU it picks the simulator
+from mknumba._compat import SIMULATOR
+from numba import cuda
 
 
 def to_bf16(x):

@@ -1,4 +1,8 @@
-"""Work-arounds for the versions we run on, applied before numba.cuda compiles anything."""
+"""Work-arounds for the versions we run on, applied before numba.cuda compiles anything; and
+the choice of numba's CUDA simulator where no GPU is visible."""
+import os
+import sys
+
 import numpy as np
 
 # numpy 2.5 removed np.row_stack, but numba-cuda 0.30.4 still registers an overload for it
@@ -6,7 +10,38 @@ import numpy as np
 if not hasattr(np, "row_stack"):
     np.row_stack = np.vstack
 
+
+
+def _gpu_visible():
+    """Whether this process may see a CUDA GPU, judged without initialising CUDA (a process
+    that forks later keeps a usable driver): the driver's library loads and a device node
+    exists, and CUDA_VISIBLE_DEVICES does not hide them all."""
+    import ctypes
+    import glob
+    if os.environ.get("CUDA_VISIBLE_DEVICES") in ("", "-1"):
+        return False
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/dxg")   # dxg: WSL
+
+
+#: True when mknumba chose the simulator itself: no GPU visible and NUMBA_ENABLE_CUDASIM unset
+#: (set it to 0 to refuse, 1 to ask for the simulator); numba.cuda not imported yet.
+AUTO_SIMULATOR = ("NUMBA_ENABLE_CUDASIM" not in os.environ and "numba.cuda" not in sys.modules
+                  and not _gpu_visible())
+if AUTO_SIMULATOR:
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
 from numba.core import config as _config  # noqa: E402
+
+if AUTO_SIMULATOR:
+    _config.reload_config()
+    rank = os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    if rank == "0":       # once per job, not once per rank
+        print("mknumba: no CUDA GPU visible, so numba's CUDA simulator stands in (small sizes "
+              "only; NUMBA_ENABLE_CUDASIM=0 refuses)", file=sys.stderr, flush=True)
 
 # Persistent kernels launch one block per SM role on purpose; numba's low-occupancy warning
 # would fire on every launch.

@@ -6,8 +6,9 @@
         ...
 
 Environment: ``MKNUMBA_GPUS_PER_NODE`` (pose one host as several nodes), ``MKNUMBA_TIMEOUT_S``
-(bound of every device-side wait), ``MKNUMBA_ALLOW_SHARED_GPU=1`` (several ranks per GPU, e.g.
-under MPS), ``MKNUMBA_TRANSPORT`` (inter-node transport, see ``mknumba.proxy``).
+(bound of every device-side wait), ``MKNUMBA_ALLOW_SHARED_GPU`` (more ranks than GPUs on a
+host share them, with a note; 1: without the note, e.g. under MPS; 0: refuse),
+``MKNUMBA_TRANSPORT`` (inter-node transport, see ``mknumba.proxy``).
 """
 import os
 import socket
@@ -88,13 +89,20 @@ class Comm:
 
     def _bind_gpu(self):
         if not cuda.is_available():
-            raise MkError("no CUDA GPU is visible to this process; to run without a GPU set "
-                          "NUMBA_ENABLE_CUDASIM=1 (numba's simulator, small sizes)")
+            raise MkError("no CUDA GPU is visible to this process; to run without a GPU leave "
+                          "NUMBA_ENABLE_CUDASIM unset or set it to 1 (numba's simulator, small "
+                          "sizes)")
         ngpu = len(cuda.gpus)
         per_host = self.mpi.allreduce(self.topology.host_rank, op=_mpi().MAX) + 1
-        if per_host > ngpu and os.environ.get("MKNUMBA_ALLOW_SHARED_GPU") != "1":
-            raise MkError(f"{per_host} ranks on this host but only {ngpu} GPUs; launch at most "
-                          f"{ngpu} ranks per host, or set MKNUMBA_ALLOW_SHARED_GPU=1 under MPS")
+        if per_host > ngpu:
+            if os.environ.get("MKNUMBA_ALLOW_SHARED_GPU") == "0":
+                raise MkError(f"{per_host} ranks on this host but only {ngpu} GPUs; launch at "
+                              f"most {ngpu} ranks per host (MKNUMBA_ALLOW_SHARED_GPU=0 refuses "
+                              "to share them)")
+            if self.rank == 0 and os.environ.get("MKNUMBA_ALLOW_SHARED_GPU") != "1":
+                print(f"mknumba: {per_host} ranks share {ngpu} GPU(s) on this host: results are "
+                      "right, timings are not (MKNUMBA_ALLOW_SHARED_GPU=0 refuses)",
+                      file=sys.stderr, flush=True)
         dev = self.topology.host_rank % ngpu
         cuda.select_device(dev)
         ctx = cuda.current_context()

@@ -56,8 +56,12 @@ def run_mpi(script, n, *args, env=None, simulator=True, timeout=600, expect_fail
     if simulator:
         full_env["NUMBA_ENABLE_CUDASIM"] = "1"
     else:
-        full_env.pop("NUMBA_ENABLE_CUDASIM", None)
-    full_env.update(env or {})
+        full_env["NUMBA_ENABLE_CUDASIM"] = "0"
+    for key, value in (env or {}).items():      # None: leave the variable unset
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
     # -m mpi4py: a rank's uncaught exception aborts the job at once, instead of leaving the
     # other ranks waiting in a collective until the timeout
     cmd = mpiexec() + ["-n", str(n), sys.executable, "-m", "mpi4py",

@@ -166,8 +166,8 @@ def _hopper_kernel(name):
 def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     """No wgmma of a Hopper kernel is serialized. ptxas serializes all of a kernel's wgmma when
     the kernel makes a call, and a 64-bit divide by a run-time value is one (so is range() with
-    a run-time step): kernels divide with primitives.udiv32 / steps. Measured: mk.Gemm at
-    2048 x 2048 x 512 went from 0.42x to 1.42x torch.matmul (benchmarks/NOTES.md).
+    a run-time step): kernels divide with primitives.udiv32 / steps (what serialized wgmma
+    cost the GEMM: benchmarks/NOTES.md).
     (allgather_gemm: checked in its own test below, which links it anyway.)"""
     ptx, log = _link_sm90a(*_hopper_kernel(name), fake_sm90)
     assert "wgmma.mma_async" in ptx

@@ -198,7 +198,7 @@ def _run(sim):
     if sim:
         env["NUMBA_ENABLE_CUDASIM"] = "1"
     else:
-        env.pop("NUMBA_ENABLE_CUDASIM", None)
+        env["NUMBA_ENABLE_CUDASIM"] = "0"
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
