@@ -73,3 +73,18 @@ def run_mpi(script, n, *args, env=None, simulator=True, timeout=600, expect_fail
     else:
         assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{out[-6000:]}"
     return out
+
+
+def run_python(code, *args, simulator=True, timeout=600):
+    """Run ``code`` (a Python program's text) in a fresh interpreter with the repository and
+    tests/mpi on its path, in numba's simulator or (``simulator=False``) with numba.cuda proper,
+    GPU or not (compiling for sm_90a needs no GPU). Fails the test if it fails; returns its
+    standard output."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               NUMBA_ENABLE_CUDASIM="1" if simulator else "0",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(HERE, "mpi"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", code, *map(str, args)], env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    return p.stdout

@@ -2,14 +2,12 @@
 multi-rank runs under the simulator (1x2, 2x1 both completion modes, 2x2) and on GPUs."""
 import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
-from mpi_util import run_mpi
+from mpi_util import run_mpi, run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -133,12 +131,7 @@ def test_fused_kernel_compiles_for_sm90a(tile, moves):
     """The plain staged tile with plain-load tile moves, and the fused ops' default: the staged
     + publisher tile (320 threads) with TMA bulk tile moves (roles.bulk)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env["NUMBA_ENABLE_CUDASIM"] = "0"     # numba.cuda proper, GPU or not
-    r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, tile, moves], env=env,
-                       capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "linked" in r.stdout
+    assert "linked" in run_python(COMPILE_SCRIPT, tile, moves, simulator=False, timeout=900)
 
 
 # ---- simulator, several ranks (tiny shapes: every thread is a Python thread) -------------------

@@ -5,13 +5,12 @@ GPU tests (marked ``gpu``) skip without a CUDA device.
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from mpi_util import run_python
 
 import mknumba  # noqa: E402,F401
 from mknumba.errors import MkValueError  # noqa: E402
@@ -92,11 +91,7 @@ SIM_SCRIPT = textwrap.dedent("""
 
 
 def test_simt_twin_in_simulator():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-c", SIM_SCRIPT], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok") == 3
+    assert run_python(SIM_SCRIPT).count("ok") == 3
 
 
 # ---- sm_90a: compile the kernel with the linked helper and link a cubin, without a GPU ---------
@@ -149,12 +144,7 @@ def test_sm90_kernel_compiles_and_links(tmp_path, name):
     through nvJitLink LTO, stores as its header says, and keeps its accumulators in registers."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     ptx_path = str(tmp_path / "gemm_sm90.ptx")
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env["NUMBA_ENABLE_CUDASIM"] = "0"     # numba.cuda proper, GPU or not
-    r = subprocess.run([sys.executable, "-c", COMPILE_SCRIPT, ptx_path, name], env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "linked" in r.stdout
+    assert "linked" in run_python(COMPILE_SCRIPT, ptx_path, name, simulator=False)
     import re
     with open(ptx_path) as f:
         stores = set(re.findall(r"\b(st\.(?:global|shared)\S*|stmatrix\S*)", f.read()))

@@ -9,13 +9,10 @@ steps divide them), and
 outputs start poisoned, so a word left unwritten shows. Runs in the simulator
 (CI) and on a GPU.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from mpi_util import run_python
 
 SCRIPT = r"""
 import sys
@@ -194,16 +191,9 @@ print("reduce roles ok")
 
 
 def _run(sim):
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    if sim:
-        env["NUMBA_ENABLE_CUDASIM"] = "1"
-    else:
-        env["NUMBA_ENABLE_CUDASIM"] = "0"
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                       timeout=900)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert "reduce roles ok" in r.stdout
-    return r.stdout
+    out = run_python(SCRIPT, simulator=sim, timeout=900)
+    assert "reduce roles ok" in out
+    return out
 
 
 def test_tile_moves_in_simulator():

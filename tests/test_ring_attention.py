@@ -1,17 +1,12 @@
 """Ring Attention: sequence layouts (host), the kernel compiled for sm_90a without a GPU, one
 GPU and 1x2 / 1x4 / 2x1 / 2x2 rings in the simulator against a float64 reference, bad input;
 on GPUs the same checks at larger sizes."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 
-from mpi_util import run_mpi
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from mpi_util import run_mpi, run_python
 
 import mknumba  # noqa: E402,F401
 from mknumba.sched.sequence import positions, shard, unshard  # noqa: E402
@@ -56,11 +51,7 @@ def test_ring_kernel_compiles_for_sm90a():
                 assert "mk_attn_sm90_load_kv" in ptx and "mk_attn_sm90_tile" in ptx
             print("compiled", tile, len(ptx))
     """)
-    env = dict(os.environ, PYTHONPATH=ROOT)
-    env["NUMBA_ENABLE_CUDASIM"] = "0"     # numba.cuda proper, GPU or not
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0 and "compiled" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert "compiled" in run_python(script, simulator=False)
 
 
 ONE_GPU = textwrap.dedent("""
@@ -101,12 +92,8 @@ ONE_GPU = textwrap.dedent("""
 
 def test_sim_one_gpu_attention_and_bad_input():
     pytest.importorskip("ml_dtypes")
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests", "mpi")]))
-    r = subprocess.run([sys.executable, "-c", ONE_GPU], env=env, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stdout + r.stderr[-3000:]
-    assert r.stdout.count("ok") == 2 and "refused" in r.stdout, r.stdout
+    out = run_python(ONE_GPU)
+    assert out.count("ok") == 2 and "refused" in out, out
 
 
 def _passes(out, n):

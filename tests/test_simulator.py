@@ -1,10 +1,7 @@
 """Work-arounds for numba's CUDA simulator (mknumba/_compat.py) hold."""
-import os
-import subprocess
-import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from mpi_util import run_python
 
 # Forty launches of a kernel whose 256 threads share one static shared array, with Python
 # switching threads as often as it can. numba's unlocked lookup gave some threads a second
@@ -27,8 +24,5 @@ RACE = textwrap.dedent("""
 
 
 def test_static_shared_array_is_one_per_block_under_thread_switches():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, "-c", RACE], env=env, capture_output=True, text=True,
-                       timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "wrong 0" in r.stdout, r.stdout
+    out = run_python(RACE)
+    assert "wrong 0" in out, out
