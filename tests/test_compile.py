@@ -195,3 +195,27 @@ def test_allgather_gemm_kernel_compiles_for_sm90a(fake_sm90):
     # the SIMT twin (GPUs without sm_90a) compiles too
     _, _, simt = K.build("simt")
     assert "ld.acquire.sys" in _ptx(simt.py_func, signature(simt), fake_sm90)
+
+
+DIVIDES = """
+import numpy as np
+from mknumba import primitives as P
+rng = np.random.default_rng(0)
+for _ in range(2000):
+    n = int(rng.integers(0, 2**63))
+    d = int(rng.integers(1, 2**16))
+    assert int(P.udiv64_small.py_func(np.uint64(n), d)) == n // d, (n, d)
+    a, b = int(rng.integers(0, 2**31)), int(rng.integers(1, 2**31))
+    assert P.udiv32(a, b) == a // b and P.umod32.py_func(a, b) == a % b
+    start, stop, step = (int(x) for x in rng.integers(0, 1000, 3))
+    step += 1
+    assert P.steps.py_func(start, stop, step) == len(range(start, stop, step))
+print("divides ok")
+"""
+
+
+def test_divides_without_64bit_divides_agree_with_python():
+    """udiv64_small (the launch's ticket / grid), udiv32, umod32 and steps (trip counts), as
+    the simulator runs them, against Python's own integer division."""
+    from mpi_util import run_python
+    assert "divides ok" in run_python(DIVIDES)
