@@ -9,7 +9,7 @@ rows of Q, K and V. ``contiguous`` gives rank r rows [r * seq_local, (r + 1) * s
 ``zigzag`` cuts the sequence into 2W chunks and gives rank r chunks r and 2W - 1 - r, so that
 under a causal mask every rank has the same work (``shard`` and ``unshard`` convert).
 
-What one call does, in one persistent kernel per GPU (``mknumba/kernels/ring_attention.py``):
+What one call does, in one persistent kernel per GPU (``mknumba/kernels/ring_attention/``):
 - send blocks store this rank's K and V into every other GPU of the node (NVLink; the next GPU
   first), then set a flag there;
 - compute blocks attend to the local K and V at once, then to each other rank's slice as its

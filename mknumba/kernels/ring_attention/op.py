@@ -1,0 +1,297 @@
+"""Ring Attention on the host: plan once (validate, agree across ranks, allocate the slots and
+flags, the tensor maps, prepare the launch); each call checks its arrays, binds and launches."""
+import math
+
+import numpy as np
+from numba import cuda
+
+from ..._compat import SIMULATOR
+from ...arrays import new_output, operand
+from ...errors import ERR_WORDS, MkError, MkValueError, raise_if_timed_out
+from ...roles.attention import (HEAD_DIM_MAX, SM90_HEAD_DIMS, SM90_ROWS, SM90_SMEM_BYTES,
+                                SM90_THREADS)
+from ...sched.sequence import check_layout, runs
+from ...sched.tiles import arrival_order
+from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, pack, param,
+                      stream_handle)
+from ..tensor_maps import MAP_WORDS, MapTable, tensor_map
+from .kernel import CFG_FIELDS, make_kernel
+
+class RingAttention:
+    """Plan once, call many times: attention over a sequence split across the ranks of a node.
+
+    comm: the :class:`mknumba.Comm` (None: one GPU, see :func:`attention`); the ring is
+    its world, node by node (rank order is sequence order, ``layout``); batch, seq_local
+    (this rank's rows), heads, kv_heads (grouped-query attention: heads % kv_heads == 0),
+    head_dim (a multiple of 8, at most 128); causal; layout: how the global sequence is split
+    ("contiguous" or "zigzag", ``sched.sequence``; shard and unshard with
+    ``mknumba.sched.sequence.shard``/``unshard``); scale (default 1/sqrt(head_dim)); tile:
+    "auto" (the sm_90a tile where it applies: a Hopper GPU, head_dim 64 or 128), "sm90" or
+    "simt"; threads (the SIMT twin's rows per block), send_blocks and compute_blocks (blocks
+    per role) are tuning knobs.
+    Every rank must pass the same values (checked). Calls are asynchronous on the stream of
+    the inputs; :meth:`synchronize` waits and raises any device-side timeout.
+    """
+
+    name = "RingAttention"
+
+    def __init__(self, comm, batch, seq_local, heads, kv_heads, head_dim, *, causal=False,
+                 layout="contiguous", scale=None, tile="auto", send_blocks=None, threads=None,
+                 compute_blocks=None):
+        dims = dict(batch=batch, seq_local=seq_local, heads=heads, kv_heads=kv_heads,
+                    head_dim=head_dim)
+        for key, value in dims.items():
+            if int(value) != value or value < 1:
+                raise MkValueError(f"{self.name}: {key} must be a positive integer, got {value}")
+        self.batch, self.seq, self.heads, self.kv_heads, self.d = (int(x) for x in dims.values())
+        if self.heads % self.kv_heads:
+            raise MkValueError(f"{self.name}: heads={heads} must be a multiple of "
+                               f"kv_heads={kv_heads}")
+        if self.d % 8 or self.d > HEAD_DIM_MAX:
+            raise MkValueError(f"{self.name}: head_dim={head_dim} is not supported: a multiple "
+                               f"of 8, at most {HEAD_DIM_MAX}")
+        check_layout(layout, self.seq, self.name)
+        self.causal, self.layout = bool(causal), layout
+        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.d)
+        self.comm = comm
+        self.world = comm.size if comm is not None else 1
+        self.me = comm.rank if comm is not None else 0
+        self.nodes = comm.nodes if comm is not None else 1
+        self.local = comm.local_rank if comm is not None else 0
+        self.g = comm.local_size if comm is not None else 1
+        if comm is not None:
+            comm.agree(self.name, dict(dims, causal=self.causal, layout=layout,
+                                       scale=self.scale))
+        self.device = comm.device_id if comm is not None else (
+            None if SIMULATOR else cuda.get_current_device().id)
+        self.tile = self._tile_for(tile)
+        if self.tile == "sm90":
+            if threads is not None:
+                raise MkValueError(f"{self.name}: threads= sets the SIMT twin's rows per block; "
+                                   f"the sm90 tile runs {SM90_THREADS} threads")
+            self.threads, smem, rows = SM90_THREADS, SM90_SMEM_BYTES, SM90_ROWS
+        else:
+            self.threads, smem = int(threads or (8 if SIMULATOR else 128)), 0
+            rows = self.threads
+        self.words = self.batch * self.seq * self.kv_heads * self.d // 4   # of K, and of V
+        self.parts = 0
+        if self.world > 1:    # parts of a slice, each a flag; none of them empty
+            chunk = -(-self.words // int(send_blocks or (1 if SIMULATOR else 8)))
+            self.parts = -(-self.words // chunk)
+        tiles = self.batch * self.heads * -(-self.seq // rows)
+        sms = 2 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        comm_blocks = self.parts * (2 if self.nodes > 1 else 1)
+        # the sm90 tile takes a whole SM (shared memory): one block per SM beside the movers
+        fit = max(1, sms - comm_blocks) if self.tile == "sm90" else 4 * sms
+        self.compute_blocks = int(compute_blocks or min(tiles, fit))
+        self._allocate()
+        self.streams = StreamOrder(self.name)
+        kernel = make_kernel(self.tile)
+        compiled, bps = compile_kernel(kernel, self.threads, smem)
+        grid = comm_blocks + self.compute_blocks
+        self.frame = Frame(grid)
+        if not SIMULATOR and (self.parts or self.tile == "sm90") and grid > bps * sms:
+            raise MkValueError(f"{self.name}: {grid} blocks are more than fit on the GPU at "
+                               f"once ({bps} per SM)")
+        cfg = pack(CFG_FIELDS, batch=self.batch, seq=self.seq, heads=self.heads,
+                   kv_heads=self.kv_heads, d=self.d, me=self.me, world=self.world,
+                   parts=self.parts, causal=self.causal, zigzag=layout == "zigzag",
+                   local=self.local, g=self.g, nodes=self.nodes, words=self.words,
+                   win_kv=self._wins[0], win_arrive=self._wins[1])
+        b, s, h, hk, d = self.batch, self.seq, self.heads, self.kv_heads, self.d
+        self.launch = Launch(kernel, compiled, dict(
+            q=Slot((b, s, h, d)), k=Slot((b, s, hk, d)), v=Slot((b, s, hk, d)),
+            out=Slot((b, s, h, d)), lse=Slot((b, h, s)), k_words=Slot((self.words,)),
+            v_words=Slot((self.words,)), **self._device_args,
+            order=cuda.to_device(self.order()), **self._tile_args(),
+            frame=self.frame.words, cfg=cuda.to_device(cfg), scale=np.float32(self.scale),
+            timeout_ns=self.timeout_ns, err=self.err, rank=self.me), grid, self.threads, smem)
+        self.freed = False
+
+    def _tile_for(self, tile):
+        if tile not in ("auto", "sm90", "simt"):
+            raise MkValueError(f"{self.name}: tile must be 'auto', 'sm90' or 'simt', got {tile!r}")
+        cc = None if SIMULATOR else tuple(cuda.get_current_device().compute_capability)
+        fits = cc == (9, 0) and self.d in SM90_HEAD_DIMS
+        if tile == "sm90" and not fits:
+            raise MkValueError(f"{self.name}: the sm90 tile needs a Hopper GPU (here: "
+                               f"{'the simulator' if cc is None else cc}) and head_dim 64 or "
+                               f"128 (here: {self.d})")
+        return "sm90" if tile == "sm90" or (tile == "auto" and fits) else "simt"
+
+    def _tile_args(self):
+        """The sm90 tile's launch arguments: the caller's q, k, v tensor maps (one row per
+        address triple, bound per call), each slot's K and V maps, the positions of this rank's
+        rows and of every slice in compute order (``sched.sequence.runs``)."""
+        W, layout = self.world, self.layout
+        table = [runs(self.me, self.seq, W, layout)]
+        table += [runs(int(src), self.seq, W, layout) for src in self.order()]
+        args = dict(runs=cuda.to_device(np.array(table, np.int32).ravel()))
+        if self.tile != "sm90":
+            self.user_maps = None
+            dummy = cuda.to_device(np.zeros(MAP_WORDS, np.uint64))
+            return dict(args, user_maps=dummy, slot_maps=dummy)
+        b, s, h, hk, d = self.batch, self.seq, self.heads, self.kv_heads, self.d
+        box = (64, SM90_ROWS, 1)
+
+        def encode(key):
+            q, k, v = key
+            return np.concatenate([tensor_map(q, (h * d, s, b), box),
+                                   tensor_map(k, (hk * d, s, b), box),
+                                   tensor_map(v, (hk * d, s, b), box)])
+        self.user_maps = MapTable(encode, 3 * MAP_WORDS)
+        slots = np.zeros((max(W, 2) * 4, MAP_WORDS), np.uint64)
+        if W > 1:             # [slot, src, k|v] -> the map of that [b, s, kv_heads * d] slice
+            base, elems = param(self._device_args["kv"]), b * s * hk * d
+            for i in range(4 * W):
+                slots[i] = tensor_map(base + i * elems * 2, (hk * d, s, b), box)
+        return dict(args, user_maps=Slot((3 * MAP_WORDS,)),
+                    slot_maps=cuda.to_device(slots.ravel()))
+
+    def order(self):
+        """The world ranks whose slices this rank attends to, in order: its own, this node's
+        other GPUs in ring order (the previous GPU's first), then each other node's, its
+        rail peer's first (that slice arrives directly, the others forwarded)."""
+        return arrival_order(self.me, self.local, self.g, self.nodes)
+
+    def _allocate(self):
+        """The symmetric slots for other ranks' K and V (one per world rank), their flags, the
+        network's arrival flags and proxy windows, the error record."""
+        b, s, hk, d, W = self.batch, self.seq, self.kv_heads, self.d, self.world
+        comm = self.comm
+        self._buffers, self._wins = [], (0, 0)
+        z64, z32 = np.zeros(1, np.uint64), np.zeros(1, np.uint32)
+        if W > 1:
+            kv = comm.alloc_symmetric((2 * W * 2 * self.words,), np.uint64)
+            fl = comm.alloc_flags(W * self.parts)
+            self._buffers = [kv, fl]
+            args = dict(kv=kv.local.view(np.uint16).reshape(2, W, 2, b, s, hk, d),
+                        kv_words=kv.local, kv_ptrs=kv.ptrs, flags=fl.local, flag_ptrs=fl.ptrs)
+            self._flag_arrays = [fl.local]
+        else:                     # one GPU: no slots to fill, the kernel reads k and v
+            args = dict(kv=cuda.to_device(np.zeros((1, 1, 1, 1, 1, 1, 4), np.uint16)),
+                        kv_words=cuda.to_device(z64), kv_ptrs=cuda.to_device(z64),
+                        flags=cuda.to_device(z32), flag_ptrs=cuda.to_device(z64))
+            self._flag_arrays = []
+        if self.nodes > 1:
+            if comm.proxy is None:
+                raise MkError(f"{self.name}: {self.nodes} nodes need the proxy, which this "
+                              "Comm did not start")
+            arrive = comm.alloc_flags(W * 2 * self.parts)
+            self._buffers.append(arrive)
+            self._flag_arrays.append(arrive.local)
+            self._wins = (comm.proxy.register(kv), comm.proxy.register(arrive))
+            ring, head, tail = comm.proxy.device_args()
+            args.update(arrive=arrive.local, ring=ring, head=head, tail=tail,
+                        rail=cuda.to_device(np.array(comm.rail_peers, np.int32)))
+        else:
+            args.update(arrive=cuda.to_device(z32), ring=cuda.mapped_array(12, np.uint32),
+                        head=cuda.to_device(z32), tail=cuda.mapped_array(1, np.uint32),
+                        rail=cuda.to_device(np.zeros(1, np.int32)))
+        self._device_args = args
+        if comm is not None:
+            self.err, self.timeout_ns = comm.new_error_record(), comm.timeout_ns
+        else:
+            from ...runtime import default_timeout_ns
+            self.err = cuda.mapped_array(ERR_WORDS, dtype=np.int64)
+            self.err[:] = 0
+            self.timeout_ns = default_timeout_ns()
+
+    def __call__(self, q, k, v, out=None, lse=None, stream=None):
+        """q [batch, seq_local, heads, d], k and v [batch, seq_local, kv_heads, d] (bf16) ->
+        ``(out, lse)``: out like q (bf16), lse [batch, heads, seq_local] fp32 (natural log).
+        PyTorch tensors in -> tensors out; other arrays (bf16 as ml_dtypes.bfloat16 or bits as
+        uint16/int16) -> numba arrays (out as bf16 bits, uint16)."""
+        if self.freed:
+            raise MkError(f"{self.name}: called after free()")
+        self._check_error(f"{self.name} (an earlier call)")
+        b, s, h, hk, d, dev = self.batch, self.seq, self.heads, self.kv_heads, self.d, self.device
+        Q = operand(q, self.name, "q", shape=(b, s, h, d), device_id=dev, align=8)
+        K = operand(k, self.name, "k", shape=(b, s, hk, d), device_id=dev, align=8)
+        V = operand(v, self.name, "v", shape=(b, s, hk, d), device_id=dev, align=8)
+        if not Q.torch == K.torch == V.torch:
+            raise MkValueError(f"{self.name}: q, k and v must all be PyTorch tensors or all "
+                               "device arrays")
+        if out is None:
+            out = new_output(q, Q.torch, (b, s, h, d))
+        if lse is None:
+            lse = new_output(q, Q.torch, (b, h, s), "float32")
+        O = operand(out, self.name, "out", shape=(b, s, h, d), device_id=dev, align=8)
+        L_ = operand(lse, self.name, "lse", dtypes=("float32",), shape=(b, h, s),
+                     device_id=dev, align=4)
+        st = stream_handle(stream, dev if Q.torch else None)
+        L = self.launch
+        u16 = np.uint16
+        with L.lock:                      # one call at a time binds and launches
+            self.streams.enter(st)
+            L.bind("q", Q.as_param(u16, (b, s, h, d)))
+            L.bind("k", K.as_param(u16, (b, s, hk, d)))
+            L.bind("v", V.as_param(u16, (b, s, hk, d)))
+            L.bind("k_words", K.as_param(np.uint64, (self.words,)))
+            L.bind("v_words", V.as_param(np.uint64, (self.words,)))
+            L.bind("out", O.as_param(u16, (b, s, h, d)))
+            L.bind("lse", L_.as_param(np.float32, (b, h, s)))
+            if self.user_maps is not None:
+                L.bind("user_maps", self.user_maps.row((Q.ptr, K.ptr, V.ptr), st))
+            L(st)
+        return out, lse
+
+    def _check_error(self, what):
+        if self.comm is not None:
+            self.comm.check(self.err, what)
+        else:
+            raise_if_timed_out(self.err, what)
+
+    def synchronize(self, stream=None):
+        """Wait for this rank's calls (on ``stream``, default the stream of the last call);
+        raise MkTimeoutError if a device wait expired."""
+        if self.comm is not None:
+            self.comm.synchronize(stream if stream is not None else (self.streams.last or 0))
+        elif not SIMULATOR:
+            cuda.synchronize()
+        self._check_error(self.name)
+
+    def _start_at(self, calls):
+        """Tests: set this rank's state as if ``calls`` calls had run (see GemmReduce)."""
+        self.synchronize()
+        self.frame.start_at(calls, self._flag_arrays)
+
+    def free(self):
+        """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
+        if self.freed:
+            return
+        self.synchronize()
+        for buf in self._buffers:
+            self.comm.free(buf)
+        self._buffers = []
+        self.freed = True
+
+
+_SINGLE = {}    # one op per shape and GPU, kept (a captured graph may refer to it)
+
+
+def attention(q, k, v, causal=False, scale=None, out=None, lse=None, stream=None,
+              tile="auto"):
+    """Attention on one GPU: q [batch, seq, heads, d], k and v [batch, seq, kv_heads, d] (bf16)
+    -> ``(out, lse)``, out like q (bf16) and lse [batch, heads, seq] (fp32, natural log);
+    causal masks keys after each query; tile: as for :class:`RingAttention`. The compute role
+    of :class:`RingAttention` on a world of one (planned once per shape; ``attention.op(...)``
+    returns that plan, e.g. to see which tile it runs)."""
+    if not hasattr(q, "shape") or len(q.shape) != 4 or not hasattr(k, "shape") or \
+            len(k.shape) != 4:
+        raise MkValueError("mknumba.attention: q, k and v must be 4-d [batch, seq, heads, d]")
+    op = _single(tuple(int(x) for x in q.shape), int(k.shape[2]), causal, scale, tile)
+    return op(q, k, v, out=out, lse=lse, stream=stream)
+
+
+def _single(q_shape, kv_heads, causal=False, scale=None, tile="auto"):
+    b, s, h, d = q_shape
+    key = (b, s, h, kv_heads, d, bool(causal), scale, tile,
+           None if SIMULATOR else cuda.get_current_device().id)
+    if key not in _SINGLE:
+        _SINGLE[key] = RingAttention(None, b, s, h, kv_heads, d, causal=causal, scale=scale,
+                                     tile=tile)
+    return _SINGLE[key]
+
+
+attention.op = _single
