@@ -78,10 +78,7 @@ class SymmMem:
 
 def bench_topology(comm, dist, args, records, log):
     import torch
-    topo = f"{comm.nodes}x{comm.local_size}"
-    paced = comm.nodes > 1 and args.pace_gbps > 0
-    transport = "nvlink" if comm.nodes == 1 else (
-        f"dma:{args.mode}@{args.pace_gbps:g}GB/s" if paced else f"dma:{args.mode}")
+    topo, paced, transport = common.transport_of(comm, args)
     W, G = comm.size, comm.local_size
     symm = SymmMem(dist) if comm.nodes == 1 else None
     for m, n, k, family in shapes(args, W):
@@ -186,23 +183,7 @@ def main():
     args.paper = [int(s) for s in args.paper.split(",") if s]
     args.llama_m = [int(s) for s in args.llama_m.split(",") if s]
     args.sweep = [int(s) for s in args.sweep.split(",") if s]
-    from mpi4py import MPI
-    rank = MPI.COMM_WORLD.Get_rank()
-    dist = common.init_nccl(29561)
-    records = []
-
-    def log(msg):
-        if rank == 0:
-            print(msg, flush=True)
-    for topo in args.topology.split(","):
-        comm, _ = common.init_topology(topo, args)
-        try:
-            bench_topology(comm, dist, args, records, log)
-        finally:
-            comm.finalize()
-        if rank == 0:
-            common.write(records, args.out)           # keep what we have after each topology
-    dist.destroy_process_group()
+    common.run_topologies(args, bench_topology, args.topology.split(","), 29561)
 
 
 if __name__ == "__main__":

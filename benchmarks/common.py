@@ -46,6 +46,14 @@ def init_topology(topology, args):
     return comm, nodes
 
 
+def transport_of(comm, args):
+    """(topology "NxG", paced, transport name) of a Comm made by :func:`init_topology`."""
+    paced = comm.nodes > 1 and args.pace_gbps > 0
+    transport = "nvlink" if comm.nodes == 1 else (
+        f"dma:{args.mode}@{args.pace_gbps:g}GB/s" if paced else f"dma:{args.mode}")
+    return f"{comm.nodes}x{comm.local_size}", paced, transport
+
+
 def init_nccl(port=29541, device=None):
     """torch.distributed over NCCL on the MPI world; returns the module. device: this rank's
     GPU (default: rank modulo the GPUs visible)."""
@@ -125,3 +133,26 @@ def write(records, path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(records, f, indent=1)
+
+
+def run_topologies(args, bench_topology, topologies, port):
+    """Each topology ("NxG") in turn on the MPI world: ``bench_topology(comm, dist, args,
+    records, log)`` appends records, which are written to ``args.out`` after each topology;
+    ``log`` prints on rank 0. One NCCL group (torch.distributed) for all of them."""
+    from mpi4py import MPI
+    rank = MPI.COMM_WORLD.Get_rank()
+    dist = init_nccl(port)
+    records = []
+
+    def log(msg):
+        if rank == 0:
+            print(msg, flush=True)
+    for topo in topologies:
+        comm, _ = init_topology(topo, args)
+        try:
+            bench_topology(comm, dist, args, records, log)
+        finally:
+            comm.finalize()
+        if rank == 0:
+            write(records, args.out)           # keep what we have after each topology
+    dist.destroy_process_group()

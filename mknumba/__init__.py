@@ -7,12 +7,14 @@
 """
 from . import _compat  # noqa: F401  (must run before numba.cuda compiles anything)
 from .arrays import from_bf16_bits, to_bf16_bits
-from .errors import MkError, MkPerformanceWarning, MkTimeoutError, MkValueError
+from .errors import (MkCapacityError, MkError, MkPerformanceWarning, MkTimeoutError,
+                     MkValueError)
 from .kernels.allgather import AllGather
 from .kernels.allgather_gemm import AllGatherGemm
 from .kernels.gemm import Gemm, gemm
 from .kernels.gemm_ar import GemmAllReduce
 from .kernels.gemm_rs import GemmReduceScatter
+from .kernels.moe_dispatch import MoeDispatchGemm, MoeLayout
 from .kernels.ring_attention import RingAttention, attention
 from .runtime import Comm, finalize, init
 from .topology import Topology, make_topology
@@ -20,5 +22,6 @@ from .topology import Topology, make_topology
 __version__ = "0.1.0"
 __all__ = ["init", "finalize", "Comm", "AllGather", "AllGatherGemm", "Gemm", "gemm",
            "GemmReduceScatter", "GemmAllReduce", "Topology", "make_topology",
-           "MkError", "MkValueError", "MkTimeoutError", "MkPerformanceWarning",
-           "to_bf16_bits", "from_bf16_bits", "RingAttention", "attention"]
+           "MkError", "MkValueError", "MkTimeoutError", "MkCapacityError", "MkPerformanceWarning",
+           "to_bf16_bits", "from_bf16_bits", "RingAttention", "attention", "MoeDispatchGemm",
+           "MoeLayout"]

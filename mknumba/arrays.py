@@ -82,6 +82,8 @@ class Operand:
 
 
 def _row_major(shape, strides):
+    if 0 in shape:
+        return True           # nothing to lay out (a rank with no tokens this call)
     expect = 1
     for s, n in zip(reversed(shape), reversed(strides)):
         if n != expect and s != 1:

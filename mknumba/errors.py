@@ -18,6 +18,11 @@ class MkTimeoutError(MkError, TimeoutError):
     """A bounded device-side wait expired: names the rank, role and flag it was waiting on."""
 
 
+class MkCapacityError(MkError):
+    """More rows came to a rank than its op was planned for (the device found it and stopped
+    instead of writing past its buffers)."""
+
+
 class MkPerformanceWarning(RuntimeWarning):
     """The run will work, but a setting will cost time (e.g. the proxy has no core of its own)."""
 
@@ -29,15 +34,18 @@ ROLE_NAMES = {ROLE_COMPUTE: "compute", ROLE_INTRA: "intra-node comm", ROLE_SEND:
               ROLE_TEST: "test"}
 
 # Layout of the error record: one int64 per field.
-ERR_SET, ERR_RANK, ERR_ROLE, ERR_FLAG, ERR_EXPECTED, ERR_SEEN, ERR_BLOCK = range(7)
+ERR_SET, ERR_RANK, ERR_ROLE, ERR_FLAG, ERR_EXPECTED, ERR_SEEN, ERR_BLOCK, ERR_KIND = range(8)
 ERR_WORDS = 8
+#: ERR_KIND: a wait expired (the fields say which), or more rows arrived than planned
+#: (ERR_EXPECTED: the planned capacity, ERR_SEEN: the rows that came)
+KIND_TIMEOUT, KIND_CAPACITY = 0, 1
 
 
 def raise_if_timed_out(rec, what=""):
     """Raise :class:`MkTimeoutError` describing the error record ``rec`` if a wait wrote it."""
     msg = describe_error_record(rec, what)
     if msg:
-        raise MkTimeoutError(msg)
+        raise (MkCapacityError if rec[ERR_KIND] == KIND_CAPACITY else MkTimeoutError)(msg)
 
 
 def describe_error_record(rec, what=""):
@@ -46,6 +54,11 @@ def describe_error_record(rec, what=""):
     if rec[ERR_SET] == 0:
         return ""
     role = ROLE_NAMES.get(int(rec[ERR_ROLE]), f"role {int(rec[ERR_ROLE])}")
+    if rec[ERR_KIND] == KIND_CAPACITY:
+        return (f"{what + ': ' if what else ''}rank {int(rec[ERR_RANK])}, {role} role (block "
+                f"{int(rec[ERR_BLOCK])}): {int(rec[ERR_SEEN])} rows were routed to this rank, "
+                f"more than the {int(rec[ERR_EXPECTED])} it was planned for; nothing was "
+                "written past them. Plan with a larger capacity (or max_tokens).")
     return (f"{what + ': ' if what else ''}rank {int(rec[ERR_RANK])}, {role} role (block "
             f"{int(rec[ERR_BLOCK])}) timed out waiting on flag {int(rec[ERR_FLAG])} to reach epoch "
             f"{int(rec[ERR_EXPECTED])}; it last held {int(rec[ERR_SEEN])}. A peer rank probably "

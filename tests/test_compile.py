@@ -157,6 +157,10 @@ def _hopper_kernel(name):
         from mknumba.kernels.allgather_gemm import kernel as K
         _, threads, kernel = K.build(SM90_FUSED_TILE)
         return kernel, threads
+    if name == "moe_dispatch_gemm":
+        from mknumba.kernels.moe_dispatch import kernel as K
+        _, threads, kernel = K.build(SM90_FUSED_TILE)
+        return kernel, threads
     from mknumba.kernels.ring_attention import make_kernel
     from mknumba.roles.attention import SM90_THREADS
     return make_kernel("sm90"), SM90_THREADS
@@ -168,7 +172,8 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     the kernel makes a call, and a 64-bit divide by a run-time value is one (so is range() with
     a run-time step): kernels divide with primitives.udiv32 / steps (what serialized wgmma
     cost the GEMM: benchmarks/NOTES.md).
-    (allgather_gemm: checked in its own test below, which links it anyway.)"""
+    (allgather_gemm and moe_dispatch_gemm: checked in their own tests below, which link them
+    anyway.)"""
     ptx, log = _link_sm90a(*_hopper_kernel(name), fake_sm90)
     assert "wgmma.mma_async" in ptx
     assert "serialized" not in log, log
@@ -219,3 +224,22 @@ def test_divides_without_64bit_divides_agree_with_python():
     the simulator runs them, against Python's own integer division."""
     from mpi_util import run_python
     assert "divides ok" in run_python(DIVIDES)
+
+
+def test_moe_dispatch_gemm_kernel_compiles_for_sm90a(fake_sm90):
+    """MoeDispatchGemm's kernel (the grouped GEMM around the fused ops' Hopper tile, each
+    tile with its expert's tensor maps) compiles for its declaration and links: the
+    counts and token units are published at system scope on every GPU and polled with acquire
+    loads; the compute role's wait for a tile row is followed by the proxy fence before the
+    tile's TMA loads; no multicast; no serialized wgmma and no 64-bit divide (see
+    test_hopper_kernels_keep_wgmma_asynchronous). Its SIMT twin runs in the simulator
+    (uncompiled there; left out here for CI time)."""
+    ptx, log = _link_sm90a(*_hopper_kernel("moe_dispatch_gemm"), fake_sm90)
+    assert "serialized" not in log, log
+    assert not re.search(r"\b(div|rem)\.[su]64\b", ptx), "a 64-bit divide"
+    assert ptx.count("wgmma.mma_async") >= 4, "wgmma missing"
+    for instr in ("cp.async.bulk.tensor.2d", "fence.proxy.async.global", "ld.acquire.sys",
+                  "ld.acquire.gpu", "st.release.sys", "st.release.gpu", "fence.acq_rel.sys",
+                  "atom.add.relaxed.gpu.u64"):
+        assert instr in ptx, instr
+    assert "multimem" not in ptx                  # never NVLink multicast

@@ -79,6 +79,20 @@ def check_shapes(m, n, k, op="mknumba.gemm"):
                            "be any size)")
 
 
+def fused_tile(tile, op):
+    """``(kind, TileBuild)`` a fused op runs for its ``tile=`` option: :func:`kind_for`, with
+    "auto" on sm_90a the build whose own warp publishes tile flags
+    (``roles.compute.SM90_FUSED_TILE``); a timing-only build is refused."""
+    kind = kind_for(tile, op)
+    if tile == "auto" and kind == "sm90":
+        kind = compute.SM90_FUSED_TILE
+    build = compute.tile_build(kind)
+    if build.timing_only:
+        raise MkValueError(f"{op}: tile build {tile!r} leaves the output unwritten "
+                           "(timing only)")
+    return kind, build
+
+
 def kind_for(tile, op="mknumba.gemm"):
     """The tile build a ``tile=`` option picks on this machine (see :class:`Gemm`)."""
     if tile not in ("auto", "sm90", "simt"):

@@ -37,7 +37,7 @@ from ..errors import MkError, MkValueError
 from ..primitives import FRAME_WORDS, epoch_of_host
 
 __all__ = ["array_type", "params", "signature", "compile_kernel", "pack", "Slot", "param",
-           "Launch", "Frame", "stream_handle", "StreamOrder", "is_capturing"]
+           "Launch", "Frame", "stream_handle", "StreamOrder", "is_capturing", "OpLifetime"]
 
 
 def array_type(dtype, ndim):
@@ -359,3 +359,35 @@ class StreamOrder:
             if err != drv.CUresult.CUDA_SUCCESS:
                 raise MkError(f"{self.name}: could not order stream {stream:#x} after "
                               f"{last:#x}: {err}")
+
+
+class OpLifetime:
+    """What an op on a Comm does between and after calls (a mixin): :meth:`synchronize`,
+    :meth:`free`, :meth:`_start_at`. The op sets ``name``, ``comm``, ``streams`` (a
+    :class:`StreamOrder`), ``err`` (its error record), ``frame`` (its :class:`Frame`),
+    ``_buffers`` (its symmetric buffers), ``freed``, and ``_epoch_flags`` (its epoch flag
+    arrays on this GPU)."""
+
+    def synchronize(self, stream=None):
+        """Wait for this rank's calls (on ``stream``, default the stream of the last call);
+        raise the error a device wait or check recorded (MkTimeoutError, ...)."""
+        self.comm.synchronize(stream if stream is not None else (self.streams.last or 0))
+        self.comm.check(self.err, self.name)
+
+    def free(self):
+        """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
+        if self.freed:
+            return
+        self.comm.synchronize(self.streams.last or 0)
+        for buf in self._buffers:
+            self.comm.free(buf)
+        self._buffers = []
+        self.freed = True
+
+    def _start_at(self, calls):
+        """Tests: set this rank's state as if ``calls`` calls had run (the call counter and
+        every epoch flag), e.g. just short of 2**32, to run the next calls across the wrap.
+        Collective in effect: every rank must do it with the same ``calls`` between calls,
+        after synchronising."""
+        self.comm.synchronize(self.streams.last or 0)
+        self.frame.start_at(calls, self._epoch_flags)

@@ -31,6 +31,14 @@ def begin(frame):
     return prim.epoch_of(call), call
 
 
+@cuda.jit(device=True, inline=True)
+def launch_context(frame, timeout_ns, err, rank):
+    """:func:`begin`, then the context every role of a fused kernel takes: ``(epoch, call,
+    deadline, err, rank)``, the deadline of every wait ``timeout_ns`` from now."""
+    epoch, call = begin(frame)
+    return (epoch, call, prim.globaltimer() + timeout_ns, err, rank)
+
+
 @cuda.jit(device=True)
 def copy_tile(src, src_off, dst, dst_off, n):
     """dst[dst_off : dst_off+n] = src[src_off : src_off+n], by all threads of the block.

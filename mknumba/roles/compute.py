@@ -219,7 +219,7 @@ def gemm_tile_simt(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, 
     return cuda.threadIdx.x == 0
 
 
-def make_compute_role(tile_init, tile, destination):
+def make_compute_role(tile_init, tile, destination, grouped=None):
     """The compute role around one tile implementation (the plain GEMM and the fused kernels).
 
     ``compute_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where)``: compute
@@ -236,29 +236,51 @@ def make_compute_role(tile_init, tile, destination):
     the next tile while the consumers finish this one, and a block barrier would stall it.
     ``where`` is the kernel's tuple of what they need (:data:`OWN_TILE`, :data:`TO_OWNER`,
     ``kernels.allgather_gemm``).
+
+    ``grouped = (work, operands)`` (a grouped GEMM, ``kernels.moe_dispatch``): ``work(where,
+    epoch, tiles)`` -> how many entries of ``order`` this call runs (``tiles`` is the planned
+    length; it may wait, in every thread, for what decides it: the routing counts), and
+    ``operands(where, tm, a, b, tmaps) -> (a, b, tmaps)`` the tile row's A (whose rows end
+    where the tile's stores stop), B and tensor maps (one expert's). Default: every entry of
+    ``order``, the role's own operands.
     """
     place, ready = destination
+    work, operands = grouped if grouped is not None else (all_tiles, same_operands)
 
     @cuda.jit(device=True)
     def compute_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where):
-        m, k = a.shape
-        n = b.shape[0]
         tile_init(smem, tmaps)
         cuda.syncthreads()
         seq = 0
+        tiles = work(where, epoch, order.shape[0])
         i = blk         # no range() with a run-time step, no 64-bit divide: see udiv32
-        while i < order.shape[0]:
+        while i < tiles:
             t = order[i]
             tm = udiv32(t, tiles_n)
             i += blocks
+            ta, tb, tt = operands(where, tm, a, b, tmaps)
+            m, k = ta.shape
+            n = tb.shape[0]
             c, c_row0, addend, adds, flags, idx, system = place(where, t, tm)
             if not ready(where, t, adds, epoch):   # each thread acquires the tile's inputs
                 adds = 0              # timed out (recorded): store the product alone, go on
-            if tile(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tm, t - tm * tiles_n,
+            if tile(smem, tt, ta, tb, c, c_row0, addend, adds, m, n, k, tm, t - tm * tiles_n,
                     seq):
                 release(flags, idx, epoch, system)   # the tile's stores (its barrier) first
             seq += 1
     return compute_role
+
+
+@cuda.jit(device=True, inline=True)
+def all_tiles(where, epoch, tiles):
+    """Every entry of the tile order (the default ``work`` of :func:`make_compute_role`)."""
+    return tiles
+
+
+@cuda.jit(device=True, inline=True)
+def same_operands(where, tm, a, b, tmaps):
+    """The role's own A, B and tensor maps for every tile (the default ``operands``)."""
+    return a, b, tmaps
 
 
 @cuda.jit(device=True, inline=True)
@@ -333,6 +355,26 @@ if not SIMULATOR:
                                 SM90_SMEM_BYTES, True, False)
 
 
+class KernelBuilds:
+    """The persistent kernels of one op, one per tile build, made on first use:
+    ``builds(kind) -> (TileBuild, threads per block, kernel)``, ``make_kernel(init, tile, bm,
+    bn, threads)`` making the kernel (the SIMT tile runs 32 threads in the simulator, whose
+    threads are Python threads)."""
+
+    def __init__(self, make_kernel):
+        import threading
+        self.make_kernel, self.kernels, self.lock = make_kernel, {}, threading.Lock()
+
+    def __call__(self, kind):
+        b = tile_build(kind)
+        with self.lock:
+            if kind not in self.kernels:
+                threads = (32 if SIMULATOR else SIMT_THREADS) if kind == "simt" else b.threads
+                self.kernels[kind] = (threads, self.make_kernel(b.init, b.tile, *b.shape,
+                                                                threads))
+        return (b, *self.kernels[kind])
+
+
 def tile_build(name):
     """The tile build called ``name``: ``"simt"``, ``"sm90"`` (the library's Hopper tile),
     ``"sm90:e<E>p<P>"`` (gemm_tile.cu built with MK_EPILOGUE=E and MK_PUBLISHER=P, made on first
@@ -361,6 +403,6 @@ __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM9
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions",
            "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16",
-           "make_compute_role", "own_tile", "to_owner", "TileBuild", "tile_build",
+           "make_compute_role", "own_tile", "to_owner", "TileBuild", "tile_build", "KernelBuilds",
            "register_tile",
            "HELPER"] + ([] if SIMULATOR else ["gemm_init_sm90", "gemm_tile_sm90"])

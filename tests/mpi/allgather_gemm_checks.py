@@ -34,15 +34,13 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
             the rank, the role and the flag within the bound (plus the simulator's slack);
             the next call refuses.
 """
-import sys
-import time
 
 import numpy as np
 
 import mknumba as mk
-from frame_checks import (Arrays, ag_out, ag_ref, bits_f64, check_close, expected_after,
-                          rand_bits, rand_f32, same_bits, _refused)
-from mknumba._compat import SIMULATOR
+from frame_checks import (ag_out, ag_ref, bits_f64, check_close, check_peer_never_calls,
+                          expected_after, rand_bits, rand_f32, run_checks, same_bits, say,
+                          _refused)
 
 
 def shard_rows(comm, opts):
@@ -240,40 +238,12 @@ def check_alternate(comm, opts, A, rounds=2):
 
 def check_timeout(comm, opts, A, bound_s=3.0):
     m, n = opts["m"], opts["n"]
-    saved, comm.timeout_ns = comm.timeout_ns, int(bound_s * 1e9)   # as mk.init(timeout_s=3)
-    try:
-        op = make_op(comm, opts)
-    finally:
-        comm.timeout_ns = saved
-    if comm.rank == 0:                       # nobody else calls: their rows never come
-        a_bits, b_bits = inputs(comm, opts, 0, 6)
-        a, b = A.dev(a_bits), A.dev(b_bits)
-        t0 = time.monotonic()
-        op(a, b, out=A.poisoned((m, n)))
-        try:
-            op.synchronize()
-        except mk.MkTimeoutError as e:
-            took, msg = time.monotonic() - t0, str(e)
-            slack = 60.0 if SIMULATOR else 2.0     # the simulator runs blocks one by one
-            assert took <= bound_s + slack, f"raised after {took:.1f} s, bound {bound_s} s"
-            for words in ("AllGatherGemm", "rank 0", "compute role", "to reach epoch 1"):
-                assert words in msg, f"{words!r} not in: {msg}"
-        else:
-            raise AssertionError("a call whose peers never called did not time out")
-        try:                                 # the op stays poisoned: later calls refuse
-            op(a, b)
-        except mk.MkTimeoutError:
-            pass
-        else:
-            raise AssertionError("a timed-out op accepted another call")
-    comm.barrier()
-    op.free()
-    say("timeout", comm, f"bound={bound_s}s")
-
-
-def say(check, comm, what):
-    print(f"PASS {check} rank {comm.rank} topology {comm.nodes}x{comm.local_size} {what}",
-          flush=True)
+    a_bits, b_bits = inputs(comm, opts, 0, 6)
+    a, b = A.dev(a_bits), A.dev(b_bits)
+    check_peer_never_calls(comm, lambda: make_op(comm, opts),
+                           lambda op: op(a, b, out=A.poisoned((m, n))),
+                           ("AllGatherGemm", "rank 0", "compute role", "to reach epoch 1"),
+                           bound_s)
 
 
 CHECKS = dict(calls=check_calls, inplace=check_inplace, bad=check_bad, disagree=check_disagree,
@@ -281,25 +251,8 @@ CHECKS = dict(calls=check_calls, inplace=check_inplace, bad=check_bad, disagree=
 
 
 def main():
-    names = sys.argv[1].split(",")
-    opts = dict(m=64, n=40, k=24, calls=4, part_rows=0, seed=4321, arrays="numba", ag=24)
-    for arg in sys.argv[2:]:
-        key, value = arg.split("=", 1)
-        assert key in opts, f"unknown option {key}"
-        opts[key] = value if key == "arrays" else int(value)
-    for name in names:
-        assert name in CHECKS, f"unknown check {name}; one of {sorted(CHECKS)}"
-    with mk.init() as comm:
-        if not SIMULATOR and opts["arrays"] == "torch":
-            import torch
-            torch.cuda.set_device(comm.device_id)
-        A = Arrays(opts["arrays"])
-        for name in names:
-            t0 = time.perf_counter()
-            CHECKS[name](comm, opts, A)
-            print(f"time {name} rank {comm.rank} {time.perf_counter() - t0:.1f}s", flush=True)
-        comm.barrier()
-
+    run_checks(CHECKS, dict(m=64, n=40, k=24, calls=4, part_rows=0, seed=4321, arrays="numba",
+                            ag=24))
 
 if __name__ == "__main__":
     main()

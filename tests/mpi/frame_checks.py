@@ -240,6 +240,64 @@ def say(check, comm, what):
           flush=True)
 
 
+def check_peer_never_calls(comm, make_op, call, words, bound_s):
+    """The timeout check of an op on 2+ ranks: ``make_op()`` with every wait bounded by
+    ``bound_s`` (as ``mk.init(timeout_s=...)``), then only rank 0 calls (``call(op)``): its
+    wait for the others expires, and synchronize() raises MkTimeoutError within the bound
+    (plus the simulator's slack) with ``words`` in its message; the next call refuses. Every
+    rank frees the op."""
+    saved, comm.timeout_ns = comm.timeout_ns, int(bound_s * 1e9)
+    try:
+        op = make_op()
+    finally:
+        comm.timeout_ns = saved
+    if comm.rank == 0:                       # nobody else calls: their part never comes
+        t0 = time.monotonic()
+        call(op)
+        try:
+            op.synchronize()
+        except mk.MkTimeoutError as e:
+            took, msg = time.monotonic() - t0, str(e)
+            slack = 60.0 if SIMULATOR else 2.0     # the simulator runs blocks one by one
+            assert took <= bound_s + slack, f"raised after {took:.1f} s, bound {bound_s} s"
+            for w in words:
+                assert w in msg, f"{w!r} not in: {msg}"
+        else:
+            raise AssertionError("a call whose peers never called did not time out")
+        try:                                 # the op stays poisoned: later calls refuse
+            call(op)
+        except mk.MkTimeoutError:
+            pass
+        else:
+            raise AssertionError("a timed-out op accepted another call")
+    comm.barrier()
+    op.free()
+    say("timeout", comm, f"bound={bound_s}s")
+
+
+def run_checks(checks, defaults, strings=("arrays",)):
+    """The main of an op's check program: ``argv[1]`` names checks of ``checks`` (comma
+    list), ``key=value`` arguments override ``defaults`` (integers, except ``strings``); each
+    check runs as ``check(comm, opts, Arrays(opts["arrays"]))`` on one Comm, timed."""
+    names = sys.argv[1].split(",")
+    opts = dict(defaults)
+    for arg in sys.argv[2:]:
+        key, value = arg.split("=", 1)
+        assert key in opts, f"unknown option {key}"
+        opts[key] = value if key in strings else int(value)
+    for name in names:
+        assert name in checks, f"unknown check {name}; one of {sorted(checks)}"
+    with mk.init() as comm:
+        if not SIMULATOR and opts["arrays"] == "torch":
+            _torch().cuda.set_device(comm.device_id)
+        A = Arrays(opts["arrays"])
+        for name in names:
+            t0 = time.perf_counter()
+            checks[name](comm, opts, A)
+            print(f"time {name} rank {comm.rank} {time.perf_counter() - t0:.1f}s", flush=True)
+        comm.barrier()
+
+
 # ---- inplace ------------------------------------------------------------------------------------
 def check_inplace(comm, opts, A):
     """One a, one b, updated in place between calls; the result follows the update."""

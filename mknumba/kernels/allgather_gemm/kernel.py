@@ -6,8 +6,6 @@ its waits timed out (the error record says which), so the block can end. A shard
 ``uint64`` words (4 bf16, ``roles.reduce.copy_tile_2d``); a part of a shard is ``rows`` whole
 rows of ``k / 4`` words, contiguous in every buffer.
 """
-import threading
-
 import numpy as np
 from numba import cuda, types
 
@@ -16,7 +14,7 @@ from ... import primitives as prim
 from ..._compat import SIMULATOR
 from ...errors import ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV
 from ...roles import compute
-from ...roles.blocks import begin, publish, wait
+from ...roles.blocks import launch_context, publish, wait
 from ...roles.reduce import copy_tile_2d
 from ...roles.send import enqueue
 from ..launch import array_type
@@ -190,9 +188,8 @@ def make_kernel(tile_init, tile, bm, bn, threads):
         rail int32: the rail peers' world ranks; ring/head/tail: the proxy's command ring;
         frame: the op's call counter (``kernels.launch.Frame``); err: the error record."""
         smem = cuda.shared.array(0, dtype=_BYTE)
-        epoch, call = begin(frame)
-        deadline = prim.globaltimer() + timeout_ns
-        ctx = (epoch, call, deadline, err, rank)
+        ctx = launch_context(frame, timeout_ns, err, rank)
+        epoch, call, deadline = ctx[0], ctx[1], ctx[2]
         blk = cuda.blockIdx.x
         send_end, forward_end = cfg[C_SEND_END], cfg[C_FORWARD_END]
         collect_end = cfg[C_COLLECT_END]
@@ -217,16 +214,5 @@ def make_kernel(tile_init, tile, bm, bn, threads):
     return allgather_gemm_kernel
 
 
-SIMT_THREADS = 32 if SIMULATOR else compute.SIMT_THREADS   # the simulator runs threads in Python
-_KERNELS = {}             # tile build name -> (threads per block, persistent kernel)
-_LOCK = threading.Lock()
-
-
-def build(kind):
-    """(roles.compute.TileBuild, threads per block, kernel) of a tile build name."""
-    b = compute.tile_build(kind)
-    with _LOCK:
-        if kind not in _KERNELS:
-            threads = SIMT_THREADS if kind == "simt" else b.threads
-            _KERNELS[kind] = (threads, make_kernel(b.init, b.tile, *b.shape, threads))
-    return (b, *_KERNELS[kind])
+#: (roles.compute.TileBuild, threads per block, kernel) of a tile build name
+build = compute.KernelBuilds(make_kernel)

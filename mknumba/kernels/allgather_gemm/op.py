@@ -7,13 +7,13 @@ from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
 from ..gemm_inputs import NoTensorMaps, TensorMaps, Transposer, b_mode
-from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, is_capturing, pack,
-                      param, stream_handle)
+from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
+                      is_capturing, pack, param, stream_handle)
 from .kernel import CFG_FIELDS, build
 from .plan import AllGatherGemmPlan
 
 
-class AllGatherGemm(AllGatherGemmPlan):
+class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
     """``out = AllGather(a) @ b`` in one persistent launch (a column-parallel linear layer).
 
     comm: the :class:`mknumba.Comm`; m: rows of the gathered A (every rank holds ``m / world``
@@ -55,6 +55,7 @@ class AllGatherGemm(AllGatherGemmPlan):
         self.flags = comm.alloc_flags(W * P)
         self._buffers = [self.gathered_buf, self.flags]
         self.tile_flags = cuda.to_device(np.zeros(self.tiles_m * self.tiles_n, np.uint32))
+        self._epoch_flags = [self.flags.local, self.tile_flags]
         base = _address(self.gathered_buf.local)         # the slots' tensor maps
         self._slot_ptr = (None, None) if base is None else (base, base + m * k * 2)
         z32 = np.zeros(1, np.uint32)
@@ -186,30 +187,6 @@ class AllGatherGemm(AllGatherGemmPlan):
                               "the transposed copy's buffer), or pass w.T")
             self._transpose = Transposer(self.k, self.n)
         return self._transpose
-
-    def synchronize(self, stream=None):
-        """Wait for this rank's calls (on ``stream``, default the stream of the last call);
-        raise MkTimeoutError if a device wait expired."""
-        self.comm.synchronize(stream if stream is not None else (self.streams.last or 0))
-        self.comm.check(self.err, self.name)
-
-    def free(self):
-        """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
-        if self.freed:
-            return
-        self.comm.synchronize(self.streams.last or 0)
-        for buf in self._buffers:
-            self.comm.free(buf)
-        self._buffers = []
-        self.freed = True
-
-    def _start_at(self, calls):
-        """Tests: set this rank's state as if ``calls`` calls had run (the call counter and
-        every epoch flag), e.g. just short of 2**32, to run the next calls across the wrap.
-        Collective in effect: every rank must do it with the same ``calls`` between calls,
-        after synchronising."""
-        self.comm.synchronize(self.streams.last or 0)
-        self.frame.start_at(calls, [self.flags.local, self.tile_flags])
 
 
 def _address(arr):

@@ -7,9 +7,8 @@ from numba import cuda
 
 from ..._compat import SIMULATOR
 from ...errors import MkValueError
-from ...roles import compute
 from ...sched.tiles import arrival_order, cdiv, default_group_m, gather_order
-from ..gemm import check_shapes, kind_for
+from ..gemm import check_shapes, fused_tile
 
 #: Bytes of a shard's part that crosses the network in one proxy command (the host proxy
 #: spends microseconds per command: ``sched.split.CHUNK_BYTES``).
@@ -48,13 +47,7 @@ class AllGatherGemmPlan:
         check_shapes(m, n, k, self.name)
         self.comm, self.m, self.n, self.k, self.world = comm, m, n, k, W
         self.shard = m // W
-        self.kind = kind_for(tile, self.name)
-        if tile == "auto" and self.kind == "sm90":
-            self.kind = compute.SM90_FUSED_TILE   # a warp of its own publishes tile flags
-        self.build = compute.tile_build(self.kind)
-        if self.build.timing_only:
-            raise MkValueError(f"{self.name}: tile build {tile!r} leaves the output unwritten "
-                               "(timing only)")
+        self.kind, self.build = fused_tile(tile, self.name)
         self.bm, self.bn = self.build.shape
         G, nodes = comm.local_size, comm.nodes
         self.topology = f"{nodes}x{G}"

@@ -9,13 +9,13 @@ from ...errors import ERR_SET, MkError, MkValueError
 from ...sched.reduce import nonempty
 from ..gemm import Gemm
 from ..gemm_inputs import NoTensorMaps, TensorMaps, Transposer, b_mode
-from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, is_capturing, pack,
-                      param, stream_handle)
+from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
+                      is_capturing, pack, param, stream_handle)
 from .kernel import CFG_FIELDS, Q_PULL, Q_REDUCE, TRACE_EVENTS, build
 from .plan import GemmReducePlan
 
 
-class GemmReduce(GemmReducePlan):
+class GemmReduce(GemmReducePlan, OpLifetime):
     """Plan once, call many times (base of :class:`GemmReduceScatter` and :class:`GemmAllReduce`).
 
     comm: the Comm; m, n, k: the full output [m, n] and this rank's inner dimension k (= k_local);
@@ -264,12 +264,6 @@ class GemmReduce(GemmReducePlan):
             self._transpose = Transposer(self.k, self.n)
         return self._transpose
 
-    def synchronize(self, stream=None):
-        """Wait for this rank's calls (on ``stream``, default the stream of the last call);
-        raise MkTimeoutError if a device wait expired."""
-        self.comm.synchronize(stream if stream is not None else (self.streams.last or 0))
-        self.comm.check(self.err, self.name)
-
     def clear_trace(self):
         """Zero the stamps (so a later read shows only what the next call reached)."""
         if self.tracing:
@@ -287,15 +281,9 @@ class GemmReduce(GemmReducePlan):
 
     def free(self):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
-        if self.freed:
-            return
-        self.comm.synchronize(self.streams.last or 0)
-        for buf in self._buffers:
-            self.comm.free(buf)
-        self._buffers = []
+        OpLifetime.free(self)
         self._views.clear()
         self.shared = None
-        self.freed = True
 
     def _start_at(self, calls):
         """Tests: set this rank's state as if ``calls`` calls had run (the call counter, every

@@ -1,0 +1,367 @@
+"""The MoE Dispatch + GEMM kernel: its roles, each a device function, and the kernel that hands
+blocks to them in block order (the role table is in :mod:`mknumba.kernels.moe_dispatch`).
+
+Every role takes ``ctx = (epoch, call, deadline, err, rank)`` and returns False when one of its
+waits timed out (the error record says which), so the block can end. Token rows move as
+``uint64`` words (4 bf16); a row is ``hidden / 4`` words. ``slot = call & 1`` picks the half of
+each symmetric buffer this call writes (see the package docstring).
+"""
+import numpy as np
+from numba import cuda, types
+
+from ... import _compat  # noqa: F401  (numpy alias before numba compiles)
+from ... import primitives as prim
+from ..._compat import SIMULATOR
+from ...errors import (ERR_BLOCK, ERR_EXPECTED, ERR_FLAG, ERR_KIND, ERR_RANK, ERR_ROLE,
+                       ERR_SEEN, ERR_SET, KIND_CAPACITY, ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV)
+from ...roles import compute
+from ...roles.blocks import launch_context, copy_tile, publish, wait
+from ..launch import array_type
+
+Bits2D, Bits3D = array_type(np.uint16, 2), array_type(np.uint16, 3)
+Words, Words2D = array_type(np.uint64, 1), array_type(np.uint64, 2)
+Flags, Ints, Ints2D = array_type(np.uint32, 1), array_type(np.int32, 1), array_type(np.int32, 2)
+F32 = array_type(np.float32, 1)
+Cfg, Record = array_type(np.int64, 1), array_type(np.int64, 1)
+
+#: cfg: the small integers of a launch, one int64 array, by name (``launch.pack``). tokens: this
+#: call's T; k: top_k; el: experts per rank; me: world rank; units: flags per rank's token
+#: buffer (``unit`` tokens each); cap: rows this rank may receive; tiles_m: tile rows of the
+#: receive buffer; *_end: the roles' block ranges; weighted: the call has topk_weights.
+CFG_FIELDS = ("tokens", "k", "hidden", "ffn", "el", "experts", "world", "me", "max_tokens",
+              "unit", "units", "cap", "tiles_m", "tiles_n", "bm", "pack_end", "pull_end",
+              "weighted")
+(C_T, C_K, C_HIDDEN, C_FFN, C_EL, C_EXPERTS, C_WORLD, C_ME, C_MAXT, C_UNIT, C_UNITS, C_CAP,
+ C_TILES_M, C_TILES_N, C_BM, C_PACK_END, C_PULL_END, C_WEIGHTED) = range(len(CFG_FIELDS))
+
+#: the layout the pull role's first block derives from the counts (``lay``, int32, local):
+#: tile rows this call, rows this call, then per local expert its first row in the receive
+#: buffer (a tile row), its row count, its first row in out; per (source rank, expert) the
+#: first receive-buffer row of that source's rows; per tile row its expert
+LAY_TILES, LAY_ROWS, LAY_BASE = 0, 1, 2
+LAYOUT_FLAG = 0          # lflags[0]: the layout is there; lflags[1 + tm]: tile row tm arrived
+
+_BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
+
+
+def lay_words(el, world, tiles_m):
+    return LAY_BASE + 3 * el + world * el + tiles_m
+
+
+@cuda.jit(device=True, inline=True)
+def tab(cfg, slot, src, field, e):
+    """Index in a count table of (slot, source rank, field: 0 rows / 1 first index in the
+    source's send list, local expert)."""
+    return ((slot * cfg[C_WORLD] + src) * 2 + field) * cfg[C_EL] + e
+
+
+@cuda.jit(device=True, inline=True)
+def seg_at(cfg, src, e):
+    el = cfg[C_EL]
+    return LAY_BASE + 3 * el + src * el + e
+
+
+@cuda.jit(device=True, inline=True)
+def expert_at(cfg, tm):
+    el = cfg[C_EL]
+    return LAY_BASE + 3 * el + cfg[C_WORLD] * el + tm
+
+
+@cuda.jit(device=True)
+def publish_all(flag_ptrs, flags, world, me, idx, epoch):
+    """:func:`roles.blocks.publish` into every GPU's ``flags[idx]`` (this one's too), the next
+    GPU first: for data that every rank reads from this GPU's memory."""
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        prim.fence_sys()
+        for j in range(world):
+            prim.st_release_sys(prim.peer_view(flag_ptrs, prim.peer_after(me, j, world),
+                                               flags), idx, epoch)
+
+
+@cuda.jit(device=True)
+def record_capacity(err, rank, role, rows, cap):
+    """An error record saying ``rows`` rows came where ``cap`` were planned (first writer wins,
+    like ``primitives.record_timeout``)."""
+    if cuda.atomic.cas(err, ERR_SET, 0, 1) == 0:
+        err[ERR_RANK] = rank
+        err[ERR_ROLE] = role
+        err[ERR_FLAG] = 0
+        err[ERR_EXPECTED] = cap
+        err[ERR_SEEN] = rows
+        err[ERR_BLOCK] = cuda.blockIdx.x
+        err[ERR_KIND] = KIND_CAPACITY
+        prim.fence_sys()
+
+
+@cuda.jit(device=True, inline=True)
+def route_role(cfg, topk, weights, hist, meta, meta_f, table, table_ptrs, flags, flag_ptrs,
+               ctx):
+    """One block: count this call's (token, slot) pairs per expert, list them expert by expert
+    in this GPU's send list (a counting sort; the order within an expert is the atomics'), with
+    their weights; write each destination's counts and where its lists start into that GPU's
+    count table; publish the counts flag ``flags[me]`` on every GPU. Waits on nothing.
+    (Expert ids were checked on the host; one out of range here is skipped.)"""
+    epoch, call, deadline, err, rank = ctx
+    E, K, el, me = cfg[C_EXPERTS], cfg[C_K], cfg[C_EL], cfg[C_ME]
+    n = cfg[C_T] * K
+    slot = call & 1
+    mk = cfg[C_MAXT] * K
+    tid, nt = cuda.threadIdx.x, cuda.blockDim.x
+    g = tid
+    while g < E:
+        hist[g] = 0
+        g += nt
+    cuda.syncthreads()
+    p = tid
+    while p < n:
+        g = topk[p]
+        if g >= 0 and g < E:
+            cuda.atomic.add(hist, g, 1)
+        p += nt
+    cuda.syncthreads()
+    if tid == 0:                      # exclusive scan: where each expert's list starts
+        run = 0
+        for g in range(E):
+            hist[E + g] = run
+            hist[2 * E + g] = run     # the cursor the scatter advances
+            run += hist[g]
+    cuda.syncthreads()
+    p = tid
+    while p < n:
+        g = topk[p]
+        if g >= 0 and g < E:
+            pos = cuda.atomic.add(hist, 2 * E + g, 1)
+            meta[slot * 2 * mk + pos] = p
+            if cfg[C_WEIGHTED]:
+                meta_f[(slot * 2 + 1) * mk + pos] = weights[p]
+        p += nt
+    g = tid
+    while g < E:                      # counts into each destination's table (NVLink stores)
+        dst = prim.udiv32(g, el)
+        e = g - dst * el
+        there = prim.peer_view(table_ptrs, dst, table)
+        there[tab(cfg, slot, me, 0, e)] = hist[g]
+        there[tab(cfg, slot, me, 1, e)] = hist[E + g]
+        g += nt
+    # the send list and weights (read by peers from here) and the counts (stored there)
+    publish_all(flag_ptrs, flags, cfg[C_WORLD], me, me, epoch)
+    return True
+
+
+@cuda.jit(device=True, inline=True)
+def pack_role(cfg, x, xbuf, flags, flag_ptrs, first, step, ctx):
+    """This call's tokens into this GPU's token buffer, ``unit`` tokens at a time (units
+    ``first, first + step, ...``), each unit's flag ``flags[world + me * units + u]`` published
+    on every GPU: peers pull the rows they need from here. Waits on nothing."""
+    epoch, call, deadline, err, rank = ctx
+    kw = cfg[C_HIDDEN] // 4
+    T, unit, W, me = cfg[C_T], cfg[C_UNIT], cfg[C_WORLD], cfg[C_ME]
+    base = (call & 1) * cfg[C_MAXT] * kw
+    units = prim.udiv32(T + unit - 1, unit)
+    for j in range(prim.steps(first, units, step)):
+        u = first + j * step
+        r0 = u * unit
+        rows = min(unit, T - r0)
+        copy_tile(x, r0 * kw, xbuf, base + r0 * kw, rows * kw)
+        publish_all(flag_ptrs, flags, W, me, W + me * cfg[C_UNITS] + u, epoch)
+    return True
+
+
+@cuda.jit(device=True, inline=True)
+def layout_lead(cfg, table, flags, lay, lflags, counts, offsets, ctx):
+    """The pull role's first block: wait for every rank's counts flag, then lay this call's
+    rows out: each local expert's rows from one tile row on in the receive buffer, source rank
+    by source rank, and packed in out (``counts``, ``offsets``: the caller's layout); more
+    rows than planned -> a capacity error and no rows. Publishes the layout flag (GPU scope:
+    the pull and compute blocks of this GPU read it)."""
+    epoch, call, deadline, err, rank = ctx
+    W, el, bm = cfg[C_WORLD], cfg[C_EL], cfg[C_BM]
+    slot = call & 1
+    for j in range(W):
+        if not wait(flags, prim.peer_after(cfg[C_ME], j, W), epoch, deadline, err, rank,
+                    ROLE_INTRA):
+            return False
+    if cuda.threadIdx.x == 0:
+        rows = 0
+        tm = 0
+        for e in range(el):
+            lay[LAY_BASE + e] = tm * bm
+            lay[LAY_BASE + 2 * el + e] = rows
+            offsets[e] = rows
+            cnt = 0
+            for src in range(W):
+                lay[seg_at(cfg, src, e)] = tm * bm + cnt
+                cnt += table[tab(cfg, slot, src, 0, e)]
+            lay[LAY_BASE + el + e] = cnt
+            counts[e] = cnt
+            rows += cnt
+            tiles = prim.udiv32(cnt + bm - 1, bm)
+            if rows <= cfg[C_CAP]:
+                for i in range(tiles):
+                    lay[expert_at(cfg, tm + i)] = e
+            tm += tiles
+        offsets[el] = rows
+        if rows > cfg[C_CAP]:
+            record_capacity(err, rank, ROLE_RECV, rows, cfg[C_CAP])
+            tm = 0
+        lay[LAY_TILES] = tm
+        lay[LAY_ROWS] = rows
+    publish(lflags, LAYOUT_FLAG, epoch, False)
+    return True
+
+
+@cuda.jit(device=True, inline=True)
+def pull_role(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv, lay, lflags,
+              rows_out, weights_out, first, step, ctx):
+    """Tile rows ``first, first + step, ...`` of the receive buffer: every row of it, from the
+    GPU that routed its token here (NVLink loads from that GPU's token buffer, once the unit
+    holding the token is there: its flag), with its source rank, token and top-k slot (and
+    weight) into the caller's layout; then the tile row's flag (GPU scope: compute blocks of
+    this GPU wait on it). Waits on the layout (a lower block) and on the pack roles."""
+    epoch, call, deadline, err, rank = ctx
+    W, el, K, me = cfg[C_WORLD], cfg[C_EL], cfg[C_K], cfg[C_ME]
+    kw = cfg[C_HIDDEN] // 4
+    slot = call & 1
+    mk = cfg[C_MAXT] * K
+    if not wait(lflags, LAYOUT_FLAG, epoch, deadline, err, rank, ROLE_INTRA, False):
+        return False
+    tiles = lay[LAY_TILES]
+    for it in range(prim.steps(first, tiles, step)):
+        tm = first + it * step
+        e = lay[expert_at(cfg, tm)]
+        r0 = tm * cfg[C_BM]
+        r1 = min(r0 + cfg[C_BM], lay[LAY_BASE + e] + lay[LAY_BASE + el + e])
+        out0 = lay[LAY_BASE + 2 * el + e] - lay[LAY_BASE + e]     # out row = row + out0
+        for j in range(W):
+            src = prim.peer_after(me, j, W)
+            s0 = lay[seg_at(cfg, src, e)]
+            lo = max(r0, s0)
+            hi = min(r1, s0 + table[tab(cfg, slot, src, 0, e)])
+            if lo < hi:
+                first_q = table[tab(cfg, slot, src, 1, e)] - s0
+                their_meta = prim.peer_view(meta_ptrs, src, meta)
+                their_w = prim.peer_view(meta_ptrs, src, meta_f)
+                their_x = prim.peer_view(xbuf_ptrs, src, xbuf)
+                for row in range(lo, hi):
+                    q = first_q + row
+                    p = their_meta[slot * 2 * mk + q]
+                    t = prim.udiv32(p, K)
+                    u = prim.udiv32(t, cfg[C_UNIT])
+                    if not wait(flags, W + src * cfg[C_UNITS] + u, epoch, deadline, err, rank,
+                                ROLE_INTRA):
+                        return False
+                    copy_tile(their_x, (slot * cfg[C_MAXT] + t) * kw, recv, row * kw, kw)
+                    if cuda.threadIdx.x == 0:
+                        o = row + out0
+                        rows_out[o, 0] = src
+                        rows_out[o, 1] = t
+                        rows_out[o, 2] = p - t * K
+                        if cfg[C_WEIGHTED]:
+                            weights_out[o] = their_w[(slot * 2 + 1) * mk + q]
+        publish(lflags, 1 + tm, epoch, False)
+    return True
+
+
+def make_kernel(tile_init, tile, bm, bn, threads):
+    """The persistent kernel around one tile build (``roles.compute``). Each role is a device
+    function above or below; the kernel at the end hands blocks to them in block order."""
+    bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
+
+    @cuda.jit(device=True, inline=True)
+    def tile_rows(where, epoch, tiles):
+        """This call's tiles: wait (this thread) for the layout, then every column of each
+        tile row the routing filled (0 after a capacity error)."""
+        lay, lflags, tiles_n = where[2], where[3], where[7]
+        deadline, err, rank = where[8]
+        if not prim.wait_flag(lflags, LAYOUT_FLAG, epoch, deadline, err, rank, ROLE_COMPUTE,
+                              1000, False):
+            return 0
+        return lay[LAY_TILES] * tiles_n
+
+    @cuda.jit(device=True, inline=True)
+    def expert_operands(where, tm, a, b, tmaps):
+        """Tile row ``tm`` belongs to one local expert e: A is the receive buffer up to e's
+        last row (the tile stores no row past it), B is e's weight [ffn, hidden], the tensor
+        maps e's (sm_90a: A = the receive buffer, B = e's weight)."""
+        lay, cfg, wt, tmtable = where[2], where[4], where[5], where[6]
+        el = cfg[C_EL]
+        e = lay[expert_at(cfg, tm)]
+        return a[:lay[LAY_BASE + e] + lay[LAY_BASE + el + e]], wt[e], tmtable[e]
+
+    @cuda.jit(device=True, inline=True)
+    def into_out(where, t, tm):
+        """Expert e's rows go to out from ``offsets[e]`` on: receive-buffer row r to out row
+        r - (e's first receive row - offsets[e]); ``tile_flags[t]`` (GPU scope) announces it;
+        nothing to fold in (``wt``: the tile's unread addend)."""
+        out, tile_flags, lay, cfg, wt = where[0], where[1], where[2], where[4], where[5]
+        el = cfg[C_EL]
+        e = lay[expert_at(cfg, tm)]
+        return out, lay[LAY_BASE + e] - lay[LAY_BASE + 2 * el + e], wt, 0, tile_flags, t, False
+
+    @cuda.jit(device=True, inline=True)
+    def rows_arrived(where, t, adds, epoch):
+        """Wait (this thread) until tile row t's rows are in the receive buffer (the pull
+        role's flag), then fence the async proxy: the sm_90a tile reads them by TMA."""
+        lflags, tiles_n = where[3], where[7]
+        deadline, err, rank = where[8]
+        if not prim.wait_flag(lflags, 1 + prim.udiv32(t, tiles_n), epoch, deadline, err, rank,
+                              ROLE_COMPUTE, 1000, False):
+            return False
+        prim.fence_proxy_async()
+        return True
+
+    compute_role = compute.make_compute_role(tile_init, tile, (into_out, rows_arrived),
+                                             (tile_rows, expert_operands))
+
+    @cuda.jit(**bounds)
+    def moe_dispatch_gemm_kernel(
+            x: Words, topk: Ints, weights: F32, wt: Bits3D, tmtable: Words2D, recv: Bits2D,
+            recv_words: Words, xbuf: Words, xbuf_ptrs: Words, meta: Ints, meta_f: F32,
+            meta_ptrs: Words, table: Ints, table_ptrs: Words, flags: Flags, flag_ptrs: Words,
+            hist: Ints, lay: Ints, lflags: Flags, tile_flags: Flags, out: Bits2D, counts: Ints,
+            offsets: Ints, rows_out: Ints2D, weights_out: F32, cfg: Cfg, order: Ints,
+            frame: Words, timeout_ns: types.uint64, err: Record, rank: types.int64):
+        """x: this call's tokens [T, hidden] bf16 as uint64 words; topk int32 [T * top_k];
+        weights fp32 [T * top_k] (read when cfg[C_WEIGHTED]); wt [experts / world, ffn,
+        hidden] bf16 bits: this rank's experts as the tile's B; tmtable [experts / world, 32]:
+        each expert's tensor maps (sm_90a; zeros for the SIMT tile); recv [tiles_m * bm,
+        hidden] bf16 bits: the receive buffer (recv_words: the same memory as words);
+        symmetric, each with its address table: xbuf [2, max_tokens, hidden] words (the token
+        buffer, one half per call parity), meta int32 [2, 2, max_tokens * top_k] (the send
+        list and, as meta_f, its weights), table int32 [2, world, 2, experts / world] (counts
+        from every rank), flags uint32 [world + world * units] (counts flags, then the token
+        units' flags); local: hist int32 [3 * experts] (the route's counting sort), lay int32
+        (``lay_words``), lflags uint32 [1 + tiles_m], tile_flags uint32 [tiles_m * tiles_n];
+        out [capacity, ffn] bf16 bits; counts int32 [experts / world], offsets int32
+        [experts / world + 1], rows_out int32 [capacity, 3] (source rank, token, top-k slot),
+        weights_out fp32 [capacity]; order int32 [tiles_m * tiles_n]; frame: the op's call
+        counter (``kernels.launch.Frame``); err: the error record."""
+        smem = cuda.shared.array(0, dtype=_BYTE)
+        ctx = launch_context(frame, timeout_ns, err, rank)
+        epoch, deadline = ctx[0], ctx[2]
+        blk = cuda.blockIdx.x
+        pack_end, pull_end = cfg[C_PACK_END], cfg[C_PULL_END]
+        if blk == 0:
+            route_role(cfg, topk, weights, hist, meta, meta_f, table, table_ptrs, flags,
+                       flag_ptrs, ctx)
+        elif blk < pack_end:
+            pack_role(cfg, x, xbuf, flags, flag_ptrs, blk - 1, pack_end - 1, ctx)
+        elif blk < pull_end:
+            if blk == pack_end:
+                if not layout_lead(cfg, table, flags, lay, lflags, counts, offsets, ctx):
+                    return
+            pull_role(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv_words,
+                      lay, lflags, rows_out, weights_out, blk - pack_end, pull_end - pack_end,
+                      ctx)
+        else:
+            compute_role(smem, tmtable[0], recv, wt[0], order, cfg[C_TILES_N], blk - pull_end,
+                         cuda.gridDim.x - pull_end, epoch,
+                         (out, tile_flags, lay, lflags, cfg, wt, tmtable, cfg[C_TILES_N],
+                          (deadline, err, rank)))
+
+    return moe_dispatch_gemm_kernel
+
+
+#: (roles.compute.TileBuild, threads per block, kernel) of a tile build name
+build = compute.KernelBuilds(make_kernel)

@@ -1,0 +1,289 @@
+"""MoE Dispatch + GEMM on the host: plan once (``plan``), allocate the symmetric token buffer,
+send list, count table and flags, prepare the launch; each call checks its arrays, binds them
+and launches."""
+from collections import namedtuple
+
+import numpy as np
+from numba import cuda
+
+from ..._compat import SIMULATOR
+from ...arrays import is_torch, new_output, operand
+from ...errors import MkError, MkValueError
+from ..gemm_inputs import Transposer
+from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
+                      is_capturing, pack, param, stream_handle)
+from ..tensor_maps import MapTable, tensor_map
+from .kernel import CFG_FIELDS, build, lay_words
+from .plan import MoeDispatchGemmPlan
+
+#: What a combine step needs to send the rows back, beside ``out`` (device arrays, int32 unless
+#: said): counts [experts / world] rows per local expert; offsets [experts / world + 1]: expert
+#: e's rows are out[offsets[e]:offsets[e + 1]], offsets[-1] the rows this call received;
+#: rows [capacity, 3]: per out row its source rank, token index (in that rank's x) and top-k
+#: slot; weights [capacity] fp32: its routing weight (calls with topk_weights). Rows past
+#: offsets[-1] are not written.
+MoeLayout = namedtuple("MoeLayout", "counts offsets rows weights")
+
+
+class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
+    """Expert-parallel dispatch and the experts' first GEMM in one persistent launch.
+
+    comm: the :class:`mknumba.Comm` (one node for now); hidden, ffn: the experts' GEMM
+    [hidden] -> [ffn] (multiples of 8); experts: in all, ``experts / world`` per rank (rank r
+    holds experts [r * E / W, (r + 1) * E / W)); top_k: experts per token; max_tokens: the most
+    tokens a rank passes in one call. capacity: the rows a rank can receive in one call
+    (default: every token of every rank routed to it, ``world * max_tokens * top_k``; a call
+    that routes more rows to a rank raises MkCapacityError at the next synchronize() or call,
+    with nothing written past the buffers). w_layout: "ehf" (w is [experts / world, hidden,
+    ffn], transposed into the op's scratch on every call) or "efh" ([experts / world, ffn,
+    hidden], read as is). comm_sms: SMs of the pack and pull roles (default 16, not measured
+    yet: a third pack, the rest pull); unit_tokens: tokens behind one flag of the token
+    buffer (default 16). Every rank must plan the same sizes (checked).
+
+    Calls are asynchronous on the stream of the inputs (the current PyTorch stream for
+    tensors, else ``stream``); :meth:`synchronize` waits and raises any device-side error
+    (MkTimeoutError; MkCapacityError when a call routed more rows to this rank than planned).
+    """
+
+    def __init__(self, comm, hidden, ffn, experts, top_k, max_tokens, dtype="bfloat16", *,
+                 capacity=None, w_layout="ehf", comm_sms=None, tile="auto", unit_tokens=None):
+        self._plan(comm, hidden, ffn, experts, top_k, max_tokens, dtype, capacity, w_layout,
+                   comm_sms, tile, unit_tokens)
+        self.streams = StreamOrder(self.name)
+        self.freed = False
+        self._buffers = []
+        self._transpose = None        # made at the first call with w as [E_local, hidden, ffn]
+        self._cfgs = {}               # tokens T -> (device cfg, its parameter)
+        self.err = comm.new_error_record()
+        self.frame = Frame(self.grid)
+        _, self.threads, self._kernel = build(self.kind)
+        self._allocate(comm)
+
+    def _allocate(self, comm):
+        W, El, K, H, F = self.world, self.local_experts, self.top_k, self.hidden, self.ffn
+        maxt = self.max_tokens
+        self.xbuf = comm.alloc_symmetric((2 * maxt * H // 4,), np.uint64)
+        self.meta = comm.alloc_symmetric((2 * 2 * maxt * K,), np.int32)
+        self.table = comm.alloc_symmetric((2 * W * 2 * El,), np.int32)
+        self.flags = comm.alloc_flags(W + W * self.units)
+        self._buffers = [self.xbuf, self.meta, self.table, self.flags]
+        self.recv = cuda.device_array((self.recv_rows, H), np.uint16)
+        self.lflags = cuda.to_device(np.zeros(1 + self.tiles_m, np.uint32))
+        self.tile_flags = cuda.to_device(np.zeros(self.tiles_m * self.tiles_n, np.uint32))
+        self._epoch_flags = [self.flags.local, self.lflags, self.tile_flags]
+        if self.build.tma:
+            self.tmaps = ExpertMaps(self.recv, El, H, F)
+        else:
+            self._no_maps = cuda.to_device(np.zeros((El, 32), np.uint64))
+        rb = self.role_blocks
+        self._cfg = dict(k=K, hidden=H, ffn=F, el=El, experts=self.experts, world=W,
+                         me=comm.rank, max_tokens=maxt, unit=self.unit, units=self.units,
+                         cap=self.capacity, tiles_m=self.tiles_m, tiles_n=self.tiles_n,
+                         bm=self.bm, pack_end=1 + rb["pack"],
+                         pull_end=1 + rb["pack"] + rb["pull"])
+        self._no_weights = cuda.to_device(np.zeros(1, np.float32))      # never read
+        compiled, bps = compile_kernel(self._kernel, self.threads, self.build.smem_bytes)
+        if bps < 1:
+            raise MkError(f"{self.name}: the kernel does not fit on an SM")
+        meta = self.meta.local
+        cap = self.capacity
+        self.launch = Launch(self._kernel, compiled, dict(
+            x=Slot((maxt * H // 4,)), topk=Slot((maxt * K,)), weights=Slot((maxt * K,)),
+            wt=Slot((El, F, H)), tmtable=Slot((El, 32)), recv=self.recv,
+            recv_words=self.recv.reshape(self.recv_rows * H).view(np.uint64),
+            xbuf=self.xbuf.local, xbuf_ptrs=self.xbuf.ptrs, meta=meta,
+            meta_f=meta.view(np.float32), meta_ptrs=self.meta.ptrs, table=self.table.local,
+            table_ptrs=self.table.ptrs, flags=self.flags.local, flag_ptrs=self.flags.ptrs,
+            hist=cuda.to_device(np.zeros(3 * self.experts, np.int32)),
+            lay=cuda.to_device(np.zeros(lay_words(El, W, self.tiles_m), np.int32)),
+            lflags=self.lflags, tile_flags=self.tile_flags, out=Slot((cap, F)),
+            counts=Slot((El,)), offsets=Slot((El + 1,)), rows_out=Slot((cap, 3)),
+            weights_out=Slot((cap,)), cfg=Slot((len(CFG_FIELDS),)),
+            order=cuda.to_device(self.order), frame=self.frame.words,
+            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank),
+            self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
+
+    # -- calls ------------------------------------------------------------------------------------
+    def out_shape(self):
+        return (self.capacity, self.ffn)
+
+    def __call__(self, x, topk_idx, w, topk_weights=None, out=None, layout=None, stream=None):
+        """x: this rank's tokens [T, hidden] bf16 (T <= max_tokens, 0 allowed); topk_idx
+        [T, top_k] int32: each token's experts (global ids); w: this rank's experts
+        [experts / world, hidden, ffn] bf16 (w_layout "ehf") or [experts / world, ffn, hidden]
+        ("efh"); topk_weights: [T, top_k] float32, carried into the layout.
+
+        Returns ``(out, layout)``: out [capacity, ffn] bf16, every row routed to this rank's
+        experts times that expert's weight, expert by expert (expert e's rows are
+        ``out[layout.offsets[e]:layout.offsets[e + 1]]``), and the :data:`MoeLayout`. Rows
+        past ``layout.offsets[-1]`` are left as they were. ``out=`` / ``layout=`` reuse arrays
+        of an earlier call. Expert ids are checked on the host (a copy of topk_idx, which
+        waits for it to be ready)."""
+        if self.freed:
+            raise MkError(f"{self.name}: called after free()")
+        self.comm.check(self.err, f"{self.name} (an earlier call)")
+        dev = self.comm.device_id
+        H, F, K, El = self.hidden, self.ffn, self.top_k, self.local_experts
+        X = operand(x, self.name, "x", shape=(None, H), device_id=dev)
+        T = X.shape[0]
+        if T > self.max_tokens:
+            raise MkValueError(f"{self.name}: x has {T} tokens, more than max_tokens="
+                               f"{self.max_tokens} it was planned for")
+        I = operand(topk_idx, self.name, "topk_idx", dtypes=("int32",), shape=(T, K),
+                    device_id=dev, align=4)
+        wshape = (El, H, F) if self.w_layout == "ehf" else (El, F, H)
+        Wt = operand(w, self.name, "w", shape=wshape, device_id=dev)
+        if not (X.torch == I.torch == Wt.torch):
+            raise MkValueError(f"{self.name}: x, topk_idx and w must all be PyTorch tensors or "
+                               "all be device arrays")
+        Wg = None
+        if topk_weights is not None:
+            Wg = operand(topk_weights, self.name, "topk_weights", dtypes=("float32",),
+                         shape=(T, K), device_id=dev, align=4)
+            if Wg.torch != X.torch:
+                raise MkValueError(f"{self.name}: topk_weights must be a PyTorch tensor "
+                                   "exactly when x is")
+        self._check_experts(topk_idx, I)
+        if out is None:
+            out = new_output(x, X.torch, (self.capacity, F))
+        O = operand(out, self.name, "out", shape=(self.capacity, F), device_id=dev)
+        if layout is None:
+            layout = self._new_layout(x, X.torch)
+        L = self._layout_operands(layout, X.torch, dev)
+        stream = stream_handle(stream, dev if X.torch else None)
+        self._run(T, X.as_param(np.uint64, (T * H // 4,)), I.as_param(np.int32, (T * K,)),
+                  Wg.as_param(np.float32, (T * K,)) if Wg is not None else None,
+                  Wt.as_param(np.uint16, wshape), O.as_param(np.uint16, (self.capacity, F)),
+                  L, stream)
+        return out, layout
+
+    def _check_experts(self, topk_idx, I):
+        """Every expert id in [0, experts), before anything is launched."""
+        if I.torch:
+            bad = ((topk_idx < 0) | (topk_idx >= self.experts)).any().item()
+            host = topk_idx.cpu().numpy() if bad else None
+        else:
+            host = I.host if SIMULATOR else cuda.as_cuda_array(topk_idx).copy_to_host()
+            bad = host.size and (host.min() < 0 or host.max() >= self.experts)
+        if bad:
+            where = np.argwhere((host < 0) | (host >= self.experts))[0]
+            raise MkValueError(f"{self.name}: topk_idx[{where[0]}, {where[1]}] = "
+                               f"{host[tuple(where)]} is not an expert id (0 .. "
+                               f"{self.experts - 1})")
+
+    def _new_layout(self, like, torch):
+        cap, El = self.capacity, self.local_experts
+        if torch:
+            import torch as t
+            kw = dict(device=like.device)
+            return MoeLayout(t.empty(El, dtype=t.int32, **kw),
+                             t.empty(El + 1, dtype=t.int32, **kw),
+                             t.empty((cap, 3), dtype=t.int32, **kw),
+                             t.empty(cap, dtype=t.float32, **kw))
+        return MoeLayout(cuda.device_array(El, np.int32), cuda.device_array(El + 1, np.int32),
+                         cuda.device_array((cap, 3), np.int32),
+                         cuda.device_array(cap, np.float32))
+
+    def _layout_operands(self, layout, torch, dev):
+        if not isinstance(layout, MoeLayout):
+            raise MkValueError(f"{self.name}: layout must be the MoeLayout of an earlier call")
+        cap, El = self.capacity, self.local_experts
+        ops = []
+        for field, shape, dt in (("counts", (El,), "int32"), ("offsets", (El + 1,), "int32"),
+                                 ("rows", (cap, 3), "int32"), ("weights", (cap,), "float32")):
+            o = operand(getattr(layout, field), self.name, f"layout.{field}", dtypes=(dt,),
+                        shape=shape, device_id=dev, align=4)
+            if o.torch != torch:
+                raise MkValueError(f"{self.name}: layout.{field} must be a PyTorch tensor "
+                                   "exactly when x is")
+            ops.append(o.as_param(np.dtype(dt), shape))
+        return ops
+
+    def _run(self, T, x, topk, weights, w, out, lay, stream):
+        """Bind the parameters and launch: w as [E_local, ffn, hidden] (transposed on the
+        stream, expert by expert, for "ehf"), the experts' tensor maps with it, this T's
+        cfg."""
+        L = self.launch
+        with L.lock:                      # one call at a time binds and launches
+            self.streams.enter(stream)
+            wt = self._transposer(stream)(w, stream) if self.w_layout == "ehf" else w
+            L.bind("x", x)
+            L.bind("topk", topk)
+            L.bind("weights", weights if weights is not None else param(self._no_weights))
+            L.bind("wt", wt)
+            L.bind("tmtable", self.tmaps(wt, stream) if self.build.tma
+                   else param(self._no_maps))
+            L.bind("out", out)
+            for name, p in zip(("counts", "offsets", "rows_out", "weights_out"), lay):
+                L.bind(name, p)
+            L.bind("cfg", self._cfg_param(T, weights is not None, stream))
+            L(stream)
+
+    def _cfg_param(self, T, weighted, stream):
+        key = (T, weighted)
+        if key not in self._cfgs:         # one small array per token count met so far
+            if is_capturing(stream):
+                raise MkError(f"{self.name}: a first call with {T} tokens inside a CUDA graph "
+                              "capture; call once with this many tokens before capturing")
+            dev = cuda.to_device(pack(CFG_FIELDS, **self._cfg, tokens=T, weighted=weighted))
+            self._cfgs[key] = (dev, param(dev))
+        return self._cfgs[key][1]
+
+    def _transposer(self, stream):
+        if self._transpose is None:
+            if is_capturing(stream):
+                raise MkError(f"{self.name}: the first call is inside a CUDA graph capture; "
+                              "call once before capturing (it allocates the transposed "
+                              "weights' buffer), or plan with w_layout='efh'")
+            self._transpose = ExpertTransposer(self.local_experts, self.hidden, self.ffn)
+        return self._transpose
+
+    def rows(self, layout):
+        """Rows the call that filled ``layout`` received (waits for it)."""
+        self.synchronize()
+        off = layout.offsets
+        return int(off[-1].item() if is_torch(off) else
+                   (off.copy_to_host() if hasattr(off, "copy_to_host") else off)[-1])
+
+
+class ExpertTransposer:
+    """w [E_local, hidden, ffn] row-major -> the op's scratch [E_local, ffn, hidden], one
+    :class:`~mknumba.kernels.gemm_inputs.Transposer` launch per expert, on every call."""
+
+    def __init__(self, experts, hidden, ffn):
+        self.t = Transposer(hidden, ffn)
+        self.experts, self.hidden, self.ffn = experts, hidden, ffn
+        self.wt = cuda.device_array((experts, ffn, hidden), np.uint16)
+        self.ptr = param(self.wt)
+
+    def __call__(self, w, stream):
+        H, F = self.hidden, self.ffn
+        L, step = self.t.launch, H * F * 2
+        for e in range(self.experts):
+            L.bind("src", w[e] if SIMULATOR else w + e * step)
+            L.bind("dst", self.wt[e] if SIMULATOR else self.ptr + e * step)
+            L(stream)
+        return self.ptr
+
+
+class ExpertMaps(MapTable):
+    """Per local expert the tile's two tensor maps (A: the receive buffer, B: the expert's
+    [ffn, hidden] weight), one [E_local, 32] table per weight address met so far."""
+
+    def __init__(self, recv, experts, hidden, ffn, capacity=16):
+        self.recv_ptr = recv.__cuda_array_interface__["data"][0]
+        self.rows_, self.experts, self.hidden, self.ffn = recv.shape[0], experts, hidden, ffn
+        super().__init__(self._encode, 32 * experts, capacity)
+
+    def _encode(self, key):
+        from ...roles import compute
+        (w,), bk, (bm, bn) = key, compute.SM90_BK, compute.SM90_TILE
+        a = tensor_map(self.recv_ptr, (self.hidden, self.rows_), (bk, bm))
+        step = self.ffn * self.hidden * 2
+        return np.concatenate([np.concatenate([a, tensor_map(w + e * step,
+                                                             (self.hidden, self.ffn),
+                                                             (bk, bn))])
+                               for e in range(self.experts)])
+
+    def __call__(self, w_ptr, stream):
+        return self.row((w_ptr,), stream)

@@ -1,0 +1,116 @@
+"""Planning MoE Dispatch + GEMM: options, capacities, the SM split between roles, rank
+agreement.
+
+Everything here is decided once, when the op is built; a call only binds its arrays (and picks
+the cfg of its token count). Routing is data: how many rows each expert gets is only known on
+the GPU, inside the launch, so buffers are planned for the worst case (or a smaller capacity
+the caller names; the device refuses a call that exceeds it) and the compute role learns its
+tile count from the counts exchanged in the launch.
+"""
+import numpy as np
+from numba import cuda
+
+from ..._compat import SIMULATOR
+from ...errors import MkValueError
+from ...sched.tiles import cdiv
+from ..gemm import check_shapes, fused_tile
+
+#: Tokens of a rank's x behind one flag (the paper's 16-token units): receivers pull a row as
+#: soon as the unit holding its token is in the sender's token buffer.
+UNIT_TOKENS = 16
+#: pack and pull blocks on the GPU when ``comm_sms`` is not given; not measured yet (issue 20,
+#: item 4): a block stores about 21 GB/s over NVLink (benchmarks/NOTES.md).
+DEFAULT_COMM_SMS = 16
+#: expert weight layouts a call takes: "ehf" = [experts / world, hidden, ffn] (transposed into
+#: the op's scratch on every call), "efh" = [experts / world, ffn, hidden] (the tile's B as is)
+W_LAYOUTS = ("ehf", "efh")
+
+
+class MoeDispatchGemmPlan:
+    """The planning half of :class:`~mknumba.kernels.moe_dispatch.MoeDispatchGemm`."""
+
+    name = "MoeDispatchGemm"
+    kernel_name = "moe_dispatch_gemm"
+
+    def _plan(self, comm, hidden, ffn, experts, top_k, max_tokens, dtype, capacity, w_layout,
+              comm_sms, tile, unit_tokens=None):
+        """Resolve every option and the role split (sets the attributes the op reads)."""
+        # first, before any check that could fail on some ranks only and leave the others
+        # waiting in a collective: every rank must plan the same exchange
+        comm.agree(self.name, dict(op=self.name, hidden=hidden, ffn=ffn, experts=experts,
+                                   top_k=top_k, max_tokens=max_tokens,
+                                   dtype=str(dtype).split(".")[-1], tile=tile,
+                                   unit_tokens=unit_tokens))
+        if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
+            raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
+        for key, value in dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k,
+                               max_tokens=max_tokens).items():
+            if int(value) != value or value < 1:
+                raise MkValueError(f"{self.name}: {key} must be a positive integer, got {value}")
+        hidden, ffn, experts = int(hidden), int(ffn), int(experts)
+        top_k, max_tokens = int(top_k), int(max_tokens)
+        W = comm.size
+        if experts % W:
+            raise MkValueError(f"{self.name}: experts={experts} must be divisible by the world "
+                               f"size {W} (each rank holds experts / world of them)")
+        if top_k > experts:
+            raise MkValueError(f"{self.name}: top_k={top_k} is more than experts={experts}")
+        check_shapes(1, ffn, hidden, self.name)
+        if comm.nodes > 1:
+            raise MkValueError(
+                f"{self.name}: runs on one node for now (this job has {comm.nodes} nodes of "
+                f"{comm.local_size} GPUs); across nodes the token buffer would go to the rail "
+                "peer through the proxy and be forwarded, which is not built yet (issue 20)")
+        if w_layout not in W_LAYOUTS:
+            raise MkValueError(f"{self.name}: w_layout must be one of {W_LAYOUTS}, got "
+                               f"{w_layout!r}")
+        worst = W * max_tokens * top_k
+        if capacity is None:
+            capacity = worst
+        if int(capacity) != capacity or capacity < 1:
+            raise MkValueError(f"{self.name}: capacity must be a positive integer, got "
+                               f"{capacity}")
+        self.comm, self.hidden, self.ffn, self.experts = comm, hidden, ffn, experts
+        self.top_k, self.max_tokens, self.world = top_k, max_tokens, W
+        self.local_experts = experts // W
+        self.w_layout = w_layout
+        #: rows this rank can receive in one call (out's rows); every token of every rank to
+        #: this rank's experts by default
+        self.capacity = min(int(capacity), worst)
+        self.kind, self.build = fused_tile(tile, self.name)
+        self.bm, self.bn = self.build.shape
+        self.topology = f"{comm.nodes}x{comm.local_size}"
+        # The receive buffer: each local expert's rows start on a tile row (so a tile row
+        # holds one expert's rows), so it has room for the capacity plus a partial tile row
+        # per expert.
+        self.tiles_m = cdiv(self.capacity, self.bm) + self.local_experts
+        self.recv_rows = self.tiles_m * self.bm
+        self.tiles_n = cdiv(ffn, self.bn)
+        self.unit = int(unit_tokens or UNIT_TOKENS)
+        if self.unit < 1:
+            raise MkValueError(f"{self.name}: unit_tokens={unit_tokens} must be >= 1")
+        self.units = cdiv(max_tokens, self.unit)
+        # tiles in the order they are taken: tile rows in receive-buffer order (expert by
+        # expert), every column of a row before the next row
+        self.order = np.arange(self.tiles_m * self.tiles_n, dtype=np.int32)
+        self._roles(comm_sms)
+
+    def _roles(self, comm_sms):
+        """The grid (one block per SM) and its roles in block order: route (one block), pack,
+        pull, compute."""
+        sms = None if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        if comm_sms is None:
+            comm_sms = 2 if SIMULATOR else DEFAULT_COMM_SMS
+        comm_sms = int(comm_sms)
+        if comm_sms < 2:
+            raise MkValueError(f"{self.name}: comm_sms={comm_sms} must be at least 2 (pack "
+                               "and pull)")
+        pack = max(1, comm_sms // 3)
+        pull = comm_sms - pack
+        held = 1 + pack + pull
+        grid = held + 2 if SIMULATOR else sms   # the simulator runs blocks one at a time
+        if held >= grid:
+            raise MkValueError(f"{self.name}: {held} blocks for route, pack and pull leave "
+                               f"none of the {grid} SMs to compute")
+        self.role_blocks = dict(route=1, pack=pack, pull=pull, compute=grid - held)
+        self.grid = grid

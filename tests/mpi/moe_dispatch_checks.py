@@ -1,0 +1,304 @@
+"""Multi-rank checks of MoeDispatchGemm, run under mpiexec:
+
+    mpiexec -n N python -m mpi4py tests/mpi/moe_dispatch_checks.py CHECK[,CHECK...] [key=value ...]
+
+keys: hidden, ffn, experts, top_k, max_tokens, calls (rounds of the routing patterns), seed,
+comm_sms (pack + pull blocks; 0: the op's choice), unit (tokens per flag; 0: the op's choice),
+arrays=numba|torch (torch: GPU only). Inputs come from ``rand_bits(seed, rank, call, ...)``
+(``frame_checks``), so every rank regenerates every rank's tokens and routing for its float64
+reference without communicating.
+
+Routing patterns (one call each, fresh T per rank and call, T <= max_tokens):
+  uniform  each token to top_k distinct experts, uniformly
+  zipf     hot experts: expert i drawn with weight 1 / (i + 1)^2, top_k distinct
+  one      every slot of every token of every rank to expert 0, T = max_tokens on every rank:
+           the worst case the default capacity is planned for (duplicate experts per token)
+  silent   rank 1 sends nothing (T = 0); the others uniform
+  cold     only rank 0's experts get tokens: every other rank receives nothing
+
+Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exits non-zero):
+
+  calls     two ops on one comm called in turn, back to back, ``calls`` rounds of every
+            pattern: w [E/W, hidden, ffn] (transposed per call) for uniform, zipf and one, on
+            an op started at ``_start_at(2**32 - 3)`` so its calls cross the epoch's wrap; w
+            [E/W, ffn, hidden] (w_layout="efh") for silent and cold; w fresh per call,
+            topk_weights on every other call, out and the layout poisoned. After one
+            synchronisation, per call: counts and offsets, every row's (source, token, slot)
+            as a set per expert in source-rank order, the weights, and out against a float64
+            reference of x[token] @ w[expert] (rows past the received ones untouched); the
+            call counters.
+  inplace   one op (w [E/W, hidden, ffn], transposed into scratch per call): the same x,
+            topk_idx and w arrays, w updated in place between 2 calls, out= and layout=
+            reused: the second result follows the update (no stale transposed copy).
+  bad       refused with MkValueError before anything is launched, naming the op and the
+            argument: x's hidden, a float32 x, T > max_tokens, int64 topk_idx, topk_idx's
+            shape, expert ids -1 and E, w's shape, a float32 w, out's shape, topk_weights'
+            dtype; at planning: experts not divisible by the world, top_k > experts.
+  disagree  ranks planning different hidden (then max_tokens): MkValueError on every rank.
+  capacity  capacity=8 rows, every token to rank 0's first expert: rank 0's synchronize()
+            raises MkCapacityError naming the rows and the capacity; its next call refuses;
+            the other ranks finish.
+  timeout   (2+ ranks) only rank 0 calls, with a 3 s bound (1 s in the simulator): the
+            wait for rank 1's counts expires; synchronize() raises MkTimeoutError naming the
+            op, rank, role and flag; the next call refuses (``check_peer_never_calls``).
+"""
+
+import numpy as np
+
+import mknumba as mk
+from frame_checks import (bits_f64, check_close, check_peer_never_calls, expected_after,
+                          rand_bits, run_checks, say, _refused)
+from mknumba._compat import SIMULATOR
+
+PATTERNS = ("uniform", "zipf", "one", "silent", "cold")
+
+
+def tokens_of(opts, rank, key, pattern):
+    if pattern == "one":
+        return opts["max_tokens"]
+    if pattern == "silent" and rank == 1:
+        return 0
+    rng = np.random.default_rng([opts["seed"], 11, rank, *key])
+    return int(rng.integers(1, opts["max_tokens"] + 1))
+
+
+def routing(opts, world, rank, key, pattern):
+    """(topk_idx int32 [T, top_k], topk_weights float32 [T, top_k]) of ``rank``'s call."""
+    T, E, K = tokens_of(opts, rank, key, pattern), opts["experts"], opts["top_k"]
+    rng = np.random.default_rng([opts["seed"], 12, rank, *key])
+    if pattern == "one":
+        idx = np.zeros((T, K), np.int32)
+    else:
+        pool = E // world if pattern == "cold" else E
+        p = 1.0 / (np.arange(pool) + 1.0) ** 2 if pattern == "zipf" else np.ones(pool)
+        p = p / p.sum()
+        idx = np.array([rng.choice(pool, K, replace=False, p=p) for _ in range(T)],
+                       np.int32).reshape(T, K)
+    return idx, rng.random((T, K), dtype=np.float32)
+
+
+def inputs(opts, world, rank, key, pattern):
+    T = tokens_of(opts, rank, key, pattern)
+    x = rand_bits(opts, (T, opts["hidden"]), rank, *key, 0)
+    return (x, *routing(opts, world, rank, key, pattern))
+
+
+def weights_of(opts, world, rank, key):
+    """w bits [E / W, hidden, ffn] of ``rank``'s call."""
+    El = opts["experts"] // world
+    return rand_bits(opts, (El, opts["hidden"], opts["ffn"]), rank, *key, 1)
+
+
+def make_op(comm, opts, **kw):
+    return mk.MoeDispatchGemm(comm, opts["hidden"], opts["ffn"], opts["experts"], opts["top_k"],
+                              opts["max_tokens"], comm_sms=opts["comm_sms"] or None,
+                              unit_tokens=opts["unit"] or None, **kw)
+
+
+def poisoned(op, A):
+    out = A.poisoned((op.capacity, op.ffn))
+    El, cap = op.local_experts, op.capacity
+    lay = mk.MoeLayout(A.dev(np.full(El, -1, np.int32)), A.dev(np.full(El + 1, -1, np.int32)),
+                       A.dev(np.full((cap, 3), -1, np.int32)),
+                       A.dev(np.full(cap, np.nan, np.float32)))
+    return out, lay
+
+
+def verify(comm, opts, A, op, key, pattern, out, lay, w_bits, weighted, what):
+    """Check one call's out and layout on this rank; returns the relative error (0 if no
+    rows)."""
+    W, me, El = comm.size, comm.rank, op.local_experts
+    every = [inputs(opts, W, r, key, pattern) for r in range(W)]
+    counts, offsets = A.host(lay.counts), A.host(lay.offsets)
+    rows, wts, got = A.host(lay.rows), A.host(lay.weights), A.host(out)
+    R = 0
+    ref = []
+    for e in range(El):
+        g = me * El + e
+        want = [(r, t, j) for r in range(W) for t, j in zip(*np.nonzero(every[r][1] == g))]
+        assert counts[e] == len(want), f"{what}: expert {e}: {counts[e]} rows, want {len(want)}"
+        assert offsets[e] == R, f"{what}: offsets {offsets.tolist()}, counts {counts.tolist()}"
+        have = [tuple(int(v) for v in rows[R + i]) for i in range(len(want))]
+        assert [h[0] for h in have] == sorted(h[0] for h in have), \
+            f"{what}: expert {e}: rows not in source-rank order: {have}"
+        assert sorted(have) == sorted(want), f"{what}: expert {e}: rows {have}, want {want}"
+        for i, (r, t, j) in enumerate(have):
+            if weighted:
+                assert wts[R + i] == every[r][2][t, j], f"{what}: weight of row {R + i}"
+            ref.append(bits_f64(every[r][0][t]) @ bits_f64(w_bits[e]))
+        R += len(want)
+    assert offsets[El] == R, f"{what}: offsets[-1] = {offsets[El]}, {R} rows"
+    assert np.all(got[R:] == 0x7FC0), f"{what}: rows past the {R} received were written"
+    if R == 0:
+        return 0.0
+    return check_close(got[:R], np.array(ref), what)
+
+
+def check_calls(comm, opts, A, start=2 ** 32 - 3):
+    """Two ops on one comm, called in turn: w [E/W, hidden, ffn] (transposed per call) for
+    uniform, zipf and one, started just short of the epoch's wrap; w [E/W, ffn, hidden] for
+    silent and cold."""
+    ops = dict(ehf=make_op(comm, opts), efh=make_op(comm, opts, w_layout="efh"))
+    comm.barrier()                   # no peer is still in a call that writes our flags
+    ops["ehf"]._start_at(start)
+    comm.barrier()                   # nobody's next call publishes before every rank is set
+    pending, keep = [], []
+    n = dict(ehf=0, efh=0)
+    for rnd in range(opts["calls"]):
+        for i, pattern in enumerate(PATTERNS):
+            layout = "efh" if pattern in ("silent", "cold") else "ehf"
+            op = ops[layout]
+            key = (1, rnd, i)
+            x, idx, wts = inputs(opts, comm.size, comm.rank, key, pattern)
+            w_bits = weights_of(opts, comm.size, comm.rank, key)
+            weighted = i % 2 == 1
+            w = w_bits if layout == "ehf" else np.ascontiguousarray(w_bits.swapaxes(1, 2))
+            args = (A.dev(x), A.dev(idx), A.dev(w), A.dev(wts) if weighted else None)
+            out, lay = poisoned(op, A)
+            res, res_lay = op(*args, out=out, layout=lay)
+            assert res is out and res_lay is lay
+            pending.append((op, key, pattern, out, lay, w_bits, weighted))
+            keep.append(args)
+            n[layout] += 1
+    for op in ops.values():
+        op.synchronize()
+    worst, received = 0.0, []
+    for op, key, pattern, out, lay, w_bits, weighted in pending:
+        worst = max(worst, verify(comm, opts, A, op, key, pattern, out, lay, w_bits, weighted,
+                                  f"call {key} ({pattern}, w {op.w_layout})"))
+        received.append(int(A.host(lay.offsets)[-1]))
+    want = expected_after(start, n["ehf"])
+    assert ops["ehf"].frame.read() == want, f"frame {ops['ehf'].frame.read()}, want {want}"
+    assert ops["efh"].frame.read() == (n["efh"], n["efh"]), ops["efh"].frame.read()
+    for op in ops.values():
+        op.free()
+    say("calls", comm, f"calls={sum(n.values())} rows={received} roles={op.role_blocks} "
+                       f"arrays={A.kind} wrap={want} max_rel_err={worst:.2e}")
+
+
+def check_inplace(comm, opts, A, layout="ehf"):
+    op = make_op(comm, opts, w_layout=layout)
+    key = (2, 0)
+    x, idx, _ = inputs(opts, comm.size, comm.rank, key, "uniform")
+    dx, di = A.dev(x), A.dev(idx)             # the same tokens and routing on both calls
+    w_bits = weights_of(opts, comm.size, comm.rank, key)
+    dw = A.dev(w_bits)
+    out, lay = poisoned(op, A)
+    worst = 0.0
+    for call in range(2):
+        if call:                              # new weights, same address
+            w_bits = weights_of(opts, comm.size, comm.rank, (2, 1))
+            A.put(dw, w_bits)
+            A.poison(out)
+        op(dx, di, dw, out=out, layout=lay)
+        worst = max(worst, verify(comm, opts, A, op, key, "uniform", out, lay, w_bits, False,
+                                  f"w {layout} call {call}"))
+    op.free()
+    say("inplace", comm, f"w {layout} arrays={A.kind} max_rel_err={worst:.2e}")
+
+
+def check_bad(comm, opts, A):
+    H, F, E, K, T = opts["hidden"], opts["ffn"], opts["experts"], opts["top_k"], 4
+    El = E // comm.size
+    op = make_op(comm, opts)
+    x, idx, wts = inputs(opts, comm.size, comm.rank, (3,), "uniform")
+    x, idx, wts = x[:T], idx[:T], wts[:T]
+    dx, di, dw = A.dev(x), A.dev(idx), A.dev(weights_of(opts, comm.size, comm.rank, (3,)))
+    name = "MoeDispatchGemm"
+    _refused(lambda: op(A.dev(rand_bits(opts, (T, H + 8), 3)), di, dw), [name, "x", "shape"])
+    _refused(lambda: op(A.dev(bits_f64(x).astype(np.float32)), di, dw), [name, "x", "float32"])
+    big = opts["max_tokens"] + 1
+    _refused(lambda: op(A.dev(rand_bits(opts, (big, H), 3)),
+                        A.dev(np.zeros((big, K), np.int32)), dw), [name, "max_tokens", str(big)])
+    _refused(lambda: op(dx, A.dev(idx.astype(np.int64)), dw), [name, "topk_idx", "int64"])
+    _refused(lambda: op(dx, A.dev(np.zeros((T, K + 1), np.int32)), dw),
+             [name, "topk_idx", "shape"])
+    for wrong in (-1, E):
+        bad = idx.copy()
+        bad[T - 1, K - 1] = wrong
+        _refused(lambda: op(dx, A.dev(bad), dw), [name, f"topk_idx[{T - 1}, {K - 1}]",
+                                                  str(wrong), "expert id"])
+    _refused(lambda: op(dx, di, A.dev(rand_bits(opts, (El, F, H), 3))) if F != H else
+             op(dx, di, A.dev(rand_bits(opts, (El + 1, H, F), 3))), [name, "w", "shape"])
+    _refused(lambda: op(dx, di, A.dev(np.zeros((El, H, F), np.float32))),
+             [name, "w", "float32"])
+    _refused(lambda: op(dx, di, dw, out=A.poisoned((4, F))), [name, "out", "shape"])
+    _refused(lambda: op(dx, di, dw, topk_weights=A.dev(wts.astype(np.float64))),
+             [name, "topk_weights", "float64"])
+    assert op.frame.read()[0] == 0, "a refused call launched"
+    op.free()
+    if comm.size > 1:
+        _refused(lambda: mk.MoeDispatchGemm(comm, H, F, comm.size + 1, 1, 4),
+                 [name, "divisible", "world"])
+    _refused(lambda: mk.MoeDispatchGemm(comm, H, F, E, E + 1, 4), [name, "top_k"])
+    comm.barrier()
+    say("bad", comm, "x topk_idx w out topk_weights experts top_k")
+
+
+def check_disagree(comm, opts, A):
+    H = opts["hidden"]
+    for field, kw in (("hidden", dict(hidden=H if comm.rank == 0 else H + 8)),
+                      ("max_tokens", dict(max_tokens=opts["max_tokens"] + comm.rank))):
+        args = dict(dict(hidden=H, ffn=opts["ffn"], experts=opts["experts"],
+                         top_k=opts["top_k"], max_tokens=opts["max_tokens"]), **kw)
+        try:
+            op = mk.MoeDispatchGemm(comm, **args)
+        except mk.MkValueError as e:
+            msg = str(e)
+            assert "MoeDispatchGemm" in msg and f"{field}:" in msg, msg
+        else:
+            op.free()
+            raise AssertionError(f"MoeDispatchGemm with another {field} per rank was accepted")
+    comm.barrier()
+    say("disagree", comm, "hidden max_tokens")
+
+
+def check_capacity(comm, opts, A):
+    op = make_op(comm, opts, capacity=8)
+    x, idx, _ = inputs(opts, comm.size, comm.rank, (5,), "one")   # all to expert 0: rank 0
+    dx, di = A.dev(x), A.dev(idx)
+    dw = A.dev(weights_of(opts, comm.size, comm.rank, (5,)))
+    out, lay = poisoned(op, A)
+    op(dx, di, dw, out=out, layout=lay)
+    rows = comm.size * opts["max_tokens"] * opts["top_k"]
+    if comm.rank == 0:
+        try:
+            op.synchronize()
+        except mk.MkCapacityError as e:
+            for words in ("MoeDispatchGemm", "rank 0", f"{rows} rows", "the 8 it was planned"):
+                assert words in str(e), f"{words!r} not in: {e}"
+        else:
+            raise AssertionError(f"{rows} rows into a capacity of 8 raised nothing")
+        assert np.all(A.host(out) == 0x7FC0), "rows written past the capacity error"
+        try:
+            op(dx, di, dw)
+        except mk.MkCapacityError:
+            pass
+        else:
+            raise AssertionError("an op past its capacity accepted another call")
+    else:
+        op.synchronize()
+    comm.barrier()
+    op.free()
+    say("capacity", comm, f"rows={rows} capacity=8")
+
+
+def check_timeout(comm, opts, A):
+    bound_s = 1.0 if SIMULATOR else 3.0   # the simulator's blocks each wait it, one by one
+    x, idx, _ = inputs(opts, comm.size, 0, (7,), "uniform")
+    args = (A.dev(x), A.dev(idx), A.dev(weights_of(opts, comm.size, 0, (7,))))
+    check_peer_never_calls(comm, lambda: make_op(comm, opts), lambda op: op(*args),
+                           ("MoeDispatchGemm", "rank 0", "role", "flag 1", "to reach epoch 1"),
+                           bound_s)
+
+
+CHECKS = dict(calls=check_calls, inplace=check_inplace, bad=check_bad, disagree=check_disagree,
+              capacity=check_capacity, timeout=check_timeout)
+
+
+def main():
+    run_checks(CHECKS, dict(hidden=16, ffn=24, experts=4, top_k=2, max_tokens=12, calls=1,
+                            seed=2020, comm_sms=0, unit=0, arrays="numba"))
+
+if __name__ == "__main__":
+    main()
