@@ -61,7 +61,9 @@ def make_kernel(build):
             rows = min(bm, c.shape[0] - tm * bm)
             cols = min(bn, c.shape[1] - (t - tm * tiles_n) * bn)
             acc = np.float32(0)
-            for e in range(cuda.threadIdx.x, rows * cols, cuda.blockDim.x):
+            # range() with a run-time step divides in 64 bits to count its trips: prim.steps
+            for j in range(prim.steps(cuda.threadIdx.x, rows * cols, cuda.blockDim.x)):
+                e = cuda.threadIdx.x + j * cuda.blockDim.x
                 r = prim.udiv32(e, cols)
                 acc += compute.bf16_to_f32(c[tm * bm + r, (t - tm * tiles_n) * bn + e - r * cols])
             cuda.atomic.add(sums, t, acc)
