@@ -47,7 +47,9 @@ def test_primitives_emit_ordered_ptx(fake_sm90):
 
 def test_allgather_kernel_compiles(fake_sm90):
     """Every word width the AllGather moves, compiled for the kernel's own declaration; each
-    block starts by numbering the call (a ticket from the frame)."""
+    block starts by numbering the call (a ticket from the frame); the send role's proxy
+    commands commit with a system release; no 64-bit divide by a run-time value (the rule of
+    the Hopper kernels, kept here too); and it links for sm_90a."""
     from mknumba.kernels.allgather import make_kernel
     from mknumba.kernels.launch import signature
     for word in (np.uint64, np.uint32, np.uint16, np.uint8):
@@ -55,6 +57,9 @@ def test_allgather_kernel_compiles(fake_sm90):
         ptx = _ptx(kernel.py_func, signature(kernel), fake_sm90)
         assert len(re.findall(r"st\.release\.sys", ptx)) >= 1
         assert "atom.add.relaxed.gpu.u64" in ptx
+        assert not re.search(r"\b(div|rem)\.[su]64\b", ptx), f"a 64-bit divide ({word})"
+    ptx, log = _link_sm90a(make_kernel(np.dtype(np.uint64)), 512, fake_sm90)
+    assert "ld.acquire.sys" in ptx and "error" not in log.lower(), log
 
 
 @pytest.mark.parametrize("cc", [(8, 0), (9, 0, "a")])

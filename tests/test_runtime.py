@@ -11,18 +11,21 @@ import mknumba as mk
 from mpi_util import gpu_count, run_mpi
 
 CHECKS = ["topology", "allgather", "timeout", "validation"]
-# (ranks, GPUs per node): one node of 2, one of 4, two emulated nodes of 2 and of 1.
-LAYOUTS = [(2, None), (4, None), (4, 2), (2, 1)]
+# (ranks, GPUs per node, transport): one node of 2, one of 4, two emulated nodes of 2 and of 1
+# (AllGather's world scope crosses them through the proxy: completion and ordered delivery).
+LAYOUTS = [(2, None, None), (4, None, None), (4, 2, "sim:completion"), (2, 1, "sim:ordered")]
 
 
 def _passed(out, check, n):
     assert sum(f"PASS {check} rank {r}" in out for r in range(n)) == n, out[-3000:]
 
 
-@pytest.mark.parametrize("ranks,gpn", LAYOUTS, ids=lambda v: str(v))
+@pytest.mark.parametrize("ranks,gpn,transport", LAYOUTS, ids=lambda v: str(v))
 @pytest.mark.parametrize("check", CHECKS)
-def test_simulator(check, ranks, gpn):
+def test_simulator(check, ranks, gpn, transport):
     env = {"MKNUMBA_GPUS_PER_NODE": str(gpn)} if gpn else {}
+    if transport:
+        env["MKNUMBA_TRANSPORT"] = transport
     _passed(run_mpi("runtime_checks.py", ranks, check, env=env, timeout=300), check, ranks)
 
 

@@ -1,21 +1,37 @@
-"""AllGather over NVLink: every member's shard, in rank order, on every member.
+"""AllGather: every member's shard, in member order, on every member; within a node (NVLink)
+or across the world (NVLink inside each node, the host proxy between nodes).
 
 One persistent launch; blocks take roles by index, senders first (a block may only wait on
-lower-numbered blocks or on other ranks, which keeps the simulator's one-block-at-a-time order
-deadlock-free):
+lower-numbered blocks, on the proxy or on other ranks, which keeps the simulator's
+one-block-at-a-time order deadlock-free). Members are numbered as in the output (world ranks
+for ``scope="world"``, node ranks for ``"node"``); a node's G GPUs are members
+``base .. base + G - 1`` and ``q`` below is a GPU of this node (local index):
 
-    send     blocks [0, S)      for each tile t of my shard:
+    send     blocks [0, S)      between nodes first, for each tile t of my shard:
+                                  stage[slot, me, t] <- shard[t]; publish flags[me, t] (fence)
+                                  for each rail peer r: a proxy command: my stage tile into
+                                    r's stage[slot, me, t], then r.flags[me, t] = epoch
+                                then, for each tile t of my shard:
                                   out[me, t] <- shard[t]                       (local copy)
-                                  for each peer p:  p.stage[slot, me, t] <- shard[t]
-                                                    publish p.flags[me, t] = epoch
-    receive  blocks [S, S+R)    for each (src, t), src != me:
+                                  for each other GPU q of the node: q.stage[slot, me, t] <-
+                                    shard[t]; publish q.flags[me, t] = epoch   (NVLink)
+    forward  blocks [S, S+F)    between nodes, G > 1: for each rail peer r, each tile t:
+                                  wait flags[r, t] (the proxy sets it); for each other GPU q
+                                  of the node: q.stage[slot, r, t] <- stage[slot, r, t];
+                                  publish q.flags[r, t]
+    receive  blocks [S+F, ..)   for each (src, t), src != me:
                                   wait flags[src, t] >= epoch
                                   out[src, t] <- stage[slot, src, t]
 
+Each shard crosses the network once per other node (to the rail peer, from the launch on) and
+each NVLink once. Forward waits only on the proxy, whose commands the send roles enqueue
+without waiting on anything but ring credits; receive waits on send and forward.
+
 Epochs, not resets: call e publishes e; no flag is ever cleared. Staging is double-buffered by
-call parity (slot = call & 1): a rank can only get one call ahead of a peer (it cannot finish
-call e+1 before the peer has sent e+1, which follows the peer's call e in stream order), so the
-slot it writes in call e+2 is one the peer has finished reading.
+call parity (slot = call & 1): a rank can only get one call ahead of any other member (it
+cannot finish call e+1 before every member has sent e+1, which follows that member's call e
+in stream order), so the slot it writes, or has the proxy or a forwarder write, in call e+2
+is one every reader has finished with, and one the proxy finished sending from.
 """
 import sys
 
@@ -27,9 +43,11 @@ from .._compat import SIMULATOR
 from ..arrays import is_torch, operand, torch_ptr
 from ..errors import ERR_SET, ROLE_RECV, MkError, MkValueError
 from ..roles.blocks import begin, copy_tile, publish, wait
+from ..roles.send import enqueue
 from .launch import Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, stream_handle
 
 Flags, Ptrs, Record = array_type(np.uint32, 1), array_type(np.uint64, 1), array_type(np.int64, 1)
+Ints = array_type(np.int32, 1)
 _KERNELS = {}    # word dtype -> kernel
 
 
@@ -38,33 +56,91 @@ def make_kernel(word):
     Words = array_type(word, 1)
     i64 = types.int64
 
+    @cuda.jit(device=True, inline=True)
+    def send_remote(shard, stage, flags, rail, n_rail, proxy, wins, me, members, n, tile,
+                    wbytes, tiles, first, step, slot, ctx):
+        """Between nodes: this block's tiles of my shard into this GPU's stage (the proxy
+        sends from there), each announced there (the system fence orders the copy before the
+        proxy's read), then one proxy command per rail peer; False if a ring credit never
+        came (recorded; the peers' waits expire too)."""
+        ring, head, tail = proxy
+        epoch, deadline, err, rank = ctx
+        sent = cuda.shared.array(1, np.int32)
+        for jt in range(prim.steps(first, tiles, step)):
+            t = first + jt * step
+            off = t * tile
+            cnt = min(tile, n - off)
+            at = (slot * members + me) * n + off
+            copy_tile(shard, off, stage, at, cnt)
+            publish(flags, me * tiles + t, epoch)
+            if cuda.threadIdx.x == 0:
+                sent[0] = 1
+                for i in range(n_rail):
+                    if sent[0] and not enqueue(ring, head, tail, rail[i], wins[0], at * wbytes,
+                                               wins[0], at * wbytes, cnt * wbytes, t, wins[1],
+                                               me * tiles + t, epoch, deadline, err, rank):
+                        sent[0] = 0
+            cuda.syncthreads()
+            if sent[0] == 0:
+                return False                  # the whole block, together
+        return True
+
     @cuda.jit
     def allgather_kernel(shard: Words, out: Words, stage: Words, stage_ptrs: Ptrs, flags: Flags,
-                         flag_ptrs: Ptrs, frame: Ptrs, me: i64, members: i64, tile: i64,
-                         n_send: i64, timeout_ns: types.uint64, err: Record, rank: i64):
-        """shard: [n] raw words; out: [members*n]; stage: symmetric [2*members*n]; tile:
-        words per tile; flags: symmetric uint32 [members*tiles]; *_ptrs: peers' addresses of
-        stage/flags; frame: the op's call counter; err: int64[8] error record."""
+                         flag_ptrs: Ptrs, rail: Ints, ring: Flags, head: Flags, tail: Flags,
+                         frame: Ptrs, me: i64, members: i64, local: i64, g: i64, n_rail: i64,
+                         tile: i64, wbytes: i64, n_send: i64, n_fwd: i64, win_stage: i64,
+                         win_flags: i64, timeout_ns: types.uint64, err: Record, rank: i64):
+        """shard: [n] raw words; out: [members*n]; stage: symmetric over the node [2*members*n];
+        tile: words per tile; flags: symmetric uint32 [members*tiles]; *_ptrs: the node's
+        addresses of stage/flags, by local index; me: my member index, local: my index among
+        the node's g GPUs; rail: the first n_rail entries are my rail peers' member indices
+        (between nodes; n_rail = 0 inside one); ring/head/tail: the proxy's command ring;
+        win_*: the proxy windows of stage and flags; wbytes: bytes per word; frame: the op's
+        call counter; err: int64[8] error record."""
         epoch, call = begin(frame)
         deadline = prim.globaltimer() + timeout_ns
         n = shard.size
-        tiles = (n + tile - 1) // tile
+        tiles = prim.udiv32(n + tile - 1, tile)
         slot = call & 1
         b = cuda.blockIdx.x
         if b < n_send:                                   # ---- send role
-            for t in range(b, tiles, n_send):
+            if n_rail > 0 and not send_remote(
+                    shard, stage, flags, rail, n_rail, (ring, head, tail),
+                    (win_stage, win_flags), me, members, n, tile, wbytes, tiles, b, n_send,
+                    slot, (epoch, deadline, err, rank)):
+                return
+            for jt in range(prim.steps(b, tiles, n_send)):
+                t = b + jt * n_send
                 off = t * tile
                 cnt = min(tile, n - off)
                 copy_tile(shard, off, out, me * n + off, cnt)
-                for j in range(1, members):
-                    p = prim.peer_after(me, j, members)  # stagger peers: links share the load
-                    peer_stage = prim.peer_view(stage_ptrs, p, stage)
+                for j in range(1, g):
+                    q = prim.peer_after(local, j, g)     # stagger peers: links share the load
+                    peer_stage = prim.peer_view(stage_ptrs, q, stage)
                     copy_tile(shard, off, peer_stage, (slot * members + me) * n + off, cnt)
-                    publish(prim.peer_view(flag_ptrs, p, flags), me * tiles + t, epoch)
+                    publish(prim.peer_view(flag_ptrs, q, flags), me * tiles + t, epoch)
+        elif b < n_send + n_fwd:                         # ---- forward role
+            f = b - n_send
+            for i in range(n_rail):
+                src = rail[i]
+                for jt in range(prim.steps(f, tiles, n_fwd)):
+                    t = f + jt * n_fwd
+                    if not wait(flags, src * tiles + t, epoch, deadline, err, rank, ROLE_RECV):
+                        return
+                    off = t * tile
+                    at = (slot * members + src) * n + off
+                    cnt = min(tile, n - off)
+                    for j in range(1, g):
+                        q = prim.peer_after(local, j, g)
+                        copy_tile(stage, at, prim.peer_view(stage_ptrs, q, stage), at, cnt)
+                        publish(prim.peer_view(flag_ptrs, q, flags), src * tiles + t, epoch)
         else:                                            # ---- receive role
-            n_recv = cuda.gridDim.x - n_send
-            for job in range(b - n_send, (members - 1) * tiles, n_recv):
-                k = job // tiles
+            first = b - n_send - n_fwd
+            n_recv = cuda.gridDim.x - n_send - n_fwd
+            for jj in range(prim.steps(first, (members - 1) * tiles, n_recv)):
+                job = first + jj * n_recv
+                k = prim.udiv32(job, tiles)
                 t = job - k * tiles
                 src = prim.peer_after(me, 1 + k, members)
                 if not wait(flags, src * tiles + t, epoch, deadline, err, rank, ROLE_RECV):
@@ -80,51 +156,81 @@ class AllGather:
     """Plan once, call many times: ``out = op(x)`` gathers ``x`` from every member.
 
     comm: a :class:`mknumba.Comm`. shape/dtype: of each rank's ``x`` (every member must pass
-    the same; checked at construction). scope: ``"node"`` (the GPUs of this node) or
-    ``"world"`` (every rank; needs a single node for now: the inter-node stage goes through
-    the proxy). Output: a new device array of shape ``(members,) + shape`` unless ``out`` is
-    given. Calls are asynchronous on ``stream`` (PyTorch tensors: the current PyTorch stream);
-    :meth:`synchronize` waits and raises any timeout.
+    the same, and the same ``tile``; checked at construction, over the scope). scope:
+    ``"node"`` (the GPUs of this node) or ``"world"`` (every rank, in world rank order). Across
+    nodes the schedule is hierarchical: each shard goes once to each other node's rail peer
+    (same local rank) through the host proxy, its commands enqueued at launch, and that GPU
+    forwards it to the rest of its node over NVLink (``forward_blocks``, default 1 in the
+    simulator, 16 on a GPU; none with one GPU per node); a tile is then one proxy command
+    (default 1 MiB on a GPU). Output: a new device array of shape ``(members,) + shape``
+    unless ``out`` is given. Calls are asynchronous on ``stream`` (PyTorch tensors: the
+    current PyTorch stream); :meth:`synchronize` waits and raises any timeout.
     """
 
     name = "AllGather"
 
     def __init__(self, comm, shape, dtype, *, scope="node", send_blocks=None, recv_blocks=None,
-                 tile=None, threads=None):
+                 forward_blocks=None, tile=None, threads=None):
         self.shape = tuple(int(s) for s in np.atleast_1d(shape))
+        group, ranks = comm._group(scope)
+        # first, before any check that could fail on some ranks only and leave the others
+        # waiting in a collective: every member must ask for the same exchange
+        comm.agree(self.name, dict(shape=self.shape, dtype=str(np.dtype(dtype)), tile=tile),
+                   scope)
         if not self.shape or any(s <= 0 for s in self.shape):
             raise MkValueError(f"AllGather: shape must have positive extents, got {shape}")
         self.dtype = np.dtype(dtype)
         if self.dtype.kind not in "iuf" and self.dtype.name != "bfloat16":
             raise MkValueError(f"AllGather: dtype must be an integer or float type, got {dtype}")
-        if scope == "world" and comm.nodes > 1:
-            raise MkValueError("AllGather(scope='world') spans nodes: not supported yet; use "
-                               "scope='node' (the inter-node stage goes through the proxy)")
         self.comm = comm
-        group, ranks = comm._group(scope)
         self.members, self.me = group.Get_size(), group.Get_rank()
-        comm.agree(self.name, dict(shape=self.shape, dtype=self.dtype.name), scope)
+        # between nodes: the proxy to the rail peers, a forward role inside each node
+        self.remote = scope == "world" and comm.nodes > 1
+        if self.remote and comm.proxy is None:
+            raise MkError(f"AllGather: {comm.nodes} nodes need the proxy (mknumba.proxy), "
+                          "which this Comm did not start")
         self.count = int(np.prod(self.shape))
-        # Defaults: (simulator, GPU). The simulator runs every thread as a Python thread.
-        given = dict(tile=tile, threads=threads, send_blocks=send_blocks, recv_blocks=recv_blocks)
-        defaults = dict(tile=(64, 8192), threads=(16, 512), send_blocks=(2, 32),
-                        recv_blocks=(2, 32))
-        for name, value in given.items():
-            value = int(defaults[name][0 if SIMULATOR else 1] if value is None else value)
-            if value < 1:
-                raise MkValueError(f"AllGather: {name} must be >= 1, got {value}")
-            setattr(self, name, value)
         # The kernel moves raw words: 8-byte ones when the shard allows (wider stores over
         # NVLink), whatever the element type.
         nbytes = self.count * self.dtype.itemsize
         self.word = next(np.dtype(w) for w in (np.uint64, np.uint32, np.uint16, np.uint8)
                          if nbytes % np.dtype(w).itemsize == 0)
         self.words = nbytes // self.word.itemsize
+        # Defaults: (simulator, GPU). The simulator runs every thread as a Python thread.
+        # Between nodes a tile is one proxy command: about 1 MiB on a GPU (the host proxy
+        # spends microseconds per command).
+        fwd = comm.local_size > 1 if self.remote else False
+        given = dict(tile=tile, threads=threads, send_blocks=send_blocks,
+                     recv_blocks=recv_blocks, forward_blocks=forward_blocks)
+        defaults = dict(tile=(64, (1 << 20) // self.word.itemsize if self.remote else 8192),
+                        threads=(16, 512), send_blocks=(2, 32), recv_blocks=(2, 32),
+                        forward_blocks=(1, 16))
+        for name, value in given.items():
+            value = int(defaults[name][0 if SIMULATOR else 1] if value is None else value)
+            if value < 1:
+                raise MkValueError(f"AllGather: {name} must be >= 1, got {value}")
+            setattr(self, name, value)
         tiles = -(-self.words // self.tile)
-        self.stage = comm.alloc_symmetric((2 * self.members * self.words,), self.word, scope)
-        self.flags = comm.alloc_flags(self.members * tiles, scope)
+        if not fwd:
+            self.forward_blocks = 0
+        # the symmetric buffers span one node (NVLink); the proxy carries the rest
+        buf_scope = "node" if comm.nodes > 1 else scope
+        self.stage = comm.alloc_symmetric((2 * self.members * self.words,), self.word,
+                                          buf_scope)
+        self.flags = comm.alloc_flags(self.members * tiles, buf_scope)
+        z32 = np.zeros(1, np.uint32)
+        if self.remote:
+            wins = (comm.proxy.register(self.stage), comm.proxy.register(self.flags))
+            ring, head, tail = comm.proxy.device_args()
+            rail = np.array(comm.rail_peers, np.int32)
+        else:
+            wins = (0, 0)
+            ring, head, tail = (cuda.mapped_array(12, np.uint32), cuda.to_device(z32),
+                                cuda.mapped_array(1, np.uint32))
+            rail = np.zeros(1, np.int32)
         self.err = comm.new_error_record()
-        self.frame = Frame(self.send_blocks + self.recv_blocks)
+        grid = self.send_blocks + self.forward_blocks + self.recv_blocks
+        self.frame = Frame(grid)
         self.streams = StreamOrder(self.name)
         self._torch_dtype = None
         if self.word not in _KERNELS:
@@ -134,15 +240,18 @@ class AllGather:
         self.launch = Launch(kernel, compiled, dict(
             shard=Slot((self.words,)), out=Slot((self.members * self.words,)),
             stage=self.stage.local, stage_ptrs=self.stage.ptrs, flags=self.flags.local,
-            flag_ptrs=self.flags.ptrs, frame=self.frame.words, me=self.me,
-            members=self.members, tile=self.tile, n_send=self.send_blocks,
-            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank),
-            self.send_blocks + self.recv_blocks, self.threads, 0)
+            flag_ptrs=self.flags.ptrs, rail=cuda.to_device(rail), ring=ring, head=head,
+            tail=tail, frame=self.frame.words, me=self.me, members=self.members,
+            local=comm.local_rank, g=comm.local_size,
+            n_rail=len(comm.rail_peers) if self.remote else 0, tile=self.tile,
+            wbytes=self.word.itemsize, n_send=self.send_blocks, n_fwd=self.forward_blocks,
+            win_stage=wins[0], win_flags=wins[1], timeout_ns=comm.timeout_ns, err=self.err,
+            rank=comm.rank), grid, self.threads, 0)
 
     def __call__(self, x, out=None, stream=None):
         """x: [*shape] on this rank's GPU -> out: [members, *shape] (same kind and dtype)."""
         if (out is not None and stream is None and self.stage is not None and is_torch(x)
-                and not self.err[ERR_SET]):                 # the hot path: tensors
+                and not self.remote and not self.err[ERR_SET]):    # the hot path: tensors
             dev = self.comm.device_id
             if self._torch_dtype is None:     # False: no such torch dtype, no hot path
                 self._torch_dtype = getattr(sys.modules["torch"], self.dtype.name, False)
