@@ -14,10 +14,10 @@ from numba import cuda
 
 from .. import _compat  # noqa: F401
 from .._compat import SIMULATOR
-from ..errors import MkValueError
+from ..errors import MkError, MkValueError
 from ..roles import compute
 from ..sched.tiles import cdiv
-from .launch import Launch, Slot, array_type, compile_kernel, param
+from .launch import Launch, Slot, array_type, compile_kernel, is_capturing, param
 from .tensor_maps import MapTable, tensor_map
 
 Bits2D = array_type(np.uint16, 2)
@@ -69,6 +69,31 @@ class Transposer:
         self.launch.bind("src", b)
         self.launch(stream)
         return self.ptr
+
+
+class FirstCallScratch:
+    """What an op makes at the first call that needs it (a transposer: it allocates the
+    scratch the transposed copy lives in), kept for the op's lifetime (a captured graph may
+    refer to it). ``make()`` makes it; a first such call inside a CUDA graph capture is
+    refused with ``refusal`` (allocating there would not be replayed)."""
+
+    def __init__(self, make, refusal):
+        self.make, self.refusal, self.made = make, refusal, None
+
+    def __call__(self, stream):
+        if self.made is None:
+            if is_capturing(stream):
+                raise MkError(self.refusal)
+            self.made = self.make()
+        return self.made
+
+    @classmethod
+    def transposer(cls, k, n, op):
+        """A :class:`Transposer` of a row-major [k, n] B, made at the first call with one."""
+        return cls(lambda: Transposer(k, n),
+                   f"{op}: the first call with a row-major b is inside a CUDA graph capture; "
+                   "call once before capturing (it allocates the transposed copy's buffer), or "
+                   "pass w.T")
 
 
 def b_mode(B, b_layout, n, k, op):

@@ -6,9 +6,9 @@ from numba import cuda
 from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
-from ..gemm_inputs import NoTensorMaps, TensorMaps, Transposer, b_mode
-from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
-                      is_capturing, pack, param, stream_handle)
+from ..gemm_inputs import FirstCallScratch, NoTensorMaps, TensorMaps, b_mode
+from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel, pack,
+                      param, stream_handle)
 from .kernel import CFG_FIELDS, build
 from .plan import AllGatherGemmPlan
 
@@ -41,7 +41,7 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
         self.streams = StreamOrder(self.name)
         self.freed = False
         self._buffers = []
-        self._transpose = None        # made at the first call with a row-major [k, n] b
+        self._transposer = FirstCallScratch.transposer(self.k, self.n, self.name)
         self.err = comm.new_error_record()
         self.frame = Frame(self.grid)
         _, self.threads, self._kernel = build(self.kind)
@@ -178,15 +178,6 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
             L.bind("gathered_out", gathered if collect else param(self._no_gathered))
             L.bind("cfg", self._cfg_ptr[int(collect)])
             L(stream)
-
-    def _transposer(self, stream):
-        if self._transpose is None:       # made at the first call with a row-major [k, n] b
-            if is_capturing(stream):
-                raise MkError(f"{self.name}: the first call with a row-major b is inside a "
-                              "CUDA graph capture; call once before capturing (it allocates "
-                              "the transposed copy's buffer), or pass w.T")
-            self._transpose = Transposer(self.k, self.n)
-        return self._transpose
 
 
 def _address(arr):

@@ -8,9 +8,9 @@ from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
 from ...sched.reduce import nonempty
 from ..gemm import Gemm
-from ..gemm_inputs import NoTensorMaps, TensorMaps, Transposer, b_mode
-from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
-                      is_capturing, pack, param, stream_handle)
+from ..gemm_inputs import FirstCallScratch, NoTensorMaps, TensorMaps, b_mode
+from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel, pack,
+                      param, stream_handle)
 from .kernel import CFG_FIELDS, Q_PULL, Q_REDUCE, TRACE_EVENTS, build
 from .plan import GemmReducePlan
 
@@ -53,7 +53,7 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         self._views = {}      # the shared output as the caller's array type
         self._buffers = []
         self.freed = False
-        self._transpose = None        # made at the first call with a row-major [k, n] b
+        self._transposer = FirstCallScratch.transposer(self.k, self.n, self.name)
         self.err = comm.new_error_record()
         if self.solo:         # one rank: the plain GEMM into ``out`` (plan.py)
             self._solo_gemm = Gemm(tile=tile, group_m=group_m)
@@ -254,15 +254,6 @@ class GemmReduce(GemmReducePlan, OpLifetime):
             # another array copies it out of this GPU's shared output at the end
             L.bind("cfg", self._cfg_ptr[self.direct and into_shared])
             L(stream)
-
-    def _transposer(self, stream):
-        if self._transpose is None:       # made at the first call with a row-major [k, n] b
-            if is_capturing(stream):
-                raise MkError(f"{self.name}: the first call with a row-major b is inside a "
-                              "CUDA graph capture; call once before capturing (it allocates "
-                              "the transposed copy's buffer), or pass w.T")
-            self._transpose = Transposer(self.k, self.n)
-        return self._transpose
 
     def clear_trace(self):
         """Zero the stamps (so a later read shows only what the next call reached)."""

@@ -9,7 +9,7 @@ from numba import cuda
 from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand
 from ...errors import MkError, MkValueError
-from ..gemm_inputs import Transposer
+from ..gemm_inputs import FirstCallScratch, Transposer
 from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
                       is_capturing, pack, param, stream_handle)
 from ..tensor_maps import MapTable, tensor_map
@@ -52,7 +52,11 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         self.streams = StreamOrder(self.name)
         self.freed = False
         self._buffers = []
-        self._transpose = None        # made at the first call with w as [E_local, hidden, ffn]
+        self._transposer = FirstCallScratch(   # made at the first call with w as [E, hidden, ffn]
+            lambda: ExpertTransposer(self.local_experts, self.hidden, self.ffn),
+            f"{self.name}: the first call is inside a CUDA graph capture; call once before "
+            "capturing (it allocates the transposed weights' buffer), or plan with "
+            "w_layout='efh'")
         self._cfgs = {}               # tokens T -> (device cfg, its parameter)
         self.err = comm.new_error_record()
         self.frame = Frame(self.grid)
@@ -228,15 +232,6 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             dev = cuda.to_device(pack(CFG_FIELDS, **self._cfg, tokens=T, weighted=weighted))
             self._cfgs[key] = (dev, param(dev))
         return self._cfgs[key][1]
-
-    def _transposer(self, stream):
-        if self._transpose is None:
-            if is_capturing(stream):
-                raise MkError(f"{self.name}: the first call is inside a CUDA graph capture; "
-                              "call once before capturing (it allocates the transposed "
-                              "weights' buffer), or plan with w_layout='efh'")
-            self._transpose = ExpertTransposer(self.local_experts, self.hidden, self.ffn)
-        return self._transpose
 
     def rows(self, layout):
         """Rows the call that filled ``layout`` received (waits for it)."""
