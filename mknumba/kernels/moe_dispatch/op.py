@@ -20,8 +20,8 @@ from .plan import MoeDispatchGemmPlan
 #: said): counts [experts / world] rows per local expert; offsets [experts / world + 1]: expert
 #: e's rows are out[offsets[e]:offsets[e + 1]], offsets[-1] the rows this call received;
 #: rows [capacity, 3]: per out row its source rank, token index (in that rank's x) and top-k
-#: slot; weights [capacity] fp32: its routing weight (calls with topk_weights). Rows past
-#: offsets[-1] are not written.
+#: slot; weights [capacity] fp32: its routing weight (written by calls with topk_weights; 1 for
+#: a row from a rank whose call passed none). Rows past offsets[-1] are not written.
 MoeLayout = namedtuple("MoeLayout", "counts offsets rows weights")
 
 
