@@ -88,11 +88,12 @@ def test_gpu_1x2_graph(arrays):
 
 @pytest.mark.gpu
 def test_gpu_2x1_dma():
-    """Two emulated nodes: meta regions and token units through the dma transport's copy
-    engine (4 rounds of the five routings), expert ids out of range, a graph capture."""
+    """Two emulated nodes: meta regions and token units (64 tokens: several per rank)
+    through the dma transport's copy engine (4 rounds of the five routings), expert ids out
+    of range, a graph capture."""
     env = dict(GPU_ENV, MKNUMBA_GPUS_PER_NODE="1", MKNUMBA_TRANSPORT="dma:ordered")
     out = run_mpi("moe_dispatch_checks.py", 2, "calls,badid,graph", *GPU_SHAPE, "calls=4",
-                  "arrays=torch", simulator=False, env=env)
+                  "unit=64", "arrays=torch", simulator=False, env=env)
     for check in ("calls", "badid", "graph"):
         _passes(out, check, 2)
     assert out.count("topology 2x1") == 6, out[-4000:]
