@@ -333,7 +333,7 @@ def epoch_reached(value, epoch):
     return ((np.int64(value) - np.int64(epoch)) & 0xFFFFFFFF) < 0x80000000
 
 
-@cuda.jit(device=True)
+@cuda.jit(device=True, inline=True)
 def record_error(err, rank, role, flag_idx, expected, seen, block, kind):
     """Write the error record once (first writer wins): the fields as ``errors`` names them
     for ``kind``; the host turns it into an exception (``errors.raise_if_timed_out``)."""
