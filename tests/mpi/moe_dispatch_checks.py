@@ -339,7 +339,7 @@ def check_timeout(comm, opts, A):
     x, idx, _ = inputs(opts, comm.size, 0, (7,), "uniform")
     args = (A.dev(x), A.dev(idx), A.dev(weights_of(opts, comm.size, 0, (7,))))
     check_peer_never_calls(comm, lambda: make_op(comm, opts), lambda op: op(*args),
-                           ("MoeDispatchGemm", "rank 0", "role", "flag 1", "to reach epoch 1"),
+                           ("MoeDispatchGemm", "rank 0", "role", "waiting on flag", "to reach epoch 1"),
                            bound_s)
 
 
