@@ -16,7 +16,7 @@ from ...errors import ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV
 from ...roles import compute
 from ...roles.blocks import launch_context, publish, wait
 from ...roles.reduce import copy_tile_2d
-from ...roles.send import enqueue
+from ...roles.send import enqueue_rail
 from ..launch import array_type
 
 Bits2D, Bits3D = array_type(np.uint16, 2), array_type(np.uint16, 3)
@@ -88,30 +88,20 @@ def make_kernel(tile_init, tile, bm, bn, threads):
         GPU's gathered A, its flag published here; then, between nodes, one command per rail
         peer to the proxy (the slowest link starts first); then into every other GPU of the
         node (NVLink stores, the next GPU first), its flag published there."""
-        ring, head, tail = proxy
         epoch, call, deadline, err, rank = ctx
         kw = cfg[C_K] // 4
         me, parts = cfg[C_ME], cfg[C_PARTS]
         row0 = (call & 1) * cfg[C_M] + me * cfg[C_SHARD]     # my rows in this call's slot
-        sent = cuda.shared.array(1, np.int32)
         for jp in range(prim.steps(first, parts, step)):
             p = first + jp * step
             r0, rows = part_rows(cfg, p)
             at = (row0 + r0) * kw
             copy_tile_2d(a, r0 * kw, kw, gathered, at, kw, rows, kw)
             publish(flags, me * parts + p, epoch)     # system fence: also for the proxy's copy
-            if cfg[C_NODES] > 1:
-                if cuda.threadIdx.x == 0:
-                    sent[0] = 1
-                    for i in range(rail.shape[0]):
-                        if sent[0] and not enqueue(
-                                ring, head, tail, rail[i], cfg[C_WIN_GATHERED], at * 8,
-                                cfg[C_WIN_GATHERED], at * 8, rows * kw * 8, p,
-                                cfg[C_WIN_FLAGS], me * parts + p, epoch, deadline, err, rank):
-                            sent[0] = 0       # recorded; the peers' waits expire too
-                cuda.syncthreads()
-                if sent[0] == 0:
-                    return False              # the whole block, together
+            if cfg[C_NODES] > 1 and not enqueue_rail(
+                    proxy, rail, cfg[C_WIN_GATHERED], at * 8, rows * kw * 8, p,
+                    cfg[C_WIN_FLAGS], me * parts + p, epoch, deadline, err, rank):
+                return False                  # the whole block, together
         g, local = cfg[C_G], cfg[C_LOCAL]
         for jp in range(prim.steps(first, parts, step)):
             p = first + jp * step
