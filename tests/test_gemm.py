@@ -69,29 +69,40 @@ SIM_SCRIPT = textwrap.dedent("""
         return (b.astype(np.uint32) << 16).view(np.float32)
 
     rng = np.random.default_rng(1)
-    # odd multiples of the tile: ragged last tile row/column, several tiles per block
+    # odd multiples of the tile: ragged last tile row/column, several tiles per block; B as
+    # [n, k], row-major [k, n] (read as it is) and a column-major [k, n] view of an [n, k]
+    # array; b updated in place between the two calls (same address, new values)
     for m, n, k, layout, reserved in [(40, 72, 24, "nk", 0), (70, 40, 16, "kn", 1),
-                                      (3 * SIMT_TILE[0] + 5, 2 * SIMT_TILE[1] + 8, 8, "nk", 2)]:
+                                      (3 * SIMT_TILE[0] + 5, 2 * SIMT_TILE[1] + 8, 8, "nk", 2),
+                                      (16, 40, 8, "kn_view", 0)]:
         a = bf16(rng.standard_normal((m, k)))
-        b = bf16(rng.standard_normal((n, k) if layout == "nk" else (k, n)))
         op = Gemm(reserved_sms=reserved)
         out = cuda.to_device(np.full((m, n), 0x7FC0, np.uint16))  # poisoned: NaN
-        for _ in range(2):  # two calls: epochs advance, flags follow
-            op(cuda.to_device(a), cuda.to_device(b), b_layout=layout, out=out)
+        db = None
+        for call in range(2):  # two calls: epochs advance, flags follow
+            b_nk = bf16(rng.standard_normal((n, k)))
+            b = b_nk if layout in ("nk", "kn_view") else np.ascontiguousarray(b_nk.T)
+            if db is None:
+                db = cuda.to_device(b)
+            else:
+                db.copy_to_device(b)
+            out.copy_to_device(np.full((m, n), 0x7FC0, np.uint16))
+            op(cuda.to_device(a), db.T if layout == "kn_view" else db,
+               b_layout="nk" if layout == "nk" else "kn", out=out)
         c = f32(out.copy_to_host())
-        ref = f32(a).astype(np.float64) @ (f32(b).T if layout == "nk" else f32(b))
+        ref = f32(a).astype(np.float64) @ f32(b_nk).T.astype(np.float64)
         err = np.linalg.norm(c - ref) / np.linalg.norm(ref)
         tiles = -(-m // SIMT_TILE[0]) * -(-n // SIMT_TILE[1])
-        flags = op.tile_flags(m, n, k, layout).copy_to_host()
+        flags = op.tile_flags(m, n, k, "nk" if layout == "nk" else "kn").copy_to_host()
         assert np.isfinite(c).all(), "unwritten outputs"
-        assert err < 1e-2, (m, n, k, err)
+        assert err < 1e-2, (m, n, k, layout, err)
         assert op.calls() == (2, 2) and len(flags) == tiles and (flags == 2).all(), flags
         print("ok", m, n, k, layout, reserved, err)
 """)
 
 
 def test_simt_twin_in_simulator():
-    assert run_python(SIM_SCRIPT).count("ok") == 3
+    assert run_python(SIM_SCRIPT).count("ok") == 4
 
 
 # ---- sm_90a: compile the kernel with the linked helper and link a cubin, without a GPU ---------
