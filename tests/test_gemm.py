@@ -207,23 +207,36 @@ def test_rejects_bad_shapes_and_layouts():
 # ---- on a GPU ---------------------------------------------------------------------------------
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("m,n,k,layout", [(128, 256, 64, "nk"), (1000, 776, 1096, "nk"),
-                                          (389, 520, 200, "kn"), (4160, 8184, 1032, "kn_view")])
+@pytest.mark.parametrize("m,n,k,layout", [
+    (128, 256, 64, "nk"), (1000, 776, 1096, "nk"), (389, 520, 200, "kn"),
+    (4160, 8184, 1032, "kn_view"),
+    # B row-major [k, n], read as it is (the ":kn" tile): n past a 64-column box and past a
+    # whole tile (boxes left unloaded), k not a multiple of the 64-deep k-step, one 8 x 8 B
+    (1000, 776, 1096, "kn"), (256, 264, 72, "kn"), (4160, 8184, 1032, "kn"), (130, 8, 8, "kn"),
+    (2048, 2048, 512, "kn")])
 def test_gemm_matches_fp32_reference(m, n, k, layout):
+    """Two calls, b updated in place between them (same tensor, new values): each result
+    against an fp32 reference of the inputs at that call."""
     torch = pytest.importorskip("torch")
     from mknumba.kernels.gemm import Gemm
     op = Gemm()
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b_nk = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     b = {"nk": b_nk, "kn": b_nk.T.contiguous(), "kn_view": b_nk.T}[layout]
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    op(a, b, b_layout="nk" if layout == "nk" else "kn", out=out)
-    torch.cuda.synchronize()
-    ref = a.float() @ b_nk.float().T
-    assert torch.isfinite(out).all()
-    assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
+    out = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+    for call in range(2):
+        if call:
+            fresh = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            b.copy_(fresh if layout == "nk" else fresh.T)
+            b_nk = fresh
+        out.fill_(float("nan"))
+        op(a, b, b_layout="nk" if layout == "nk" else "kn", out=out)
+        torch.cuda.synchronize()
+        ref = a.float() @ b_nk.float().T
+        assert torch.isfinite(out).all()
+        assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2, call
     calls, epoch = op.calls()
-    assert calls == 1 and epoch == 1
+    assert calls == 2 and epoch == 2
     tiles = op.tile_flags(m, n, k, "nk" if layout == "nk" else "kn").copy_to_host()
     assert (tiles == epoch).all()
 

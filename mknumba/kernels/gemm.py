@@ -42,7 +42,7 @@ def _make_kernel(build, threads):
     """The persistent kernel around one tile build (``roles.compute.TileBuild``)."""
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
     compute_role = compute.make_compute_role(build, compute.OWN_TILE)
-    bn = build.shape[1]
+    bn, n_dim = build.shape[1], 1 if build.b_kn else 0
 
     @cuda.jit(**bounds)
     def gemm_kernel(a: Bits2D, b: Bits2D, c: Bits2D, c_planes: Bits3D, tmaps: Words64,
@@ -55,7 +55,7 @@ def _make_kernel(build, threads):
         epoch, call = begin(frame)
         if cuda.blockIdx.x >= compute_blocks:
             return  # held back for other roles; nothing else runs in a plain GEMM
-        compute_role(smem, tmaps, a, b, order, (c.shape[1] + bn - 1) // bn, cuda.blockIdx.x,
+        compute_role(smem, tmaps, a, b, order, (b.shape[n_dim] + bn - 1) // bn, cuda.blockIdx.x,
                      compute_blocks, epoch, (c, tile_flags, False, c_planes))  # flags: this GPU
 
     return gemm_kernel

@@ -51,7 +51,9 @@ constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
 constexpr int CONSUMER_WARPGROUPS = 2;
 constexpr int CONSUMER_THREADS = 128 * CONSUMER_WARPGROUPS;
 constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-constexpr unsigned B_BOX_BYTES = BK * 128;   // MK_B_KN: one box, 64 k-rows of 64 N-columns
+#if MK_B_KN
+constexpr unsigned B_BOX_BYTES = BK * 128;   // one box of B: 64 k-rows of 64 N-columns
+#endif
 constexpr unsigned WARP_STAGING = 16 * 128;  // 16 rows x 64 bf16: one warp's column chunk
 constexpr unsigned STAGING_BYTES = MK_EPILOGUE == 2 ? CONSUMER_THREADS / 32 * WARP_STAGING : 0;
 // Layout from the 1024-byte-aligned base (128B swizzle repeats every 1024 B):
