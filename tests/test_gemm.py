@@ -135,9 +135,9 @@ COMPILE_SCRIPT = textwrap.dedent("""
 """)
 
 #: tile build -> how its epilogue stores (gemm_tile.cu: MK_EPILOGUE), in the linked PTX
+#: ("sm90:e2p0" is "sm90"; "sm90:kn", the same reading B as [k, n]: tests/test_compile.py)
 STORES = {"sm90": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"],
           "sm90:e0p0": ["st.global.u32"], "sm90:e1p0": [],
-          "sm90:e2p0": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"],
           "sm90:e0p1": ["st.global.u32"],
           "sm90:e2p1": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"]}
 
@@ -202,6 +202,22 @@ def test_rejects_bad_shapes_and_layouts():
     check_shapes(129, 136, 72)  # ragged m and non-tile multiples are handled
     with pytest.raises(MkValueError, match="tile"):
         kind_for("tensorcore")
+
+
+def test_tile_builds_for_b_as_kn():
+    """Each library tile build has a twin reading B as [k, n] (``kn_kind``), the same shape,
+    threads and shared memory; a build without one (a probe's) is refused by name."""
+    from mknumba._compat import SIMULATOR
+    from mknumba.roles import compute
+    for kind in ("simt",) + (() if SIMULATOR else ("sm90", "sm90:e2p1")):
+        base, kn = compute.tile_build(kind), compute.tile_build(compute.kn_kind(kind))
+        assert kn.b_kn and not base.b_kn and kn.tile is not base.tile
+        assert (kn.shape, kn.threads, kn.smem_bytes, kn.tma) == \
+            (base.shape, base.threads, base.smem_bytes, base.tma)
+    if "test-probe" not in compute._BUILDS:
+        compute.register_tile("test-probe", compute.tile_build("simt"))
+    with pytest.raises(MkValueError, match="'test-probe' has no variant reading b as"):
+        compute.kn_kind("test-probe", "test")
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------
