@@ -59,15 +59,21 @@ class LayoutLaunches:
     ``builds(kind) -> (TileBuild, threads, kernel)`` (``roles.compute.KernelBuilds``);
     ``values``: every kernel argument but B, ``b_name``; ``b_shapes[kn]``: B's shape in either
     layout; ``grid``: blocks (one per SM: co-resident). The layout ``first`` is made at once
-    (the op's planning); the other at the first call with it, which is refused inside a CUDA
-    graph capture (loading a kernel there is not replayed). ``lock``: held by a call from its
-    binds to its launch, whichever layout it takes."""
+    (the op's planning; [n, k] instead when the build has no [k, n] twin, a probe's); the
+    other at the first call with it, which is refused inside a CUDA graph capture (loading a
+    kernel there is not replayed). ``lock``: held by a call from its binds to its launch,
+    whichever layout it takes."""
 
     def __init__(self, builds, kind, values, b_name, b_shapes, grid, first, op):
         self.builds, self.kind, self.values, self.op = builds, kind, values, op
         self.b_name, self.b_shapes, self.grid = b_name, b_shapes, grid
         self.lock = threading.Lock()
         self._made = {}
+        if first:
+            try:
+                compute.kn_kind(kind, op)
+            except MkValueError:
+                first = False
         self._made[bool(first)] = self._make(bool(first))
 
     def _make(self, kn):
