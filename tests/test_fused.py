@@ -125,11 +125,12 @@ COMPILE_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("tile,moves", [("sm90", "threads"), ("sm90:e2p1", "bulk"),
+@pytest.mark.parametrize("tile,moves", [("sm90:kn", "threads"), ("sm90:e2p1", "bulk"),
                                         ("sm90:e2p1", "bulk:w1")])
 def test_fused_kernel_compiles_for_sm90a(tile, moves):
-    """The plain staged tile with plain-load tile moves, and the fused ops' default: the staged
-    + publisher tile (320 threads) with TMA bulk tile moves (roles.bulk)."""
+    """The plain staged tile reading B as [k, n] with plain-load tile moves, and the fused ops'
+    default: the staged + publisher tile (320 threads) with TMA bulk tile moves
+    (roles.bulk)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     assert "linked" in run_python(COMPILE_SCRIPT, tile, moves, simulator=False, timeout=900)
 

@@ -10,7 +10,18 @@ RACE = textwrap.dedent("""
     import sys
     import numpy as np
     import mknumba  # noqa: F401  (applies the work-arounds)
-    from mknumba.kernels.gemm_inputs import transpose_kernel
+    from numba import cuda
+
+    @cuda.jit
+    def transpose_kernel(src, dst):     # dst = src.T through one static shared tile
+        tile = cuda.shared.array((32, 33), dtype=np.uint16)
+        tx, ty, rows = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32, cuda.blockDim.x // 32
+        for j in range(ty, 32, rows):
+            tile[j, tx] = src[j, tx]
+        cuda.syncthreads()
+        for j in range(ty, 32, rows):
+            dst[j, tx] = tile[tx, j]
+
     sys.setswitchinterval(1e-6)
     rng = np.random.default_rng(0)
     wrong = 0

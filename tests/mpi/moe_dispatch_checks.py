@@ -23,7 +23,7 @@ Routing patterns (one call each, fresh T per rank and call, T <= max_tokens):
 Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exits non-zero):
 
   calls     two ops on one comm called in turn, back to back, ``calls`` rounds of every
-            pattern: w [E/W, hidden, ffn] (transposed per call) for uniform, zipf and one, on
+            pattern: w [E/W, hidden, ffn] (read as [k, n]) for uniform, zipf and one, on
             an op started at ``_start_at(2**32 - 3)`` so its calls cross the epoch's wrap; w
             [E/W, ffn, hidden] (w_layout="efh") for silent and cold; w fresh per call,
             topk_weights on every other call, out and the layout poisoned. After one
@@ -31,9 +31,9 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
             as a set per expert in source-rank order, the weights, and out against a float64
             reference of x[token] @ w[expert] (rows past the received ones untouched); the
             call counters.
-  inplace   one op (w [E/W, hidden, ffn], transposed into scratch per call): the same x,
-            topk_idx and w arrays, w updated in place between 2 calls, out= and layout=
-            reused: the second result follows the update (no stale transposed copy).
+  inplace   one op (w [E/W, hidden, ffn], read as it is): the same x, topk_idx and w
+            arrays, w updated in place between 2 calls, out= and layout= reused: the second
+            result follows the update.
   bad       refused with MkValueError before anything is launched, naming the op and the
             argument: x's hidden, a float32 x, T > max_tokens, int64 topk_idx, topk_idx's
             shape, expert ids -1 and E, w's shape, a float32 w, out's shape, topk_weights'
@@ -156,7 +156,7 @@ def verify(comm, opts, A, op, key, pattern, out, lay, w_bits, weighted, what):
 
 
 def check_calls(comm, opts, A, start=2 ** 32 - 3):
-    """Two ops on one comm, called in turn: w [E/W, hidden, ffn] (transposed per call) for
+    """Two ops on one comm, called in turn: w [E/W, hidden, ffn] (read as [k, n]) for
     uniform, zipf and one, started just short of the epoch's wrap; w [E/W, ffn, hidden] for
     silent and cold (``ehf=0``: one op, w [E/W, ffn, hidden], for all; ``wrap=0``: from call
     0)."""

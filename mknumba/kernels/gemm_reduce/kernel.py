@@ -46,11 +46,13 @@ _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 _MASK32 = 0xFFFFFFFF
 
 
-def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
-    """The persistent kernel around one tile build and one way to move tiles within the node
-    (``roles.bulk``: TMA bulk copies on sm_90a, plain loads and stores elsewhere). Each role is
-    a device function below; the kernel at the end hands blocks to them in block order."""
-    compute_role = compute.make_compute_role(tile_init, tile, compute.TO_OWNER)
+def make_kernel(build, threads, moves="threads"):
+    """The persistent kernel around one tile build (``roles.compute.TileBuild``) and one way to
+    move tiles within the node (``roles.bulk``: TMA bulk copies on sm_90a, plain loads and
+    stores elsewhere). Each role is a device function below; the kernel at the end hands
+    blocks to them in block order."""
+    bm, bn = build.shape
+    compute_role = compute.make_compute_role(build, compute.TO_OWNER)
     move_init, move_reduce, move_copy, move_drain = bulk.move_functions(moves)
     bw = bn // 4                      # words (4 bf16) per tile row
     tile_words = bm * bw
@@ -250,7 +252,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
 
     @cuda.jit(**bounds)
     def gemm_reduce_kernel(
-            a: Bits2D, bt: Bits2D, tmaps: Words, part_c: Bits4D, part: Words, part_ptrs: Words,
+            a: Bits2D, b: Bits2D, tmaps: Words, part_c: Bits4D, part: Words, part_ptrs: Words,
             tile_flags: Flags, tile_flag_ptrs: Words, final_flags: Flags, final_flag_ptrs: Words,
             out: Words, out_ptrs: Words, out_c: Bits2D, cfg: Cfg,
             order: Ints, owner_of_row: Ints, red_tiles: Ints, red_slots: Ints, red_chunks: Ints,
@@ -260,8 +262,9 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
             chunk_ready: Flags, ring: Flags, head: Flags, tail: Flags,
             frame: Words, timeout_ns: types.uint64, err: Record, rank: types.int64,
             trace: Trace, queue: Flags):
-        """a [m, k], bt [n, k], part_c [2, P, m, n]: bf16 bits (per slot, plane 0 this GPU's
-        partials, planes 1..G-1 its inbox when delivering); part: the same memory as uint64
+        """a [m, k], b [n, k] (or [k, n] with a ":kn" tile build), part_c [2, P, m, n]: bf16
+        bits (per slot, plane 0 this GPU's partials, planes 1..G-1 its inbox when
+        delivering); part: the same memory as uint64
         words [2 * P * m * n/4] (symmetric); out: uint64 words of the bf16 output (out_ptrs:
         its address table when it is the op's shared output, cfg[C_DIRECT]; out_c: the same
         memory as bf16 bits [out rows, n], where a folding compute role writes); stage/recv:
@@ -280,7 +283,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         stamp(tr, trace, T_BLOCK_START, blk)
         if blk < n_compute:
             deadline = prim.globaltimer() + timeout_ns       # bounds fold's inbox waits
-            compute_role(smem, tmaps, a, bt, order, cfg[C_TILES_N], blk, n_compute, epoch,
+            compute_role(smem, tmaps, a, b, order, cfg[C_TILES_N], blk, n_compute, epoch,
                          (part_c, part_ptrs, owner_of_row, tile_flags, tile_flag_ptrs,
                           order.shape[0], cfg[C_ME], cfg[C_G], call & 1, cfg[C_DELIVER] != 0,
                           cfg[C_FOLD] != 0, out_c, cfg[C_OUT_ROW0], (deadline, err, rank)))
@@ -319,7 +322,6 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
     return gemm_reduce_kernel
 
 
-SIMT_THREADS = 32 if SIMULATOR else compute.SIMT_THREADS   # the simulator runs threads in Python
 _KERNELS = {}             # (tile build name, moves) -> (threads per block, persistent kernel)
 _LOCK = threading.Lock()
 
@@ -330,7 +332,6 @@ def build(kind, moves):
     b = compute.tile_build(kind)
     with _LOCK:
         if (kind, moves) not in _KERNELS:
-            threads = SIMT_THREADS if kind == "simt" else b.threads
-            _KERNELS[kind, moves] = (threads, make_kernel(b.init, b.tile, *b.shape, threads,
-                                                          moves))
+            threads = compute.threads_of(b)
+            _KERNELS[kind, moves] = (threads, make_kernel(b, threads, moves))
     return (b, *_KERNELS[kind, moves])

@@ -8,9 +8,8 @@ from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
 from ...sched.reduce import nonempty
 from ..gemm import Gemm
-from ..gemm_inputs import FirstCallScratch, NoTensorMaps, TensorMaps, b_mode
-from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel, pack,
-                      param, stream_handle)
+from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
+from ..launch import Frame, OpLifetime, Slot, StreamOrder, pack, param, stream_handle
 from .kernel import CFG_FIELDS, Q_PULL, Q_REDUCE, TRACE_EVENTS, build
 from .plan import GemmReducePlan
 
@@ -53,7 +52,6 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         self._views = {}      # the shared output as the caller's array type
         self._buffers = []
         self.freed = False
-        self._transposer = FirstCallScratch.transposer(self.k, self.n, self.name)
         self.err = comm.new_error_record()
         if self.solo:         # one rank: the plain GEMM into ``out`` (plan.py)
             self._solo_gemm = Gemm(tile=tile, group_m=group_m)
@@ -61,7 +59,6 @@ class GemmReduce(GemmReducePlan, OpLifetime):
                            if self.shared_out else None)
             return
         self.frame = Frame(self.grid)
-        _, self.threads, self._kernel = build(self.kind, self.moves)
         self.tmaps = TensorMaps(self.m, self.n, self.k) if self.build.tma else NoTensorMaps()
         self._allocate(comm.local_size, comm.nodes)
 
@@ -140,13 +137,9 @@ class GemmReduce(GemmReducePlan, OpLifetime):
                                "pull_tiles")}
         net = dict(zip(("stage", "recv", "arrive", "red_flags", "chunk_count", "chunk_ready"),
                        dev), ring=ring, head=head, tail=tail)
-        kernel_fn = self._kernel
-        compiled, bps = compile_kernel(kernel_fn, self.threads, self.build.smem_bytes)
-        if bps < 1:
-            raise MkError(f"{self.name}: the kernel does not fit on an SM")
         m, n, rows = self.m, self.n, self.out_rows
-        self.launch = Launch(kernel_fn, compiled, dict(
-            a=Slot((m, self.k)), bt=Slot((n, self.k)), tmaps=Slot((TensorMaps.ROW,)),
+        values = dict(
+            a=Slot((m, self.k)), tmaps=Slot((TensorMaps.ROW,)),
             part_c=self.part.local.view(np.uint16).reshape(2, self.planes, m, n),
             part=self.part.local, part_ptrs=self.part.ptrs,
             tile_flags=self.tile_flags.local, tile_flag_ptrs=self.tile_flags.ptrs,
@@ -155,8 +148,10 @@ class GemmReduce(GemmReducePlan, OpLifetime):
             out_ptrs=(self.shared or self.part).ptrs,      # read only when direct
             cfg=Slot((len(CFG_FIELDS),)), **tables, **net,
             frame=self.frame.words, timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank,
-            trace=self._trace, queue=self.queue),
-            self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
+            trace=self._trace, queue=self.queue)
+        self.launches = LayoutLaunches(      # planned for b [k, n], as in a @ b
+            lambda kind: build(kind, self.moves), self.kind, values, "b",
+            {False: (n, self.k), True: (self.k, n)}, self.grid, True, self.name)
 
     # -- calls ------------------------------------------------------------------------------------
     def out_shape(self):
@@ -191,8 +186,8 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         (AllReduce), bf16. PyTorch tensors in -> tensor out (on the current PyTorch stream);
         numba/CuPy arrays in (bf16 as ml_dtypes.bfloat16 or bits as uint16/int16) -> numba
         array of bf16 bits out (on ``stream``). ``out=None``: a new array, or with
-        ``shared_out`` the shared output (:meth:`output`). A row-major b is transposed on
-        every call (the op keeps no copy of an input)."""
+        ``shared_out`` the shared output (:meth:`output`). b is read as it is at the call, in
+        either layout (no copy; the first call with a w.T view compiles its kernel)."""
         if (out is not None and stream is None and not self.solo and not self.freed
                 and self.comm.proxy is None and is_torch(a)):     # the hot path: tensors
             dev, (m, n, k) = self.comm.device_id, (self.m, self.n, self.k)
@@ -200,7 +195,7 @@ class GemmReduce(GemmReducePlan, OpLifetime):
             pb = pa and torch_ptr(b, (k, n), dev, (1, k))          # w.T: no copy
             mode = "view"
             if pa and not pb:
-                pb, mode = torch_ptr(b, (k, n), dev), "copy"
+                pb, mode = torch_ptr(b, (k, n), dev), "kn"
             pc = pb and torch_ptr(out, (self.out_rows, n), dev)
             if pc and not self.err[ERR_SET]:
                 self._run(pa, pb, mode, pc, pc, pc == self._shared_ptr,
@@ -231,23 +226,23 @@ class GemmReduce(GemmReducePlan, OpLifetime):
             return self._solo_gemm(a, b, out=out, stream=stream)
         m, n, k, rows = self.m, self.n, self.k, self.out_rows
         mode = b_mode(B, "kn", n, k, self.name)
-        self._run(A.as_param(np.uint16, (m, k)),
-                  B.as_param(np.uint16, (k, n) if mode == "copy" else (n, k)), mode,
+        self._run(A.as_param(np.uint16, (m, k)), B.as_param(np.uint16, b_shape(mode, n, k)),
+                  mode,
                   O.as_param(np.uint64, (rows * n // 4,)), O.as_param(np.uint16, (rows, n)),
                   O.ptr == self._shared_ptr, stream_handle(stream, dev if A.torch else None))
         return out
 
     def _run(self, a, b, mode, out_words, out_c, into_shared, stream):
-        """Bind the parameters (``Operand.as_param``: addresses on the GPU) and launch: B as
-        [n, k] (transposed on the stream when ``mode`` is "copy"), its tensor maps, and the
+        """Bind the parameters (``Operand.as_param``: addresses on the GPU) and launch the
+        kernel for B's layout (``gemm_inputs.b_mode``): B as it is, its tensor maps, and the
         cfg for calls into the shared output or not."""
-        L = self.launch
-        with L.lock:                      # one call at a time binds and launches
+        kn = b_kn(mode)
+        with self.launches.lock:          # one call at a time binds and launches
+            L = self.launches(kn, stream)
             self.streams.enter(stream)
-            bt = self._transposer(stream)(b, stream) if mode == "copy" else b
             L.bind("a", a)
-            L.bind("bt", bt)
-            L.bind("tmaps", self.tmaps(a, bt, stream))
+            L.bind("b", b)
+            L.bind("tmaps", self.tmaps(a, b, stream, kn))
             L.bind("out", out_words)
             L.bind("out_c", out_c)
             # the owners write every GPU's shared output (direct, planned); a call into

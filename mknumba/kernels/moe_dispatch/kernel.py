@@ -365,9 +365,10 @@ def pull_role(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv,
     return True
 
 
-def make_kernel(tile_init, tile, bm, bn, threads):
-    """The persistent kernel around one tile build (``roles.compute``). Each role is a device
-    function above or below; the kernel at the end hands blocks to them in block order."""
+def make_kernel(build, threads):
+    """The persistent kernel around one tile build (``roles.compute.TileBuild``). Each role is
+    a device function above or below; the kernel at the end hands blocks to them in block
+    order."""
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
 
     @cuda.jit(device=True, inline=True)
@@ -384,7 +385,7 @@ def make_kernel(tile_init, tile, bm, bn, threads):
     @cuda.jit(device=True, inline=True)
     def expert_operands(where, tm, a, b, tmaps):
         """Tile row ``tm`` belongs to one local expert e: A is the receive buffer up to e's
-        last row (the tile stores no row past it), B is e's weight [ffn, hidden], the tensor
+        last row (the tile stores no row past it), B is e's weight (``wt[e]``), the tensor
         maps e's (sm_90a: A = the receive buffer, B = e's weight)."""
         lay, cfg, wt, tmtable = where[2], where[4], where[5], where[6]
         el = cfg[C_EL]
@@ -413,7 +414,7 @@ def make_kernel(tile_init, tile, bm, bn, threads):
         prim.fence_proxy_async()
         return True
 
-    compute_role = compute.make_compute_role(tile_init, tile, (into_out, rows_arrived),
+    compute_role = compute.make_compute_role(build, (into_out, rows_arrived),
                                              (tile_rows, expert_operands))
 
     @cuda.jit(**bounds)
@@ -427,7 +428,8 @@ def make_kernel(tile_init, tile, bm, bn, threads):
             timeout_ns: types.uint64, err: Record, rank: types.int64):
         """x: this call's tokens [T, hidden] bf16 as uint64 words; topk int32 [T * top_k];
         weights fp32 [T * top_k] (read when cfg[C_WEIGHTED]); wt [experts / world, ffn,
-        hidden] bf16 bits: this rank's experts as the tile's B; tmtable [experts / world, 32]:
+        hidden] bf16 bits ([experts / world, hidden, ffn] with a ":kn" tile build): this
+        rank's experts as the tile's B; tmtable [experts / world, 32]:
         each expert's tensor maps (sm_90a; zeros for the SIMT tile); recv [tiles_m * bm,
         hidden] bf16 bits: the receive buffer (recv_words: the same memory as words);
         symmetric over the node, each with its address table (by local index): xbuf [2,

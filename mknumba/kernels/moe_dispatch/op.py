@@ -6,10 +6,10 @@ from collections import namedtuple
 import numpy as np
 from numba import cuda
 
-from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand
 from ...errors import MkError, MkValueError
-from ..gemm_inputs import FirstCallScratch, Transposer
+from ...roles.compute import kn_kind
+from ..gemm_inputs import b_map
 from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
                       is_capturing, pack, param, stream_handle)
 from ..tensor_maps import MapTable, tensor_map
@@ -35,12 +35,12 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
     (default: every token of every rank routed to it, ``world * max_tokens * top_k``; a call
     that routes more rows to a rank raises MkCapacityError at the next synchronize() or call,
     with nothing written past the buffers). w_layout: "ehf" (w is [experts / world, hidden,
-    ffn], transposed into the op's scratch on every call) or "efh" ([experts / world, ffn,
-    hidden], read as is). comm_sms: SMs of the pack, forward (between nodes) and pull roles
-    (default 16, not measured yet: between nodes a quarter forward; of the rest a third pack,
-    the others pull); unit_tokens: tokens behind one flag of the token buffer (default 16;
-    between nodes, where a unit is also one proxy command, whole 16-token units of about 512
-    KiB). Every rank must plan the same sizes (checked).
+    ffn]) or "efh" ([experts / world, ffn, hidden]), either read as it is (the tile build
+    ``kn_kind(kind)`` reads "ehf"). comm_sms: SMs of the pack, forward (between nodes) and pull
+    roles (default 16, not measured yet: between nodes a quarter forward; of the rest a third
+    pack, the others pull); unit_tokens: tokens behind one flag of the token buffer (default
+    16; between nodes, where a unit is also one proxy command, whole 16-token units of about
+    512 KiB). Every rank must plan the same sizes (checked).
 
     Calls are asynchronous on the stream of the inputs (the current PyTorch stream for
     tensors, else ``stream``), with no host round trip: :meth:`synchronize` (or the next
@@ -59,15 +59,12 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         self.streams = StreamOrder(self.name)
         self.freed = False
         self._buffers = []
-        self._transposer = FirstCallScratch(   # made at the first call with w as [E, hidden, ffn]
-            lambda: ExpertTransposer(self.local_experts, self.hidden, self.ffn),
-            f"{self.name}: the first call is inside a CUDA graph capture; call once before "
-            "capturing (it allocates the transposed weights' buffer), or plan with "
-            "w_layout='efh'")
         self._cfgs = {}               # tokens T -> (device cfg, its parameter)
         self.err = comm.new_error_record()
         self.frame = Frame(self.grid)
-        _, self.threads, self._kernel = build(self.kind)
+        self.w_kn = self.w_layout == "ehf"      # w[e] is [hidden, ffn]: B as [k, n]
+        self.build, self.threads, self._kernel = build(kn_kind(self.kind, self.name)
+                                                       if self.w_kn else self.kind)
         self._allocate(comm)
 
     def _allocate(self, comm):
@@ -85,7 +82,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         self.tile_flags = cuda.to_device(np.zeros(self.tiles_m * self.tiles_n, np.uint32))
         self._epoch_flags = [self.flags.local, self.lflags, self.tile_flags]
         if self.build.tma:
-            self.tmaps = ExpertMaps(self.recv, El, H, F)
+            self.tmaps = ExpertMaps(self.recv, El, H, F, self.w_kn)
         else:
             self._no_maps = cuda.to_device(np.zeros((El, 32), np.uint64))
         wins = (0, 0, 0)
@@ -118,7 +115,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         cap = self.capacity
         self.launch = Launch(self._kernel, compiled, dict(
             x=Slot((maxt * H // 4,)), topk=Slot((maxt * K,)), weights=Slot((maxt * K,)),
-            wt=Slot((El, F, H)), tmtable=Slot((El, 32)), recv=self.recv,
+            wt=Slot((El, H, F) if self.w_kn else (El, F, H)), tmtable=Slot((El, 32)), recv=self.recv,
             recv_words=self.recv.reshape(self.recv_rows * H).view(np.uint64),
             xbuf=self.xbuf.local, xbuf_ptrs=self.xbuf.ptrs, meta=meta,
             meta_f=meta.view(np.float32), meta_ptrs=self.meta.ptrs, table=self.table.local,
@@ -219,18 +216,16 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         return ops
 
     def _run(self, T, x, topk, weights, w, out, lay, stream):
-        """Bind the parameters and launch: w as [E_local, ffn, hidden] (transposed on the
-        stream, expert by expert, for "ehf"), the experts' tensor maps with it, this T's
-        cfg."""
+        """Bind the parameters and launch: w as it is, the experts' tensor maps with it, this
+        T's cfg."""
         L = self.launch
         with L.lock:                      # one call at a time binds and launches
             self.streams.enter(stream)
-            wt = self._transposer(stream)(w, stream) if self.w_layout == "ehf" else w
             L.bind("x", x)
             L.bind("topk", topk)
             L.bind("weights", weights if weights is not None else param(self._no_weights))
-            L.bind("wt", wt)
-            L.bind("tmtable", self.tmaps(wt, stream) if self.build.tma
+            L.bind("wt", w)
+            L.bind("tmtable", self.tmaps(w, stream) if self.build.tma
                    else param(self._no_maps))
             L.bind("out", out)
             for name, p in zip(("counts", "offsets", "rows_out", "weights_out"), lay):
@@ -256,43 +251,24 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                    (off.copy_to_host() if hasattr(off, "copy_to_host") else off)[-1])
 
 
-class ExpertTransposer:
-    """w [E_local, hidden, ffn] row-major -> the op's scratch [E_local, ffn, hidden], one
-    :class:`~mknumba.kernels.gemm_inputs.Transposer` launch per expert, on every call."""
-
-    def __init__(self, experts, hidden, ffn):
-        self.t = Transposer(hidden, ffn)
-        self.experts, self.hidden, self.ffn = experts, hidden, ffn
-        self.wt = cuda.device_array((experts, ffn, hidden), np.uint16)
-        self.ptr = param(self.wt)
-
-    def __call__(self, w, stream):
-        H, F = self.hidden, self.ffn
-        L, step = self.t.launch, H * F * 2
-        for e in range(self.experts):
-            L.bind("src", w[e] if SIMULATOR else w + e * step)
-            L.bind("dst", self.wt[e] if SIMULATOR else self.ptr + e * step)
-            L(stream)
-        return self.ptr
-
-
 class ExpertMaps(MapTable):
     """Per local expert the tile's two tensor maps (A: the receive buffer, B: the expert's
-    [ffn, hidden] weight), one [E_local, 32] table per weight address met so far."""
+    weight, [ffn, hidden] or with ``kn`` [hidden, ffn]), one [E_local, 32] table per weight
+    address met so far."""
 
-    def __init__(self, recv, experts, hidden, ffn, capacity=16):
+    def __init__(self, recv, experts, hidden, ffn, kn, capacity=16):
         self.recv_ptr = recv.__cuda_array_interface__["data"][0]
         self.rows_, self.experts, self.hidden, self.ffn = recv.shape[0], experts, hidden, ffn
+        self.kn = kn
         super().__init__(self._encode, 32 * experts, capacity)
 
     def _encode(self, key):
         from ...roles import compute
-        (w,), bk, (bm, bn) = key, compute.SM90_BK, compute.SM90_TILE
+        (w,), bk, bm = key, compute.SM90_BK, compute.SM90_TILE[0]
         a = tensor_map(self.recv_ptr, (self.hidden, self.rows_), (bk, bm))
         step = self.ffn * self.hidden * 2
-        return np.concatenate([np.concatenate([a, tensor_map(w + e * step,
-                                                             (self.hidden, self.ffn),
-                                                             (bk, bn))])
+        return np.concatenate([np.concatenate([a, b_map(w + e * step, self.ffn, self.hidden,
+                                                        self.kn)])
                                for e in range(self.experts)])
 
     def __call__(self, w_ptr, stream):

@@ -26,8 +26,8 @@ NETWORK_CHUNK_BYTES = 512 << 10
 #: pack and pull blocks on the GPU when ``comm_sms`` is not given; not measured yet (issue 20,
 #: item 4): a block stores about 21 GB/s over NVLink (benchmarks/NOTES.md).
 DEFAULT_COMM_SMS = 16
-#: expert weight layouts a call takes: "ehf" = [experts / world, hidden, ffn] (transposed into
-#: the op's scratch on every call), "efh" = [experts / world, ffn, hidden] (the tile's B as is)
+#: expert weight layouts a call takes: "ehf" = [experts / world, hidden, ffn] (B as [k, n], a
+#: ":kn" tile build), "efh" = [experts / world, ffn, hidden] (B as [n, k]); both read as they are
 W_LAYOUTS = ("ehf", "efh")
 
 
