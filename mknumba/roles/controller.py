@@ -45,10 +45,22 @@ def target(ctl, flexible, left_p, left_s, initial):
         want = flexible
     elif n_p == 0 or n_s == 0:
         want = initial
-    else:                                # float: no 64-bit integer divide in wgmma kernels
-        work_p = np.float64(left_p) * (np.float64(ctl[CTL_NS_COMPUTE]) / np.float64(n_p))
-        work_s = np.float64(left_s) * (np.float64(ctl[CTL_NS_COMM]) / np.float64(n_s))
-        want = np.int64(np.float64(flexible) * work_s / (work_p + work_s) + 0.5)
+    else:
+        # F * S / (P + S) rounded, with the costs per item (ns / n) multiplied out, and no
+        # divide: ptxas calls a subroutine for a float64 divide, and any call serializes
+        # every wgmma of the kernel. Binary search for the largest w in [0, F] with
+        # (2w - 1)(P + S) <= 2 F S.
+        work_p = np.float64(left_p) * np.float64(ctl[CTL_NS_COMPUTE]) * np.float64(n_s)
+        work_s = np.float64(left_s) * np.float64(ctl[CTL_NS_COMM]) * np.float64(n_p)
+        lo, hi = np.int64(0), np.int64(flexible)
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if np.float64(2 * mid - 1) * (work_p + work_s) <= \
+                    2.0 * np.float64(flexible) * work_s:
+                lo = mid
+            else:
+                hi = mid - 1
+        want = lo
     if left_s > 0 and want < 1:
         want = 1
     if left_p > 0 and want > flexible - 1:

@@ -1,7 +1,7 @@
 """Multi-rank checks of GemmReduceScatter and GemmAllReduce, run under mpiexec.
 
     mpiexec -n N python tests/mpi/fused_checks.py KERNEL M N K [ITERATIONS] [ARRAYS] [CHUNK_TILES]
-        [SPLIT] [JOIN] [DELIVER] [SHARED] [FOLD] [COMM_SMS]
+        [SPLIT] [JOIN] [DELIVER] [SHARED] [FOLD] [COMM_SMS] [START_AT]
 
 KERNEL: rs | ar | both. ARRAYS: numba (bf16 bits in uint16 device arrays) or torch (GPU only).
 CHUNK_TILES: tiles per network chunk (default: the op's; small values exercise the counters).
@@ -11,6 +11,8 @@ the next call's peers write into it, and must not before that copy is done; SHAR
 rank 0 so, the others into arrays of their own (copied out of their shared outputs). FOLD=on:
 ReduceScatter's owners add the delivered partials in their GEMM epilogue (``fold``).
 COMM_SMS: a number, or "adaptive" (the controller moves blocks between compute and reduce).
+START_AT: the ops first take the state of that many earlier calls (``_start_at``, e.g.
+4294967295: the calls cross the wrap of the call counter, the epoch and the queues' tickets).
 Each call gets fresh random inputs (never zeros) and a poisoned (NaN) output; the calls run
 back to back with no host synchronisation (short runs check the role trace of the last call,
 with one synchronisation before it), then every output is compared with a float64 NumPy
@@ -44,7 +46,7 @@ def bits_f64(b):
 
 
 def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, deliver,
-        shared=False, fold=None, comm_sms=None):
+        shared=False, fold=None, comm_sms=None, start_at=0):
     from mknumba.kernels.gemm import kind_for
     from mknumba.roles.compute import tile_build
     chunk = None
@@ -57,6 +59,8 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, de
     fold = fold if Op is GemmReduceScatter else None
     op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced, split=split or None, join=join,
             deliver=deliver, shared_out=bool(shared), fold=fold, comm_sms=comm_sms)
+    if start_at:
+        op._start_at(start_at)
     rows = op.out_shape()[0]
     sent, outs = [], []
     for it in range(iterations):
@@ -104,6 +108,7 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, de
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert err <= 1e-2, f"{op.name} call {it}: relative error {err:.3g}"
         worst = max(worst, err)
+    op.calls_seen = None if op.solo else op.frame.read()[0]      # the device's call counter
     op.free()
     return worst, op
 
@@ -197,6 +202,7 @@ def main():
     comm_sms = sys.argv[13] if len(sys.argv) > 13 else ""
     comm_sms = None if comm_sms in ("", "0") else comm_sms if comm_sms == "adaptive" \
         else int(comm_sms)
+    start_at = int(sys.argv[14]) if len(sys.argv) > 14 else 0
     ops = {"rs": [GemmReduceScatter], "ar": [GemmAllReduce],
            "both": [GemmReduceScatter, GemmAllReduce]}[kernel]
     with mk.init() as comm:
@@ -206,11 +212,12 @@ def main():
         rng = np.random.default_rng(1000 + comm.rank)
         for Op in ops:
             worst, op = run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split,
-                            join, deliver, shared, fold, comm_sms)
+                            join, deliver, shared, fold, comm_sms, start_at)
             print(f"PASS {Op.kernel_name} rank {comm.rank} topology {comm.nodes}x"
                   f"{comm.local_size} m={m} n={n} k={k} calls={iterations} split={op.split} "
                   f"join={int(op.join)} deliver={int(op.deliver)} solo={int(op.solo)} "
                   f"direct={int(op.direct)} fold={int(op.fold)} adaptive={int(op.adaptive)} "
+                  f"calls_seen={op.calls_seen} "
                   f"max_rel_err={worst:.2e}",
                   flush=True)
         comm.barrier()

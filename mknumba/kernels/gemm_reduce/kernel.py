@@ -355,55 +355,65 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         seq_c, seq_m, nlog = 0, 0, 0
         comp_open, red_open = True, True
         pull_open = cfg[C_FLEX_PULL] != 0 and npull > 0
+        held = 0                      # the item this block holds: 0 none, 1 reduce, 2 pull
+        i, it, band = np.int64(0), np.int64(0), np.int64(0)
         ok = True
-        while comp_open or red_open or pull_open:
-            left_p = ctl_.left(queue, Q_COMPUTE, call, tiles, flex)
-            left_s = ctl_.left(queue, Q_REDUCE, call, nred * split, flex)
-            if pull_open:
-                left_s += ctl_.left(queue, Q_PULL, call, npull * split, flex)
-            new, want = ctl_.decide(ctl, role, comp_open, red_open or pull_open, left_p,
-                                    left_s, flex, cfg[C_INIT_COMM])
-            if new != role or nlog == 0:
-                nlog = ctl_.log(tr, trace, T_CTL_N, len(TRACE_EVENTS), blk, nlog, CTL_LOG, new,
-                                want)
-            role = new
-            if role == ctl_.COMPUTE:
-                comp_open, seq_c = flex_compute(smem, tmaps, a, bt, order, cfg, where, queue,
-                                                ctl, flex, blk, seq_c, ctx)
-            elif red_open:
-                i, it, band = take_band(queue, Q_REDUCE, call, nred, split, flex)
-                if it >= nred:
-                    red_open = False
+        while True:
+            # one call site of the tile (flex_compute, below): the tile is inlined where it
+            # is called, and each copy would repeat the whole GEMM tile in the kernel
+            if held != 0:
+                t = tables[1][it] if held == 1 else pull_tiles[it]
+                f = t * split + band
+                ready = (reduce_ready(cfg, node, t, tiles, epoch) if held == 1 else
+                         poll(node[4], f, epoch, True))
+                if ready or not comp_open:    # else compute a tile meanwhile, below
+                    if held == 1:
+                        if not reduce_wait(cfg, node, t, tiles, ctx):
+                            ok = False
+                            break
+                        start = prim.globaltimer()
+                        seq_m = reduce_work(smem, cfg, tables, node, net, out, out_ptrs, i, it,
+                                            band, seq_m, ctx)
+                    else:
+                        if not wait(node[4], f, epoch, deadline, err, rank, ROLE_INTRA):
+                            ok = False
+                            break
+                        start = prim.globaltimer()
+                        seq_m = pull_work(smem, cfg, pull_tiles, node[0], out, out_ptrs, i, it,
+                                          band, seq_m, ctx)
+                    cuda.syncthreads()
+                    ctl_.account(ctl, ctl_.COMM, start)
+                    held = 0
                     continue
-                t = tables[1][it]
-                while comp_open and not reduce_ready(cfg, node, t, tiles, epoch):
-                    comp_open, seq_c = flex_compute(smem, tmaps, a, bt, order, cfg, where,
-                                                    queue, ctl, flex, blk, seq_c, ctx)
-                if not reduce_wait(cfg, node, t, tiles, ctx):
-                    ok = False
-                    break
-                start = prim.globaltimer()
-                seq_m = reduce_work(smem, cfg, tables, node, net, out, out_ptrs, i, it, band,
-                                    seq_m, ctx)
-                cuda.syncthreads()
-                ctl_.account(ctl, ctl_.COMM, start)
             else:
-                i, it, band = take_band(queue, Q_PULL, call, npull, split, flex)
-                if it >= npull:
-                    pull_open = False
-                    continue
-                f = pull_tiles[it] * split + band
-                while comp_open and not poll(node[4], f, epoch, True):
-                    comp_open, seq_c = flex_compute(smem, tmaps, a, bt, order, cfg, where,
-                                                    queue, ctl, flex, blk, seq_c, ctx)
-                if not wait(node[4], f, epoch, deadline, err, rank, ROLE_INTRA):
-                    ok = False
+                if not (comp_open or red_open or pull_open):
                     break
-                start = prim.globaltimer()
-                seq_m = pull_work(smem, cfg, pull_tiles, node[0], out, out_ptrs, i, it, band,
-                                  seq_m, ctx)
-                cuda.syncthreads()
-                ctl_.account(ctl, ctl_.COMM, start)
+                left_p = ctl_.left(queue, Q_COMPUTE, call, tiles, flex)
+                left_s = ctl_.left(queue, Q_REDUCE, call, nred * split, flex)
+                if pull_open:
+                    left_s += ctl_.left(queue, Q_PULL, call, npull * split, flex)
+                new, want = ctl_.decide(ctl, role, comp_open, red_open or pull_open, left_p,
+                                        left_s, flex, cfg[C_INIT_COMM])
+                if new != role or nlog == 0:
+                    nlog = ctl_.log(tr, trace, T_CTL_N, len(TRACE_EVENTS), blk, nlog, CTL_LOG,
+                                    new, want)
+                role = new
+                if role == ctl_.COMM:
+                    if red_open:
+                        i, it, band = take_band(queue, Q_REDUCE, call, nred, split, flex)
+                        if it >= nred:
+                            red_open = False
+                        else:
+                            held = 1
+                    else:
+                        i, it, band = take_band(queue, Q_PULL, call, npull, split, flex)
+                        if it >= npull:
+                            pull_open = False
+                        else:
+                            held = 2
+                    continue
+            comp_open, seq_c = flex_compute(smem, tmaps, a, bt, order, cfg, where, queue, ctl,
+                                            flex, blk, seq_c, ctx)
         ctl_.leave(ctl, role)
         move_drain(smem)
         return ok

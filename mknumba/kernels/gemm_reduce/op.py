@@ -25,7 +25,9 @@ class GemmReduce(GemmReducePlan, OpLifetime):
     comm: the Comm; m, n, k: the full output [m, n] and this rank's inner dimension k (= k_local);
     dtype: "bfloat16" (inputs, output; fp32 accumulation everywhere).
     comm_sms: SMs held back from the GEMM for the communication roles (default: the recorded
-    sweep in ``sched.split``); chunk_bytes: network chunk size (rounded to whole tiles);
+    sweep in ``sched.split``), or "adaptive": the compute and reduce (one node, AllReduce:
+    and pull) blocks change role between items as ``roles.controller`` decides, starting
+    from the recorded split (no join, no fold); chunk_bytes: network chunk size (rounded to whole tiles);
     tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else "simt") | "sm90" | "simt"
     (or another build, ``roles.compute.tile_build``);
     split: row bands per tile in the 1-node reduce and pull roles (default 1, see
