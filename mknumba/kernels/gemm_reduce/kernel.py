@@ -56,10 +56,11 @@ _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 _MASK32 = 0xFFFFFFFF
 
 
-def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
+def make_kernel(tile_init, tile, bm, bn, threads, moves="threads", adaptive=False):
     """The persistent kernel around one tile build and one way to move tiles within the node
-    (``roles.bulk``: TMA bulk copies on sm_90a, plain loads and stores elsewhere). Each role is
-    a device function below; the kernel at the end hands blocks to them in block order."""
+    (``roles.bulk``: TMA bulk copies on sm_90a, plain loads and stores elsewhere), with the
+    static split or (``adaptive``) the controller's. Each role is a device function below; the
+    kernel at the end hands blocks to them in block order."""
     compute_tile = compute.make_compute_tile(tile, compute.TO_OWNER)
     move_init, move_reduce, move_copy, move_drain = bulk.move_functions(moves)
     bw = bn // 4                      # words (4 bf16) per tile row
@@ -302,7 +303,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         return True
 
     @cuda.jit(device=True, inline=True)
-    def compute_loop(smem, tmaps, a, bt, order, cfg, blk, blocks, epoch, where, trace):
+    def static_tiles(smem, tmaps, a, bt, order, cfg, blk, blocks, epoch, where, trace):
         """The static compute role: tiles ``order[blk::blocks]``, each stamped when traced."""
         tr = cfg[C_TRACE] != 0
         tile_init(smem, tmaps)
@@ -334,7 +335,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         return True, seq + 1
 
     @cuda.jit(device=True, inline=True)
-    def flexible_role(smem, tmaps, a, bt, order, cfg, where, tables, node, net, out, out_ptrs,
+    def flexible_pool(smem, tmaps, a, bt, order, cfg, where, tables, node, net, out, out_ptrs,
                       pull_tiles, queue, ctl, blk, ctx):
         """Adaptive split (``roles.controller``): blocks [0, flex) take tiles from the compute
         queue and reduce (1 node, AllReduce: then pull) items from theirs, the role of each
@@ -417,6 +418,24 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         ctl_.leave(ctl, role)
         move_drain(smem)
         return ok
+
+    # One copy of the GEMM tile per kernel (it is inlined where it is called: two copies
+    # doubled ptxas's time and spilled registers), so each build keeps one way of handing out
+    # tiles; the other is a stub its cfg never reaches (the op pairs cfg[C_ADAPTIVE] with it).
+    # One copy of the GEMM tile per kernel (it is inlined where it is called; two copies
+    # doubled ptxas's time and spilled registers), so each build keeps one way of handing out
+    # tiles; the other is a stub its cfg never reaches (the op pairs cfg[C_ADAPTIVE] with it).
+    @cuda.jit(device=True, inline=True)
+    def no_tiles(smem, tmaps, a, bt, order, cfg, blk, blocks, epoch, where, trace):
+        pass
+
+    @cuda.jit(device=True, inline=True)
+    def no_pool(smem, tmaps, a, bt, order, cfg, where, tables, node, net, out, out_ptrs,
+                pull_tiles, queue, ctl, blk, ctx):
+        return False
+
+    compute_loop = no_tiles if adaptive else static_tiles
+    flexible_role = flexible_pool if adaptive else no_pool
 
     @cuda.jit(**bounds)
     def gemm_reduce_kernel(
@@ -501,17 +520,18 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
 
 
 SIMT_THREADS = 32 if SIMULATOR else compute.SIMT_THREADS   # the simulator runs threads in Python
-_KERNELS = {}             # (tile build name, moves) -> (threads per block, persistent kernel)
+_KERNELS = {}     # (tile build name, moves, adaptive) -> (threads per block, persistent kernel)
 _LOCK = threading.Lock()
 
 
-def build(kind, moves):
-    """(roles.compute.TileBuild, threads per block, kernel) of a tile build name and a way to
-    move tiles (roles.bulk.MOVES)."""
+def build(kind, moves, adaptive=False):
+    """(roles.compute.TileBuild, threads per block, kernel) of a tile build name, a way to
+    move tiles (roles.bulk.MOVES) and the static or adaptive split."""
     b = compute.tile_build(kind)
+    key = (kind, moves, bool(adaptive))
     with _LOCK:
-        if (kind, moves) not in _KERNELS:
+        if key not in _KERNELS:
             threads = SIMT_THREADS if kind == "simt" else b.threads
-            _KERNELS[kind, moves] = (threads, make_kernel(b.init, b.tile, *b.shape, threads,
-                                                          moves))
-    return (b, *_KERNELS[kind, moves])
+            _KERNELS[key] = (threads, make_kernel(b.init, b.tile, *b.shape, threads, moves,
+                                                  bool(adaptive)))
+    return (b, *_KERNELS[key])

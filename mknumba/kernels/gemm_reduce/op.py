@@ -27,7 +27,8 @@ class GemmReduce(GemmReducePlan, OpLifetime):
     comm_sms: SMs held back from the GEMM for the communication roles (default: the recorded
     sweep in ``sched.split``), or "adaptive": the compute and reduce (one node, AllReduce:
     and pull) blocks change role between items as ``roles.controller`` decides, starting
-    from the recorded split (no join, no fold); chunk_bytes: network chunk size (rounded to whole tiles);
+    from the recorded split (no join, no fold); chunk_bytes: network chunk size (rounded to
+    whole tiles);
     tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else "simt") | "sm90" | "simt"
     (or another build, ``roles.compute.tile_build``);
     split: row bands per tile in the 1-node reduce and pull roles (default 1, see
@@ -67,7 +68,7 @@ class GemmReduce(GemmReducePlan, OpLifetime):
                            if self.shared_out else None)
             return
         self.frame = Frame(self.grid)
-        _, self.threads, self._kernel = build(self.kind, self.moves)
+        _, self.threads, self._kernel = build(self.kind, self.moves, self.adaptive)
         self.tmaps = TensorMaps(self.m, self.n, self.k) if self.build.tma else NoTensorMaps()
         self._allocate(comm.local_size, comm.nodes)
 
