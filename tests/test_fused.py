@@ -388,7 +388,7 @@ def test_role_split_when_a_gpu_owns_no_tiles(direct):
     from mknumba.kernels.gemm_ar import GemmAllReduce
     plan = ReducePlan(True, 32, 64, 32, 32, 2, 2, 0, 1, 4, 1)   # 1 tile row, G = 2, local 1
     assert len(plan.red_tiles) == 0 and plan.n_final == 0
-    op = SimpleNamespace(comm_sms=16, plan=plan, allreduce=True, topology="2x2",
+    op = SimpleNamespace(comm_sms=16, plan=plan, allreduce=True, topology="2x2", adaptive=False,
                          name="GemmAllReduce", direct=direct)
     GemmAllReduce._roles(op, 132, 2, 2)
     rb = op.role_blocks
