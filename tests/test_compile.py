@@ -154,9 +154,9 @@ def _hopper_kernel(name):
         from mknumba.kernels import gemm
         build, kernel = gemm._build("sm90:kn" if name == "gemm_kn" else "sm90")
         return kernel, build.threads
-    if name == "gemm_reduce":
+    if name.startswith("gemm_reduce"):      # gemm_reduce_adaptive: the controller's build
         from mknumba.kernels.gemm_reduce import kernel as K
-        _, threads, kernel = K.build(SM90_FUSED_TILE, "threads")
+        _, threads, kernel = K.build(SM90_FUSED_TILE, "threads", name.endswith("adaptive"))
         return kernel, threads
     if name == "allgather_gemm":
         from mknumba.kernels.allgather_gemm import kernel as K
@@ -176,7 +176,8 @@ def _hopper_kernel(name):
 GEMM_REGISTERS = 160
 
 
-@pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_reduce", "ring_attention"])
+@pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_reduce", "gemm_reduce_adaptive",
+                                  "ring_attention"])
 def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     """No wgmma of a Hopper kernel is serialized. ptxas serializes all of a kernel's wgmma when
     the kernel makes a call, and a 64-bit divide by a run-time value is one (so is range() with

@@ -258,9 +258,9 @@ def make_compute_role(build, destination, grouped=None):
     where the tile's stores stop), B and tensor maps (one expert's). Default: every entry of
     ``order``, the role's own operands.
     """
-    place, ready = destination
-    work, operands = grouped if grouped is not None else (all_tiles, same_operands)
-    tile_init, tile, n_dim = build.init, build.tile, 1 if build.b_kn else 0
+    work = grouped[0] if grouped is not None else all_tiles
+    tile_init = build.init
+    compute_tile = make_compute_tile(build, destination, grouped)
 
     @cuda.jit(device=True)
     def compute_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where):
@@ -270,20 +270,35 @@ def make_compute_role(build, destination, grouped=None):
         tiles = work(where, epoch, order.shape[0])
         i = blk         # no range() with a run-time step, no 64-bit divide: see udiv32
         while i < tiles:
-            t = order[i]
-            tm = udiv32(t, tiles_n)
+            compute_tile(smem, tmaps, a, b, order[i], tiles_n, seq, epoch, where)
             i += blocks
-            ta, tb, tt = operands(where, tm, a, b, tmaps)
-            m, k = ta.shape
-            n = tb.shape[n_dim]
-            c, c_row0, addend, adds, flags, idx, system = place(where, t, tm)
-            if not ready(where, t, adds, epoch):   # each thread acquires the tile's inputs
-                adds = 0              # timed out (recorded): store the product alone, go on
-            if tile(smem, tt, ta, tb, c, c_row0, addend, adds, m, n, k, tm, t - tm * tiles_n,
-                    seq):
-                release(flags, idx, epoch, system)   # the tile's stores (its barrier) first
             seq += 1
     return compute_role
+
+
+def make_compute_tile(build, destination, grouped=None):
+    """One tile of :func:`make_compute_role`'s loop, for kernels that hand tiles out
+    themselves (the fused reductions' adaptive split, ``roles.controller``):
+    ``compute_tile(smem, tmaps, a, b, t, tiles_n, seq, epoch, where)`` computes linear tile
+    ``t`` as this block's ``seq``-th tile (after ``tile_init`` and a barrier, once per block),
+    places and announces it as the role does. Per thread, no barrier."""
+    place, ready = destination
+    operands = grouped[1] if grouped is not None else same_operands
+    tile, n_dim = build.tile, 1 if build.b_kn else 0
+
+    @cuda.jit(device=True, inline=True)
+    def compute_tile(smem, tmaps, a, b, t, tiles_n, seq, epoch, where):
+        tm = udiv32(t, tiles_n)
+        ta, tb, tt = operands(where, tm, a, b, tmaps)
+        m, k = ta.shape
+        n = tb.shape[n_dim]
+        c, c_row0, addend, adds, flags, idx, system = place(where, t, tm)
+        if not ready(where, t, adds, epoch):   # each thread acquires the tile's inputs
+            adds = 0              # timed out (recorded): store the product alone, go on
+        if tile(smem, tt, ta, tb, c, c_row0, addend, adds, m, n, k, tm, t - tm * tiles_n,
+                seq):
+            release(flags, idx, epoch, system)   # the tile's stores (its barrier) first
+    return compute_tile
 
 
 @cuda.jit(device=True, inline=True)
@@ -442,6 +457,7 @@ __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM9
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions",
            "gemm_init_simt", "gemm_tile_simt", "gemm_tile_simt_kn", "bf16_to_f32",
-           "bf16_hi_to_f32", "f32_to_bf16", "make_compute_role", "own_tile", "to_owner",
-           "TileBuild", "tile_build", "kn_kind", "threads_of", "KernelBuilds", "register_tile",
+           "bf16_hi_to_f32", "f32_to_bf16", "make_compute_role", "make_compute_tile",
+           "own_tile", "to_owner", "TileBuild", "tile_build", "kn_kind", "threads_of",
+           "KernelBuilds", "register_tile",
            "HELPER"] + ([] if SIMULATOR else ["gemm_init_sm90", "gemm_tile_sm90"])

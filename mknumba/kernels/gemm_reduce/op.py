@@ -8,9 +8,13 @@ from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
 from ...sched.reduce import nonempty
 from ..gemm import Gemm
+from ...roles.controller import CTL_WORDS
+from ...timeline import Timeline, segments_from_log
+from ...timeline import save as timeline_save
 from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
 from ..launch import Frame, OpLifetime, Slot, StreamOrder, pack, param, stream_handle
-from .kernel import CFG_FIELDS, Q_PULL, Q_REDUCE, TRACE_EVENTS, build
+from .kernel import (CFG_FIELDS, CTL_LOG, Q_COMPUTE, Q_PULL, Q_REDUCE, QUEUES, TRACE_EVENTS,
+                     TRACE_ROWS, T_CTL_N, build)
 from .plan import GemmReducePlan
 
 
@@ -20,7 +24,10 @@ class GemmReduce(GemmReducePlan, OpLifetime):
     comm: the Comm; m, n, k: the full output [m, n] and this rank's inner dimension k (= k_local);
     dtype: "bfloat16" (inputs, output; fp32 accumulation everywhere).
     comm_sms: SMs held back from the GEMM for the communication roles (default: the recorded
-    sweep in ``sched.split``); chunk_bytes: network chunk size (rounded to whole tiles);
+    sweep in ``sched.split``), or "adaptive": the compute and reduce (one node, AllReduce:
+    and pull) blocks change role between items as ``roles.controller`` decides, starting
+    from the recorded split (no join, no fold); chunk_bytes: network chunk size (rounded to
+    whole tiles);
     tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else "simt") | "sm90" | "simt"
     (or another build, ``roles.compute.tile_build``);
     split: row bands per tile in the 1-node reduce and pull roles (default 1, see
@@ -121,16 +128,19 @@ class GemmReduce(GemmReducePlan, OpLifetime):
                    win_recv=wins[1], win_arrive=wins[2], nred=len(plan.red_tiles),
                    npull=len(plan.pull_tiles), words=self.planes * self.words,  # per slot
                    trace=self.tracing, split=self.split, join=self.join, deliver=self.deliver,
-                   direct=self.direct, fold=self.fold)
+                   direct=self.direct, fold=self.fold, adaptive=self.adaptive,
+                   flex_pull=self.flex_pull, init_comm=rb["reduce"])
         # calls into the shared output need no copy at the end (out_shared)
         self._cfg = {into: cuda.to_device(pack(CFG_FIELDS, **cfg,
                                                    out_shared=into and self.direct))
                      for into in (False, True)}
         self._cfg_ptr = {into: param(c) for into, c in self._cfg.items()}
-        self.queue = cuda.to_device(np.zeros(2, np.uint32))
+        self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
+        # the controller's measurements: they grow across calls (roles.controller)
+        self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
         items = max(self.grid, len(plan.red_tiles) * self.split, plan.n_cmds, plan.n_final,
-                    len(plan.pull_tiles) * self.split) if self.tracing else 1
-        self._trace = cuda.to_device(np.zeros((len(TRACE_EVENTS), items), np.int64))
+                    len(plan.pull_tiles) * self.split, len(plan.order)) if self.tracing else 1
+        self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
         tables = {name: cuda.to_device(nonempty(np.ascontiguousarray(getattr(plan, name))))
                   for name in ("order", "owner_of_row", "red_tiles", "red_slots", "red_chunks",
                                "chunk_tiles", "cmds", "final_tiles", "final_slots",
@@ -148,9 +158,9 @@ class GemmReduce(GemmReducePlan, OpLifetime):
             out_ptrs=(self.shared or self.part).ptrs,      # read only when direct
             cfg=Slot((len(CFG_FIELDS),)), **tables, **net,
             frame=self.frame.words, timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank,
-            trace=self._trace, queue=self.queue)
+            trace=self._trace, queue=self.queue, ctl=self.ctl)
         self.launches = LayoutLaunches(      # planned for b [k, n], as in a @ b
-            lambda kind: build(kind, self.moves), self.kind, values, "b",
+            lambda kind: build(kind, self.moves, self.adaptive), self.kind, values, "b",
             {False: (n, self.k), True: (self.k, n)}, self.grid, True, self.name)
 
     # -- calls ------------------------------------------------------------------------------------
@@ -263,7 +273,77 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         if not self.tracing:
             raise MkValueError(f"{self.name}: built without trace=True")
         rows = self._trace.copy_to_host()
-        return dict(zip(TRACE_EVENTS, rows), role_blocks=dict(self.role_blocks))
+        n = len(TRACE_EVENTS)
+        log = [[(int(rows[n + 2 * j, b]), int(rows[n + 2 * j + 1, b]) & 15,
+                 int(rows[n + 2 * j + 1, b]) >> 4)
+                for j in range(min(int(rows[T_CTL_N, b]), CTL_LOG))]
+               for b in range(self.grid)] if self.adaptive else []
+        return dict(zip(TRACE_EVENTS, rows), role_blocks=dict(self.role_blocks),
+                    controller=log)
+
+    def timeline(self):
+        """The last traced call as a :class:`mknumba.timeline.Timeline` (this rank): an item
+        per tile computed, tile (row band) reduced, chunk sent, tile finished from the
+        network, tile pulled; each block's role over time (the static layout by block index,
+        joined compute blocks counted as reduce from their last tile on; adaptive: the
+        controller's log, its communication role named ``reduce``). After
+        :meth:`synchronize`."""
+        ev = self.trace_events()
+        p, rb, sp = self.plan, self.role_blocks, self.split
+        net = self.comm.nodes > 1
+
+        def span(a, b, n, item, block=lambda i: -1):
+            return [(int(ev[a][i]), int(ev[b][i]), int(item(i)), int(block(i)))
+                    for i in range(n) if ev[a][i] > 0 and ev[b][i] > 0]
+        order = p.order
+        n_compute = rb["compute"]
+        items = dict(
+            compute=span("tile_start", "tile_done", len(order), lambda i: order[i],
+                         (lambda i: ev["tile_block"][i]) if self.adaptive
+                         else (lambda i: i % n_compute)),
+            reduce=span("reduce_ready", "reduce_done", len(p.red_tiles) * sp,
+                        lambda i: p.red_tiles[i // sp]),
+            send=span("send_ready", "send_enqueued", p.n_cmds if net else 0,
+                      lambda i: p.cmds[i, 0]),
+            recv=span("recv_arrived", "recv_done", p.n_final if net else 0,
+                      lambda i: p.final_tiles[i]),
+            pull=span("pull_ready", "pull_done", len(p.pull_tiles) * sp,
+                      lambda i: p.pull_tiles[i // sp]))
+        start, end = ev["block_start"], ev["block_end"]
+        bounds = [n_compute + rb["reduce"]]
+        for role in ("send", "recv", "pull"):
+            bounds.append(bounds[-1] + rb[role])
+        segments, decisions = [], []
+        for b in range(self.grid):
+            if start[b] <= 0 or end[b] <= 0:
+                continue
+            if self.adaptive and b < bounds[0]:
+                log = ev["controller"][b]
+                segs = segments_from_log(start[b], end[b], log, ("compute", "reduce"))
+                decisions += [(t, b, role, want) for t, role, want in log]
+            elif b < n_compute:
+                mid = ev["compute_end"][b] if self.join else end[b]
+                segs = [("compute", int(start[b]), int(mid))] + (
+                    [("reduce", int(mid), int(end[b]))] if self.join else [])
+            else:
+                role = ("reduce", "send", "recv", "pull")[
+                    sum(b >= x for x in bounds[:3])]
+                segs = [(role, int(start[b]), int(end[b]))]
+            segments += [(b, role, t0, t1) for role, t0, t1 in segs]
+        meta = dict(op=self.name, m=self.m, n=self.n, k=self.k, topology=self.topology,
+                    comm_sms=self.comm_sms, adaptive=self.adaptive, role_blocks=dict(rb),
+                    tiles=len(order), controller_log_dropped=sum(
+                        max(0, int(ev["ctl_n"][b]) - CTL_LOG) for b in range(self.grid))
+                    if self.adaptive else 0)
+        return Timeline(self.comm.rank, items, segments, decisions, meta)
+
+    def save_trace(self, path):
+        """Collective (every rank calls it, after :meth:`synchronize`): rank 0 writes the last
+        traced call of every rank to ``path`` as a Chrome / Perfetto trace
+        (:mod:`mknumba.timeline`: one process per rank, tracks per role, an event per item,
+        SMs per role and the controller's target as counters). Returns ``path`` on rank 0,
+        None on the others."""
+        return timeline_save(self.comm, self.timeline(), path)
 
     def free(self):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
@@ -284,11 +364,13 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         rb, p = self.role_blocks, self.plan
         reduce_end = rb["compute"] + rb["reduce"]
         recv_end = reduce_end + rb["send"] + rb["recv"]
-        red_workers = reduce_end - (0 if self.join else rb["compute"])
-        pull_workers = self.grid - recv_end + (reduce_end if self.join else 0)
-        q = np.zeros(2, np.uint64)
+        red_workers = reduce_end - (0 if self.join or self.adaptive else rb["compute"])
+        pull_workers = (reduce_end if self.flex_pull else
+                        self.grid - recv_end + (reduce_end if self.join else 0))
+        q = np.zeros(QUEUES, np.uint64)
         q[Q_REDUCE] = calls * (len(p.red_tiles) * self.split + red_workers)
         q[Q_PULL] = calls * (len(p.pull_tiles) * self.split + pull_workers)
+        q[Q_COMPUTE] = calls * (len(p.order) + reduce_end)      # adaptive: flexible blocks
         self.queue.copy_to_device((q & 0xFFFFFFFF).astype(np.uint32))
         if self.comm.nodes > 1:
             c = np.zeros(self.chunk_count.local.shape, np.uint64)

@@ -55,7 +55,12 @@ class GemmReducePlan:
         sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         self.topology = f"{nodes}x{G}"
         recorded = sm_split.choose(self.kernel_name, self.topology, m, n, k, sms)
-        self.comm_sms = int(recorded.comm_sms if comm_sms is None else comm_sms)
+        if isinstance(comm_sms, str) and comm_sms != "adaptive":
+            raise MkValueError(f"{self.name}: comm_sms={comm_sms!r}: a number of SMs, None "
+                               "(the recorded table) or 'adaptive'")
+        self.adaptive = comm_sms == "adaptive"
+        # adaptive: the table's split is where the controller starts (roles.controller)
+        self.comm_sms = int(recorded.comm_sms if comm_sms in (None, "adaptive") else comm_sms)
         tile_bytes = self.bm * self.bn * 2
         if chunk_bytes is None:
             chunk_bytes = sm_split.default_chunk_bytes(self.topology)
@@ -63,6 +68,7 @@ class GemmReducePlan:
         self.group_m = int(group_m or default_group_m(tiles_m, tiles_n, 128 if not SIMULATOR
                                                       else 2))
         self.split = self._split(split, nodes)
+        self._check_adaptive(join, fold)
         self.join = self._join(join, nodes)
         self.deliver = self._deliver(deliver, nodes, G, recorded.deliver)
         self.fold = self._fold(fold, recorded.fold)
@@ -118,8 +124,28 @@ class GemmReducePlan:
             recv = min(s - send - pull - 1, max(1, round((s - send - pull) * share)))
         reduce = s - send - recv - pull
         self.role_blocks = dict(compute=sms - s, reduce=reduce, send=send, recv=recv, pull=pull)
+        # adaptive: compute and reduce blocks (and on one node the pull blocks) are flexible,
+        # those counted as reduce (and pull) start in the communication role
+        self.flex_pull = self.adaptive and nodes == 1 and pull > 0
+        if self.flex_pull:
+            self.role_blocks.update(reduce=reduce + pull, pull=0)
         self.grid = sms
         self.sms = sms
+
+    def _check_adaptive(self, join, fold):
+        """comm_sms='adaptive' moves blocks between compute and reduce between items
+        (``kernels.gemm_reduce.kernel.flexible_role``): joining is what it does already, and
+        folding waits inside a compute tile, which a block that may be the only one left to
+        reduce must not; tile moves must be plain loads and stores (bulk moves keep their
+        barriers in the shared memory the GEMM tile uses)."""
+        if not self.adaptive:
+            return
+        for name, value in (("join", join), ("fold", fold)):
+            if value:
+                raise MkValueError(f"{self.name}: {name}=True does not go with "
+                                   "comm_sms='adaptive'")
+        if self.moves != "threads":
+            raise MkValueError(f"{self.name}: comm_sms='adaptive' needs moves='threads'")
 
     def _split(self, split, nodes):
         """Row bands per tile for the 1-node reduce and pull roles (default 1). Meant for the
@@ -144,7 +170,8 @@ class GemmReducePlan:
         A joined block waits on tiles of higher-numbered blocks, which needs the whole grid
         resident (one block per SM, as launched); the simulator runs blocks one at a time, so
         there it is off. Bulk moves keep their own barriers in shared memory: off with them."""
-        return self._option(join, nodes == 1 and not SIMULATOR and self.moves == "threads",
+        return self._option(join, nodes == 1 and not SIMULATOR and self.moves == "threads"
+                            and not self.adaptive,
                             True, "join=True needs one node, a GPU (not the simulator) and "
                                   "moves='threads'")
 
@@ -175,7 +202,8 @@ class GemmReducePlan:
         row block last, ``sched.reduce``), instead of a reduce pass over three planes. Needs
         ``deliver`` (one node of several GPUs) and row bands of whole tiles (``split`` 1).
         Default: the recorded sweep's choice for the nearest shape."""
-        return self._option(fold, not self.allreduce and self.deliver and self.split == 1,
+        return self._option(fold, not self.allreduce and self.deliver and self.split == 1
+                            and not self.adaptive,
                             recorded, "fold=True needs ReduceScatter with deliver=True (one "
                                       "node of several GPUs) and split=1")
 
