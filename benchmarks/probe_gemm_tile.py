@@ -21,8 +21,9 @@ The persistent GEMM is timed with variants of the tile beside cuBLAS (torch.matm
   publisher       direct stores; a tenth warp publishes the flag (the fence stalls only it)
   staged-publisher  both changes
 
-(``MK_EPILOGUE`` and ``MK_PUBLISHER`` in ``roles/cuda/gemm_tile.cu``; the builds are
-``roles.compute.tile_build`` names, which the fused ops also take as ``tile=``.)
+(``MK_EPILOGUE`` and ``MK_PUBLISHER`` in ``roles/cuda/gemm_tile.cu``; this probe registers
+the builds the library does not run with ``roles.compute.register_tile``, after which
+``mk.Gemm`` and the fused ops take their names as ``tile=``.)
 Variants that write the output are checked against cuBLAS (relative error <= 1e-2). The table
 ends with a least-squares fit ``ms = fixed + slope * K`` per variant, the fixed part per tile.
 """
@@ -56,9 +57,18 @@ def _without_flag(tile):
     return tile_without_flag
 
 
+def register(tile):
+    """Make a probe build ``sm90:e<E>p<P>`` known to the library (once)."""
+    try:
+        compute.tile_build(tile)
+    except Exception:       # noqa: BLE001 - not one of the library's: register it
+        compute.register_tile(tile, compute.sm90_build(int(tile[6]), tile[8] == "1"))
+
+
 def build(name):
     """A Gemm that runs the variant ``name``."""
     tile, flag = VARIANTS[name]
+    register(tile)
     if not flag:
         b = compute.tile_build(tile)
         tile = f"probe:{name}"

@@ -105,6 +105,9 @@ COMPILE_SCRIPT = textwrap.dedent("""
     import mknumba.kernels.gemm as G
 
     name = sys.argv[2]
+    if name not in ("sm90", "sm90:e2p1"):    # the probe's builds: benchmarks/probe_gemm_tile.py
+        from mknumba.roles import compute
+        compute.register_tile(name, compute.sm90_build(int(name[6]), name[8] == "1"))
     build, kernel = G._build(name)
     from mknumba.kernels.launch import signature
     sig = signature(kernel)          # the kernel's own declaration

@@ -3,7 +3,7 @@
 Send blocks publish 48-byte commands into a ring in mapped host memory
 (:func:`mknumba.roles.send.enqueue`); one proxy thread per GPU polls it, batches commands per
 connection and hands them to a transport, which moves the payload and then makes the chunk's
-arrival flag true on the peer (:func:`mknumba.roles.recv.wait_chunk` waits for it).
+arrival flag true on the peer (a bounded :func:`mknumba.primitives.wait_flag` waits for it).
 
     proxy = mknumba.proxy.start(comm)            # init() does this when comm.nodes > 1
     win = proxy.register(buf)                    # collective, same order on every rank

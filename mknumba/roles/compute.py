@@ -28,7 +28,6 @@ Two implementations:
   product per output element, ``SIMT_TILE`` tiles, any block size.
 """
 import os
-import re
 from collections import namedtuple
 
 import numpy as np
@@ -375,25 +374,30 @@ class KernelBuilds:
         return (b, *self.kernels[kind])
 
 
+def sm90_build(epilogue, publisher):
+    """The :class:`TileBuild` of gemm_tile.cu built with MK_EPILOGUE=epilogue and
+    MK_PUBLISHER=publisher (sm_90a). The library runs (2, 0) and, in the fused ops, (2, 1);
+    ``benchmarks/probe_gemm_tile.py`` registers the others (:func:`register_tile`)."""
+    return TileBuild(*sm90_tile_functions(epilogue, publisher), SM90_TILE,
+                     sm90_threads(publisher), sm90_smem_bytes(epilogue), True, epilogue == 1)
+
+
 def tile_build(name):
     """The tile build called ``name``: ``"simt"``, ``"sm90"`` (the library's Hopper tile),
-    ``"sm90:e<E>p<P>"`` (gemm_tile.cu built with MK_EPILOGUE=E and MK_PUBLISHER=P, made on first
-    use), or one added with :func:`register_tile`. Raises MkValueError for anything else."""
+    ``SM90_FUSED_TILE`` (made on first use), or one added with :func:`register_tile`. Raises
+    MkValueError for anything else."""
+    if name == SM90_FUSED_TILE and name not in _BUILDS and not SIMULATOR:
+        _BUILDS[name] = sm90_build(SM90_EPILOGUE, True)
     if name not in _BUILDS:
-        spec = re.fullmatch(r"sm90:e(\d)p([01])", str(name))
-        if spec is None or SIMULATOR or int(spec[1]) not in SM90_STAGING:
-            raise MkValueError(f"no tile build {name!r} here (known: {sorted(_BUILDS)}, and "
-                               "'sm90:e<0|1|2>p<0|1>' on a GPU)")
-        epilogue, publisher = int(spec[1]), spec[2] == "1"
-        _BUILDS[name] = TileBuild(*sm90_tile_functions(epilogue, publisher), SM90_TILE,
-                                  sm90_threads(publisher), sm90_smem_bytes(epilogue), True,
-                                  epilogue == 1)
+        raise MkValueError(f"no tile build {name!r} here (known: {sorted(_BUILDS)}"
+                           f"{'' if SIMULATOR else ', ' + repr(SM90_FUSED_TILE)})")
     return _BUILDS[name]
 
 
 def register_tile(name, build):
     """Add a :class:`TileBuild` under ``name`` (probes that time variants of a tile, e.g.
-    ``benchmarks/probe_gemm_tile.py``); the kernels then take ``tile=name``."""
+    ``benchmarks/probe_gemm_tile.py`` with :func:`sm90_build`); the kernels then take
+    ``tile=name``."""
     if name in _BUILDS:
         raise MkValueError(f"tile build {name!r} exists already")
     _BUILDS[name] = build
@@ -401,7 +405,7 @@ def register_tile(name, build):
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
            "SIMT_TILE", "SIMT_THREADS",
-           "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions",
+           "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions", "sm90_build",
            "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16",
            "make_compute_role", "own_tile", "to_owner", "TileBuild", "tile_build", "KernelBuilds",
            "register_tile",

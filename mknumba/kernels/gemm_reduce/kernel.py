@@ -4,8 +4,6 @@ hands blocks to them in block order (the role table is in :mod:`mknumba.kernels.
 Every role takes ``ctx = (epoch, call, deadline, err, rank, trace)`` and returns False when one
 of its waits timed out (the error record says which), so the block can end.
 """
-import threading
-
 import numpy as np
 from numba import cuda, types
 
@@ -13,9 +11,9 @@ from ... import _compat  # noqa: F401  (numpy alias before numba compiles)
 from ... import primitives as prim
 from ..._compat import SIMULATOR
 from ...errors import ROLE_INTRA, ROLE_RECV, ROLE_SEND
-from ...roles import bulk, compute
-from ...roles.blocks import begin, publish, publish_peers, stamp, take_band, wait
-from ...roles.reduce import chunk_arrive, sum_local, reduce_peers
+from ...roles import compute
+from ...roles.blocks import begin, publish, publish_peers, stamp, take, wait
+from ...roles.reduce import chunk_arrive, copy_tile_2d, sum_local, reduce_peers
 from ...roles.send import enqueue
 from ..launch import array_type
 
@@ -28,12 +26,11 @@ Cfg, Record, Trace = array_type(np.int64, 1), array_type(np.int64, 1), array_typ
 CFG_FIELDS = ("m", "n", "tiles_n", "me", "g", "nodes", "out_row0", "compute", "reduce_end",
               "send_end", "recv_end", "allreduce", "stage_slots", "recv_slots", "nfinal",
               "recv_chunks", "chunk", "ncmds", "win_stage", "win_recv", "win_arrive", "nred",
-              "npull", "words", "trace", "split", "join", "deliver", "direct", "fold",
-              "out_shared")
+              "npull", "words", "trace", "join", "deliver", "direct", "fold", "out_shared")
 (C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES, C_OUT_ROW0, C_COMPUTE, C_REDUCE_END, C_SEND_END,
  C_RECV_END, C_ALLREDUCE, C_STAGE_SLOTS, C_RECV_SLOTS, C_NFINAL, C_RECV_CHUNKS, C_CHUNK,
  C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS, C_TRACE,
- C_SPLIT, C_JOIN, C_DELIVER, C_DIRECT, C_FOLD, C_OUT_SHARED) = range(31)
+ C_JOIN, C_DELIVER, C_DIRECT, C_FOLD, C_OUT_SHARED) = range(30)
 Q_REDUCE, Q_PULL = 0, 1          # the work queues (roles.blocks.take)
 
 # trace rows (``trace=True``): globaltimer stamps, one row per event, indexed by the role's item
@@ -46,12 +43,10 @@ _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 _MASK32 = 0xFFFFFFFF
 
 
-def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
-    """The persistent kernel around one tile build and one way to move tiles within the node
-    (``roles.bulk``: TMA bulk copies on sm_90a, plain loads and stores elsewhere). Each role is
-    a device function below; the kernel at the end hands blocks to them in block order."""
+def make_kernel(tile_init, tile, bm, bn, threads):
+    """The persistent kernel around one tile build. Each role is a device function below; the
+    kernel at the end hands blocks to them in block order."""
     compute_role = compute.make_compute_role(tile_init, tile, compute.TO_OWNER)
-    move_init, move_reduce, move_copy, move_drain = bulk.move_functions(moves)
     bw = bn // 4                      # words (4 bf16) per tile row
     tile_words = bm * bw
     tile_bytes = tile_words * 8
@@ -63,10 +58,10 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
     # shared arrays of roles.blocks.wait and take again, and the link refuses the duplicates.
 
     @cuda.jit(device=True, inline=True)
-    def origin(t, tiles_n, band, sub):
-        """First row (elements) and column (words) of row band ``band`` of tile ``t``."""
+    def origin(t, tiles_n):
+        """First row (elements) and column (words) of tile ``t``."""
         tm = prim.udiv32(t, tiles_n)
-        return tm * bm + band * sub, (t - tm * tiles_n) * bw
+        return tm * bm, (t - tm * tiles_n) * bw
 
     @cuda.jit(device=True, inline=True)
     def push_target(cfg, out_ptrs, out, out_off, part_ptrs, part, part_off):
@@ -79,8 +74,8 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         return part_ptrs, part, part_off
 
     @cuda.jit(device=True, inline=True)
-    def reduce_role(smem, cfg, tables, node, net, out, out_ptrs, queue, workers, ctx):
-        """Intra-node reduce: for each tile (row band) this GPU owns, taken from the reduce
+    def reduce_role(cfg, tables, node, net, out, out_ptrs, queue, workers, ctx):
+        """Intra-node reduce: for each tile this GPU owns, taken from the reduce
         queue, wait until every local GPU's partial is there, sum them (fp32), and write the
         sum: 1 node, to ``out`` (AllReduce: also into every local peer's partials, or with a
         shared output and delivery straight into its ``out``, then their final flags); nodes >
@@ -96,18 +91,13 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         stage_base = (call & 1) * cfg[C_STAGE_SLOTS] * tile_words
         plane = m * wn                # words per plane of partials
         tiles = order.shape[0]
-        seq = 0                       # this block's tile moves so far (roles.bulk)
-        if nodes == 1:
-            move_init(smem)
-        split = cfg[C_SPLIT]          # items per tile: bands of bm / split rows (1 node only)
-        sub = prim.udiv32(bm, split)
         while True:
-            i, it, band = take_band(queue, Q_REDUCE, call, cfg[C_NRED], split, workers)
+            it = take(queue, Q_REDUCE, call, cfg[C_NRED], workers)
             if it >= cfg[C_NRED]:
                 break
             t = red_tiles[it]
-            r0, c0 = origin(t, cfg[C_TILES_N], band, sub)
-            rows = min(sub, m - r0)   # <= 0 past a ragged edge: no words, flag still set
+            r0, c0 = origin(t, cfg[C_TILES_N])
+            rows = min(bm, m - r0)
             wcols = min(bw, wn - c0)
             src = part_base + r0 * wn + c0
             for j in range(G):
@@ -119,7 +109,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                               ROLE_INTRA, G > 1)
                 if not ok:
                     return False
-            stamp(tr, trace, T_RED_READY, i)
+            stamp(tr, trace, T_RED_READY, it)
             if nodes == 1:
                 dst = (r0 - cfg[C_OUT_ROW0]) * wn + c0
                 if deliver:           # all G partials are local: plane 0 + planes 1..G-1
@@ -128,12 +118,10 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                     sum_local(part, src, part, src + plane, plane, G - 1, out, dst, wn,
                               to_ptrs, to, G, me, to_off, wn, allreduce, rows, wcols, wn)
                 else:
-                    seq = move_reduce(smem, seq, part_ptrs, part, G, me, src, wn, out, dst,
-                                      wn, allreduce, rows, wcols)
+                    reduce_peers(part_ptrs, part, G, me, src, wn, out, dst, wn, allreduce,
+                                 rows, wcols)
                 if allreduce:
-                    move_drain(smem)                # the pushed tile is written, then its flag
-                    publish_peers(final_flag_ptrs, final_flags, G, me, t * split + band,
-                                  epoch)
+                    publish_peers(final_flag_ptrs, final_flags, G, me, t, epoch)
             else:
                 s = red_slots[it]
                 reduce_peers(part_ptrs, part, G, me, src, wn, stage,
@@ -143,9 +131,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                 if q >= 0:
                     chunk_arrive(chunk_count, chunk_ready, q,
                                  (np.int64(call) * chunk_tiles[q]) & _MASK32, epoch)
-            stamp(tr, trace, T_RED_DONE, i)
-        if nodes == 1:
-            move_drain(smem)          # no bulk store outlives the block
+            stamp(tr, trace, T_RED_DONE, it)
         return True
 
     @cuda.jit(device=True, inline=True)
@@ -202,7 +188,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
             if not wait(red_flags, fs, epoch, deadline, err, rank, ROLE_RECV, False):
                 return False
             t = final_tiles[i]
-            r0, c0 = origin(t, cfg[C_TILES_N], 0, bm)
+            r0, c0 = origin(t, cfg[C_TILES_N])
             dst = (r0 - cfg[C_OUT_ROW0]) * wn + c0
             to_ptrs, to, to_off = push_target(cfg, out_ptrs, out, dst, part_ptrs, part,
                                               part_base + r0 * wn + c0)
@@ -215,9 +201,8 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         return True
 
     @cuda.jit(device=True, inline=True)
-    def pull_role(smem, cfg, pull_tiles, part, final_flags, out, out_ptrs, queue, workers,
-                  ctx):
-        """AllReduce, G > 1: for each tile (row band) another local GPU owns, taken from the
+    def pull_role(cfg, pull_tiles, part, final_flags, out, out_ptrs, queue, workers, ctx):
+        """AllReduce, G > 1: for each tile another local GPU owns, taken from the
         pull queue, wait for its final flag (the owner pushed the sum into this GPU's
         partials, or with ``C_DIRECT`` into its shared output), then copy it to ``out``
         (local); when ``out`` is that shared output (``C_OUT_SHARED``) only wait, so that the
@@ -226,26 +211,21 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         tr = cfg[C_TRACE] != 0
         m, wn = cfg[C_M], cfg[C_N] // 4
         part_base = (call & 1) * cfg[C_WORDS]
-        seq = 0
-        move_init(smem)
-        split = cfg[C_SPLIT]
-        sub = prim.udiv32(bm, split)
         while True:
-            i, it, band = take_band(queue, Q_PULL, call, cfg[C_NPULL], split, workers)
+            it = take(queue, Q_PULL, call, cfg[C_NPULL], workers)
             if it >= cfg[C_NPULL]:
                 break
             t = pull_tiles[it]
-            if not wait(final_flags, t * split + band, epoch, deadline, err, rank, ROLE_INTRA):
+            if not wait(final_flags, t, epoch, deadline, err, rank, ROLE_INTRA):
                 return False
             if cfg[C_OUT_SHARED] == 0:
-                r0, c0 = origin(t, cfg[C_TILES_N], band, sub)
+                r0, c0 = origin(t, cfg[C_TILES_N])
                 src, src_off = part, part_base + r0 * wn + c0
                 if cfg[C_DIRECT] != 0:        # the owner wrote it into my shared output
                     src, src_off = prim.peer_view(out_ptrs, cfg[C_ME], out), r0 * wn + c0
-                seq = move_copy(smem, seq, src, src_off, wn, out, r0 * wn + c0, wn,
-                                min(sub, m - r0), min(bw, wn - c0))
-            stamp(tr, trace, T_PULL_DONE, i)
-        move_drain(smem)
+                copy_tile_2d(src, src_off, wn, out, r0 * wn + c0, wn, min(bm, m - r0),
+                             min(bw, wn - c0))
+            stamp(tr, trace, T_PULL_DONE, it)
         return True
 
     @cuda.jit(**bounds)
@@ -297,7 +277,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
         pull_workers = cuda.gridDim.x - recv_end + (reduce_end if join else 0)
         ok = True
         if blk < reduce_end:
-            ok = reduce_role(smem, cfg, (order, red_tiles, red_slots, red_chunks, chunk_tiles),
+            ok = reduce_role(cfg, (order, red_tiles, red_slots, red_chunks, chunk_tiles),
                              node, (stage, red_flags, chunk_count, chunk_ready), out, out_ptrs,
                              queue, red_workers, ctx)
         elif blk < send_end:
@@ -311,7 +291,7 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
                               (stage, recv, arrive, red_flags), out, out_ptrs, blk - send_end,
                               recv_end - send_end, ctx)
         if ok and pulls and cfg[C_NPULL] > 0:
-            ok = pull_role(smem, cfg, pull_tiles, part, final_flags, out, out_ptrs, queue,
+            ok = pull_role(cfg, pull_tiles, part, final_flags, out, out_ptrs, queue,
                            pull_workers, ctx)
         if ok:
             stamp(tr, trace, T_BLOCK_END, blk)
@@ -319,18 +299,5 @@ def make_kernel(tile_init, tile, bm, bn, threads, moves="threads"):
     return gemm_reduce_kernel
 
 
-SIMT_THREADS = 32 if SIMULATOR else compute.SIMT_THREADS   # the simulator runs threads in Python
-_KERNELS = {}             # (tile build name, moves) -> (threads per block, persistent kernel)
-_LOCK = threading.Lock()
-
-
-def build(kind, moves):
-    """(roles.compute.TileBuild, threads per block, kernel) of a tile build name and a way to
-    move tiles (roles.bulk.MOVES)."""
-    b = compute.tile_build(kind)
-    with _LOCK:
-        if (kind, moves) not in _KERNELS:
-            threads = SIMT_THREADS if kind == "simt" else b.threads
-            _KERNELS[kind, moves] = (threads, make_kernel(b.init, b.tile, *b.shape, threads,
-                                                          moves))
-    return (b, *_KERNELS[kind, moves])
+#: build(tile build name) -> (roles.compute.TileBuild, threads per block, kernel)
+build = compute.KernelBuilds(make_kernel)

@@ -24,15 +24,11 @@ class GemmReduce(GemmReducePlan, OpLifetime):
     sweep in ``sched.split``); chunk_bytes: network chunk size (rounded to whole tiles);
     tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else "simt") | "sm90" | "simt"
     (or another build, ``roles.compute.tile_build``);
-    split: row bands per tile in the 1-node reduce and pull roles (default 1, see
-    :meth:`_split`); join: idle compute blocks help the reduce and pull roles (default: on
+    join: idle compute blocks help the reduce and pull roles (default: on
     one node on the GPU, see :meth:`_join`); deliver: compute blocks write tiles other local
     GPUs own straight into those GPUs' memory (one node; default per shape from the recorded
     sweep, see :meth:`_deliver`); fold (ReduceScatter, with deliver): each GPU computes its
     own tiles last and adds the delivered partials in their epilogue (:meth:`_fold`);
-    moves: how the reduce and pull roles move tiles over NVLink: "threads" (plain loads and
-    stores, ``roles.reduce``; the default), or on sm_90a "bulk" / "bulk:w1" (TMA bulk copies,
-    ``roles.bulk``: correct, but slower per block on an H200, benchmarks/NOTES.md);
     shared_out (AllReduce): the op owns a symmetric [m, n] output (:meth:`output`) that each
     tile's owner writes on every local GPU, with no copy at the end (with delivery or
     between nodes; other outputs still work, through the copy); a call with ``out=None``
@@ -45,10 +41,10 @@ class GemmReduce(GemmReducePlan, OpLifetime):
     """
 
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, comm_sms=None, chunk_bytes=None,
-                 tile="auto", group_m=None, trace=False, moves=None, split=None, join=None,
-                 deliver=None, shared_out=False, fold=None):
-        self._plan(comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, moves,
-                   split, join, deliver, shared_out, fold)
+                 tile="auto", group_m=None, trace=False, join=None, deliver=None,
+                 shared_out=False, fold=None):
+        self._plan(comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, join,
+                   deliver, shared_out, fold)
         self.streams = StreamOrder(self.name)
         self._views = {}      # the shared output as the caller's array type
         self._buffers = []
@@ -61,7 +57,7 @@ class GemmReduce(GemmReducePlan, OpLifetime):
                            if self.shared_out else None)
             return
         self.frame = Frame(self.grid)
-        _, self.threads, self._kernel = build(self.kind, self.moves)
+        _, self.threads, self._kernel = build(self.kind)
         self.tmaps = TensorMaps(self.m, self.n, self.k) if self.build.tma else NoTensorMaps()
         self._allocate(comm.local_size, comm.nodes)
 
@@ -71,7 +67,7 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         self.planes = G if self.deliver else 1     # own partials, then an inbox per local peer
         self.part = comm.alloc_symmetric((2 * self.planes * self.words,), np.uint64)
         self.tile_flags = comm.alloc_flags(self.planes * plan.tiles_m * plan.tiles_n)
-        self.final_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n * self.split
+        self.final_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n
                                             if self.allreduce else 1)
         self._buffers = [self.part, self.tile_flags, self.final_flags]
         self.shared = None
@@ -123,7 +119,7 @@ class GemmReduce(GemmReducePlan, OpLifetime):
                    chunk=plan.chunk_tiles_max, ncmds=plan.n_cmds, win_stage=wins[0],
                    win_recv=wins[1], win_arrive=wins[2], nred=len(plan.red_tiles),
                    npull=len(plan.pull_tiles), words=self.planes * self.words,  # per slot
-                   trace=self.tracing, split=self.split, join=self.join, deliver=self.deliver,
+                   trace=self.tracing, join=self.join, deliver=self.deliver,
                    direct=self.direct, fold=self.fold)
         # calls into the shared output need no copy at the end (out_shared)
         self._cfg = {into: cuda.to_device(pack(CFG_FIELDS, **cfg,
@@ -131,8 +127,8 @@ class GemmReduce(GemmReducePlan, OpLifetime):
                      for into in (False, True)}
         self._cfg_ptr = {into: param(c) for into, c in self._cfg.items()}
         self.queue = cuda.to_device(np.zeros(2, np.uint32))
-        items = max(self.grid, len(plan.red_tiles) * self.split, plan.n_cmds, plan.n_final,
-                    len(plan.pull_tiles) * self.split) if self.tracing else 1
+        items = max(self.grid, len(plan.red_tiles), plan.n_cmds, plan.n_final,
+                    len(plan.pull_tiles)) if self.tracing else 1
         self._trace = cuda.to_device(np.zeros((len(TRACE_EVENTS), items), np.int64))
         tables = {name: cuda.to_device(nonempty(np.ascontiguousarray(getattr(plan, name))))
                   for name in ("order", "owner_of_row", "red_tiles", "red_slots", "red_chunks",
@@ -292,8 +288,8 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         red_workers = reduce_end - (0 if self.join else rb["compute"])
         pull_workers = self.grid - recv_end + (reduce_end if self.join else 0)
         q = np.zeros(2, np.uint64)
-        q[Q_REDUCE] = calls * (len(p.red_tiles) * self.split + red_workers)
-        q[Q_PULL] = calls * (len(p.pull_tiles) * self.split + pull_workers)
+        q[Q_REDUCE] = calls * (len(p.red_tiles) + red_workers)
+        q[Q_PULL] = calls * (len(p.pull_tiles) + pull_workers)
         self.queue.copy_to_device((q & 0xFFFFFFFF).astype(np.uint32))
         if self.comm.nodes > 1:
             c = np.zeros(self.chunk_count.local.shape, np.uint64)
