@@ -15,7 +15,7 @@ With ``--pace-gbps 0`` the 2x1 transfers run unpaced over NVLink through the cop
 mean over back-to-back calls (the ratio uses it); ``ours_median_ms`` is the median of
 the calls' own times on the stream, without the occasional multi-ms host-side stall (see
 benchmarks/NOTES.md). Floor: ``max(T_cuBLAS, bytes on the slowest link / its rate)`` with NVLink at 380 GB/s (measured
-copy rate, DESIGN.md §6) and the network at the pace. Every point: the fastest of a small sweep
+copy rate, docs/design.md §6) and the network at the pace. Every point: the fastest of a small sweep
 of comm SMs (all kept under "sweep"), on one node of several GPUs each with and without
 delivered partials (keys "24" and "24:deliver"; ReduceScatter also with the delivered partials
 folded into the owner's epilogue, "2:fold"), a correctness check against an fp32 reference

@@ -3,12 +3,12 @@
 #   OUT=/some/dir bash benchmarks/run_gpu.sh [pytest -k expression] [benchmark name pattern]
 # SANITIZE=0 leaves out compute-sanitizer; a pytest expression "none" runs no tests.
 # Writes under $OUT: env.txt, tests.log, bench.log and one JSON per benchmark
-# (DESIGN.md §8 records); copy the JSON into benchmarks/results/ to commit it.
+# (docs/design.md §8 records); copy the JSON into benchmarks/results/ to commit it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/mknumba-gpu}
 mkdir -p "$OUT"
-# Never NVLink multicast on the shared hosts (DESIGN.md §3).
+# Never NVLink multicast on the shared hosts (docs/design.md §3).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PY=${PYTHON:-python3}

@@ -20,7 +20,7 @@ src's token buffer is there). Local: the receive buffer (each local expert's row
 tile row on, source rank by source rank) and ``lflags`` (the layout; each tile row arrived).
 Inside a node tokens are pulled (paper Table 3): a receiver reads the rows it needs from the
 sender's token buffer over NVLink. Blocks take roles by index; a role waits only on other
-ranks or on lower-numbered blocks of its own GPU (DESIGN.md §3):
+ranks or on lower-numbered blocks of its own GPU (docs/design.md §3):
 
   route    [0, 1)       count this call's pairs per expert; list them expert by expert in the
                           send list (with weights); write each GPU's counts into its count

@@ -1,6 +1,6 @@
 """The CUDA driver entry points the dma transport calls, and its compiled submission loop.
 
-Why compiled: from Python one driver call costs about 5 µs (DESIGN.md §6), too slow for 200,000
+Why compiled: from Python one driver call costs about 5 µs (docs/design.md §6), too slow for 200,000
 commands/s. :func:`dma_issue` and :func:`dma_progress` run inside the proxy's compiled loop
 (:mod:`..engine`) and call the driver through ctypes function pointers from ``libcuda.so.1``: per
 batch, one ``cuMemcpyDtoDAsync`` per run of adjacent commands (:func:`coalesce`; or one
