@@ -45,6 +45,7 @@ def test_primitives_emit_ordered_ptx(fake_sm90):
     assert "ld.acquire.sys.b32" in loop
 
 
+@pytest.mark.slow
 def test_allgather_kernel_compiles(fake_sm90):
     """Every word width the AllGather moves, compiled for the kernel's own declaration; each
     block starts by numbering the call (a ticket from the frame); the send role's proxy
@@ -172,6 +173,7 @@ def _hopper_kernel(name):
 
 
 @pytest.mark.parametrize("name", ["gemm", "gemm_reduce", "ring_attention"])
+@pytest.mark.slow
 def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     """No wgmma of a Hopper kernel is serialized. ptxas serializes all of a kernel's wgmma when
     the kernel makes a call, and a 64-bit divide by a run-time value is one (so is range() with
@@ -185,6 +187,7 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     assert not re.search(r"\b(div|rem)\.[su]64\b", ptx), "a 64-bit divide"
 
 
+@pytest.mark.slow
 def test_allgather_gemm_kernel_compiles_for_sm90a(fake_sm90):
     """AllGatherGemm's kernel around the fused ops' Hopper tile (TMA + wgmma, a publisher
     warp), compiled for its own declaration and linked with the tile's helper: its waits poll
@@ -231,6 +234,7 @@ def test_divides_without_64bit_divides_agree_with_python():
     assert "divides ok" in run_python(DIVIDES)
 
 
+@pytest.mark.slow
 def test_moe_dispatch_gemm_kernel_compiles_for_sm90a(fake_sm90):
     """MoeDispatchGemm's kernel (the grouped GEMM around the fused ops' Hopper tile, each
     tile with its expert's tensor maps) compiles for its declaration and links: the

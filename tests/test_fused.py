@@ -121,6 +121,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("tile", ["sm90", "sm90:e2p1"])
+@pytest.mark.slow
 def test_fused_kernel_compiles_for_sm90a(tile):
     """The plain staged tile, and the fused ops' default: the staged + publisher tile (320
     threads)."""
@@ -133,8 +134,10 @@ def _passes(out, n):
     assert out.count("PASS") == n, out[-3000:]
 
 
-@pytest.mark.parametrize("deliver,shared,fold", [("on", "mixed", "on"), ("on", "off", "off"),
-                                                ("off", "on", "off")])
+@pytest.mark.parametrize("deliver,shared,fold", [
+    ("on", "mixed", "on"),
+    pytest.param("on", "off", "off", marks=pytest.mark.slow),
+    pytest.param("off", "on", "off", marks=pytest.mark.slow)])
 def test_sim_1x2_both_kernels(deliver, shared, fold):
     """deliver: compute blocks write the tiles the other GPU owns into its
     inbox; off: the owner loads them from the other GPU. shared: AllReduce into its shared
@@ -157,17 +160,19 @@ def test_sim_1x2_both_kernels(deliver, shared, fold):
 def test_sim_one_rank_is_the_plain_gemm():
     """One rank has nothing to reduce: the ops run the plain GEMM into ``out`` (fused_checks
     traces runs of 3 calls or fewer, which keeps the fused kernel: 4 calls here)."""
-    out = run_mpi("fused_checks.py", 1, "both", 128, 64, 16, 4, "numba")
+    out = run_mpi("fused_checks.py", 1, "both", 64, 32, 8, 4, "numba")
     _passes(out, 2)
     assert out.count("solo=1") == 2, out[-2000:]
 
 
 @pytest.mark.parametrize("mode", ["ordered", "completion"])
+@pytest.mark.slow
 def test_sim_2x1_both_kernels(mode):
     env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": f"sim:{mode}"}
     _passes(run_mpi("fused_checks.py", 2, "both", 128, 32, 8, 2, "numba", 1, env=env), 4)
 
 
+@pytest.mark.slow
 def test_sim_1x4_both_kernels():
     """Four GPUs on one node: each owner sums its tile and three delivered inbox planes
     (ReduceScatter: in its own tile's epilogue, fold)."""
@@ -178,11 +183,13 @@ def test_sim_1x4_both_kernels():
     assert out.count("fold=1") == 4, out[-2000:]
 
 
+@pytest.mark.slow
 def test_sim_2x2_both_kernels():
     env = {"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:completion"}
     _passes(run_mpi("fused_checks.py", 4, "both", 128, 32, 8, 2, "numba", 1, env=env), 8)
 
 
+@pytest.mark.slow
 def test_sim_2x2_allreduce_shared_output():
     """Between nodes the receive role writes the finished tile into every local GPU's shared
     output (no copy)."""

@@ -243,6 +243,7 @@ ENV = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_PROXY_SLOTS": "16"}
 
 @pytest.mark.parametrize("n,spec", [(2, "sim:ordered"), (2, "sim:completion"),
                                     (4, "sim:ordered"), (4, "sim:completion")])
+@pytest.mark.slow
 def test_sim_stress_10k_commands(n, spec):
     out = run_mpi("proxy_stress.py", n, spec, 10000, env=ENV, timeout=300)
     assert "every byte and flag checked" in out
