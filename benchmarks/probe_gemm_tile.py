@@ -3,7 +3,7 @@
     python benchmarks/probe_gemm_tile.py [--out PATH] [--ks 512,1024,2048,8192]
 
 Why: with the first epilogue (``direct`` below) our GEMM at m = n = 8192 grew with K at cuBLAS's
-rate but started about 0.1 ms higher (session 4's ``results/gemm.json``): some 6.5 µs per
+rate but started about 0.1 ms higher (benchmarks/NOTES.md, GEMM tile): some 6.5 µs per
 128 x 256 tile that cuBLAS does not pay, a third of a tile at small K, where the compute role is
 the fused 1x2 kernels' critical path. This probe found the stores to be that cost; the staged
 epilogue is now the library's.
