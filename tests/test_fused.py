@@ -115,6 +115,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
     for instr in ("st.release.sys", "ld.acquire.sys", "atom.add.release.gpu", "fence.acq_rel.sys"):
         assert instr in ptx, instr
     assert "multimem" not in ptx                  # never NVLink multicast
+    print("linked", len(bytes(cubin.code)))
 """)
 
 
