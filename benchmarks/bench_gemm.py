@@ -4,8 +4,9 @@
 
 For every shape: a correctness check on fresh random inputs (poisoned output, relative Frobenius
 error against an fp32 reference), then the median time of ours (0, 8, 16, 32 SMs held back) and of
-cuBLAS (torch.matmul, same operand layout: A [M, K], B [N, K]) in the same process. Writes the
-records of docs/design.md §8 and prints a table last.
+cuBLAS (torch.matmul, same operand layout: A [M, K], B [N, K]) in the same process, and with all
+SMs ours and cuBLAS with B row-major [K, N] (records with ``b_layout`` "kn"; the others "nk").
+Writes the records of docs/design.md §8 and prints a table last.
 """
 import argparse
 import datetime
@@ -100,7 +101,10 @@ def main():
     errs = {}
     for shape in shapes + ODD:
         errs[shape] = check(ops[0], *shape)
+    for shape in shapes:
+        errs[shape + ("kn",)] = check(ops[0], *shape, "kn")
     errs["kn"] = check(ops[0], 1000, 776, 1096, "kn")
+    errs["kn_ragged"] = check(ops[0], 389, 264, 200, "kn")    # boxes past n left unloaded
     errs["kn_view"] = check(ops[0], 1000, 776, 1096, "kn_view")
     flags = ops[0].tile_flags(1000, 776, 1096, "kn").copy_to_host()   # 8 x 4 tiles
     assert len(flags) == 8 * 4 and (flags == flags[0]).all() and \
@@ -123,14 +127,25 @@ def main():
         flops = 2.0 * m * n * k
         iters = max(5, int(2e13 / flops))
         t_cublas = time_ms(lambda: torch.matmul(a, b.T, out=c), iters)
+        base = dict(kernel="gemm", shape=dict(m=m, n=n, k=k), dtype="bfloat16", world=1,
+                    topology="1x1", transport="none", baseline="cublas", gpu=gpu, date=date,
+                    command=cmd, sms=sms, sass=sass or None)
+        bt = b.T.contiguous()                         # [k, n] row-major, read as it is
+        t_kn = time_ms(lambda: ops[0](a, bt, b_layout="kn", out=c), iters)
+        t_cublas_kn = time_ms(lambda: torch.matmul(a, bt, out=c), iters)
+        records.append(dict(base, b_layout="kn", ours_ms=t_kn, baseline_ms=t_cublas_kn,
+                            speedup=t_cublas_kn / t_kn, floor_ms=t_cublas_kn,
+                            tflops=flops / t_kn / 1e9, baseline_tflops=flops / t_cublas_kn / 1e9,
+                            sms_reserved=0, rel_err=errs.get((m, n, k, "kn"))))
+        print(f"{m}x{n}x{k} b [k, n]: ours {t_kn:.3f} ms, cublas {t_cublas_kn:.3f} ms",
+              flush=True)
         for s in RESERVED:
             t = time_ms(lambda: ops[s](a, b, b_layout="nk", out=c), iters)
             records.append(dict(
-                kernel="gemm", shape=dict(m=m, n=n, k=k), dtype="bfloat16", world=1,
-                topology="1x1", transport="none", ours_ms=t, baseline="cublas",
-                baseline_ms=t_cublas, speedup=t_cublas / t, floor_ms=t_cublas, gpu=gpu, date=date,
-                command=cmd, tflops=flops / t / 1e9, baseline_tflops=flops / t_cublas / 1e9,
-                sms_reserved=s, sms=sms, rel_err=errs.get((m, n, k)), sass=sass or None))
+                base, b_layout="nk", ours_ms=t, baseline_ms=t_cublas, speedup=t_cublas / t,
+                floor_ms=t_cublas, tflops=flops / t / 1e9,
+                baseline_tflops=flops / t_cublas / 1e9, sms_reserved=s,
+                rel_err=errs.get((m, n, k))))
             print(f"{m}x{n}x{k} reserved {s}: ours {t:.3f} ms, cublas {t_cublas:.3f} ms",
                   flush=True)
 
@@ -140,13 +155,15 @@ def main():
 
     # ---- table: ratio to cuBLAS, and each hold-back against (sms - S)/sms of our all-SM rate
     full = {(r["shape"]["m"], r["shape"]["n"], r["shape"]["k"]): r["tflops"]
-            for r in records if r["sms_reserved"] == 0}
-    print(f"\n{'shape':>18} {'S':>3} {'ours TF/s':>9} {'cuBLAS':>7} {'ratio':>6} {'vs ideal':>8}")
+            for r in records if r["sms_reserved"] == 0 and r["b_layout"] == "nk"}
+    print(f"\n{'shape':>18} {'B':>2} {'S':>3} {'ours TF/s':>9} {'cuBLAS':>7} {'ratio':>6} "
+          f"{'vs ideal':>8}")
     for r in records:
         sh = (r["shape"]["m"], r["shape"]["n"], r["shape"]["k"])
         ideal = full[sh] * (sms - r["sms_reserved"]) / sms
-        print(f"{'x'.join(map(str, sh)):>18} {r['sms_reserved']:>3} {r['tflops']:9.1f} "
-              f"{r['baseline_tflops']:7.1f} {r['speedup']:6.3f} {r['tflops'] / ideal:8.3f}")
+        print(f"{'x'.join(map(str, sh)):>18} {r['b_layout']:>2} {r['sms_reserved']:>3} "
+              f"{r['tflops']:9.1f} {r['baseline_tflops']:7.1f} {r['speedup']:6.3f} "
+              f"{r['tflops'] / ideal:8.3f}")
     bad = [k for k, e in errs.items() if not e <= 1e-2]
     print("correctness:", "all <= 1e-2" if not bad else f"FAILED {bad}")
 

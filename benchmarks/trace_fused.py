@@ -3,16 +3,19 @@
     mpirun --bind-to none -n 2 python benchmarks/trace_fused.py --topology 2x1 \
         --configs rs:4096:256:48 --calls 20 --out trace.json
 
-Each config ``kernel:m:k_local:comm_sms[:chunk_kib]`` builds the op with ``trace=True``, warms
+Each config ``kernel:m:k_local:comm_sms[:chunk_kib]`` (comm_sms: a number, ``table`` for the
+recorded split, or ``adaptive`` for the controller) builds the op with ``trace=True``, warms
 up, times 10 calls (skip with ``--no-timed``; the stamps cost a branch and a store per item),
 then runs ``--calls`` more back to back, timing each on the stream and on the host, and reads
 the stamps of the last one. Per rank it prints, in microseconds from the first block's start:
-when the compute blocks finished, the first and last tile the reduce role could start and its
+when the last tile was computed, the first and last tile the reduce role could start and its
 last finished tile, when the send role saw the first and last chunk ready and put the last one
 in the ring, when the first and last chunk arrived and the last tile was finished; then the
 proxy's counters over the burst, each call's host launch time and stream time. ``--nccl``
 brings up a NCCL communicator first (as bench_fused does), ``--gc`` controls the collector.
-The JSON keeps every stamp.
+The JSON keeps every stamp. ``--save-trace PREFIX`` also writes each config's last call as a
+Chrome / Perfetto trace, ``PREFIX-<kernel>-<m>-<k>-<comm_sms>.json`` (``op.save_trace``), which
+``benchmarks/plot_timeline.py`` draws as SMs per role over time.
 """
 import gc
 import os
@@ -33,12 +36,11 @@ def summarize(ev, rb):
     """Microseconds from the first block start to each milestone of the call."""
     t0 = ev["block_start"][ev["block_start"] > 0].min()
     us = lambda x: round((float(x) - t0) / 1e3, 1)    # noqa: E731
-    nc = rb["compute"]
 
     def span(name):
         v = ev[name][ev[name] > 0]
         return (us(v.min()), us(v.max())) if len(v) else (None, None)
-    s = {"total": us(ev["block_end"].max()), "compute_end": us(ev["block_end"][:nc].max()),
+    s = {"total": us(ev["block_end"].max()), "compute_end": us(ev["tile_done"].max()),
          "reduce_ready": span("reduce_ready"), "reduce_done": span("reduce_done"),
          "send_ready": span("send_ready"), "send_enqueued": span("send_enqueued"),
          "recv_arrived": span("recv_arrived"), "recv_done": span("recv_done"),
@@ -57,7 +59,8 @@ def main():
         (("--calls",), dict(type=int, default=1)),
         (("--no-timed",), dict(dest="timed", action="store_false")),
         (("--nccl",), dict(action="store_true")),
-        (("--gc",), dict(default="on", choices=("on", "off", "freeze")))])
+        (("--gc",), dict(default="on", choices=("on", "off", "freeze"))),
+        (("--save-trace",), dict(default=None, metavar="PREFIX"))])
     import torch
     if args.nccl:      # as bench_fused does: a NCCL communicator up before mknumba starts
         dist = common.init_nccl(29542)
@@ -71,7 +74,9 @@ def main():
     try:
         for spec in args.configs.split(","):
             kern, m, k, sms, *chunk = spec.split(":")
-            m, k, sms = int(m), int(k), int(sms)
+            m, k = int(m), int(k)
+            sms = {"table": None, "adaptive": "adaptive"}.get(sms, sms)
+            sms = int(sms) if sms not in (None, "adaptive") else sms
             chunk = int(chunk[0]) * 1024 if chunk else None
             torch.manual_seed(comm.rank)
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -108,8 +113,11 @@ def main():
             wall = (time.perf_counter() - t) * 1e3
             per_call = [round(marks[i].elapsed_time(marks[i + 1]), 3) for i in range(args.calls)]
             after = comm.proxy.stats if comm.proxy else {}
+            if args.save_trace:
+                op.save_trace(f"{args.save_trace}-{kern}-{m}-{k}-{sms or 'table'}.json")
             ev = op.trace_events()
             rb = ev.pop("role_blocks")
+            ev.pop("controller")
             s = summarize(ev, rb)
             s["proxy"] = {key: after[key] - (0 if key.startswith("max") else before[key])
                           for key in after}
@@ -127,7 +135,8 @@ def main():
                 records.append(common.record(
                     f"trace_{op.kernel_name}", {"m": m, "n": m, "k": k}, dtype="bfloat16",
                     world=comm.size, topology=args.topology, ours_ms=ms, baseline=None,
-                    baseline_ms=None, floor_ms=None, comm_sms=sms,
+                    baseline_ms=None, floor_ms=None, comm_sms=op.comm_sms,
+                    controller=op.adaptive,
                     transport=f"dma:{args.mode}" if nodes > 1 else "nvlink",
                     chunk_bytes=chunk, pace_gbps=args.pace_gbps, role_blocks=rb,
                     summary=all_s, events=all_ev))

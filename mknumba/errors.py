@@ -36,16 +36,31 @@ ROLE_NAMES = {ROLE_COMPUTE: "compute", ROLE_INTRA: "intra-node comm", ROLE_SEND:
 # Layout of the error record: one int64 per field.
 ERR_SET, ERR_RANK, ERR_ROLE, ERR_FLAG, ERR_EXPECTED, ERR_SEEN, ERR_BLOCK, ERR_KIND = range(8)
 ERR_WORDS = 8
-#: ERR_KIND: a wait expired (the fields say which), or more rows arrived than planned
-#: (ERR_EXPECTED: the planned capacity, ERR_SEEN: the rows that came)
-KIND_TIMEOUT, KIND_CAPACITY = 0, 1
+#: ERR_KIND: what the record says. KIND_TIMEOUT: a wait expired (the fields say which).
+#: KIND_CAPACITY: more rows arrived than planned (ERR_EXPECTED: the planned capacity, ERR_SEEN:
+#: the rows that came). KIND_EXPERT: an input routed a token to an expert id out of range, and
+#: the kernel left that pair out (ERR_FLAG: the token, ERR_BLOCK: its top-k slot, ERR_EXPECTED:
+#: the number of experts, ERR_SEEN: the id).
+KIND_TIMEOUT, KIND_CAPACITY, KIND_EXPERT = 0, 1, 2
+#: the exception each kind raises
+KIND_ERRORS = {KIND_TIMEOUT: MkTimeoutError, KIND_CAPACITY: MkCapacityError,
+               KIND_EXPERT: MkValueError}
+#: kinds whose launch still ended consistently on every rank (a bad input was left out and
+#: reported): the record is cleared once raised, so the op takes the next call
+CLEARED_ONCE_RAISED = (KIND_EXPERT,)
 
 
 def raise_if_timed_out(rec, what=""):
-    """Raise :class:`MkTimeoutError` describing the error record ``rec`` if a wait wrote it."""
+    """Raise the error the record ``rec`` holds, if any (:data:`KIND_ERRORS`): MkTimeoutError
+    describing a wait that expired, ... A kind in :data:`CLEARED_ONCE_RAISED` is cleared first
+    (every other word, then the set word: a kernel may write a new record once it is clear)."""
     msg = describe_error_record(rec, what)
     if msg:
-        raise (MkCapacityError if rec[ERR_KIND] == KIND_CAPACITY else MkTimeoutError)(msg)
+        kind = int(rec[ERR_KIND])
+        if kind in CLEARED_ONCE_RAISED:
+            rec[ERR_SET + 1:] = 0
+            rec[ERR_SET] = 0
+        raise KIND_ERRORS.get(kind, MkTimeoutError)(msg)
 
 
 def describe_error_record(rec, what=""):
@@ -53,13 +68,19 @@ def describe_error_record(rec, what=""):
     rec = np.asarray(rec)
     if rec[ERR_SET] == 0:
         return ""
+    where = what + ": " if what else ""
     role = ROLE_NAMES.get(int(rec[ERR_ROLE]), f"role {int(rec[ERR_ROLE])}")
+    if rec[ERR_KIND] == KIND_EXPERT:
+        return (f"{where}rank {int(rec[ERR_RANK])}: topk_idx[{int(rec[ERR_FLAG])}, "
+                f"{int(rec[ERR_BLOCK])}] = {int(rec[ERR_SEEN])} is not an expert id (0 .. "
+                f"{int(rec[ERR_EXPECTED]) - 1}); that call left it out (the first such pair; "
+                "any others too).")
     if rec[ERR_KIND] == KIND_CAPACITY:
-        return (f"{what + ': ' if what else ''}rank {int(rec[ERR_RANK])}, {role} role (block "
+        return (f"{where}rank {int(rec[ERR_RANK])}, {role} role (block "
                 f"{int(rec[ERR_BLOCK])}): {int(rec[ERR_SEEN])} rows were routed to this rank, "
                 f"more than the {int(rec[ERR_EXPECTED])} it was planned for; nothing was "
                 "written past them. Plan with a larger capacity (or max_tokens).")
-    return (f"{what + ': ' if what else ''}rank {int(rec[ERR_RANK])}, {role} role (block "
+    return (f"{where}rank {int(rec[ERR_RANK])}, {role} role (block "
             f"{int(rec[ERR_BLOCK])}) timed out waiting on flag {int(rec[ERR_FLAG])} to reach epoch "
             f"{int(rec[ERR_EXPECTED])}; it last held {int(rec[ERR_SEEN])}. A peer rank probably "
             f"failed, was not launched, or called with other arguments.")

@@ -18,13 +18,15 @@ import time
 import numpy as np
 
 from ._compat import SIMULATOR
-from .errors import (ERR_BLOCK, ERR_EXPECTED, ERR_FLAG, ERR_RANK, ERR_ROLE, ERR_SEEN, ERR_SET)
+from .errors import (ERR_BLOCK, ERR_EXPECTED, ERR_FLAG, ERR_KIND, ERR_RANK, ERR_ROLE, ERR_SEEN,
+                     ERR_SET, KIND_TIMEOUT)
 from numba import cuda
 
 __all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "atomic_add_release",
            "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys",
            "fence_proxy_async", "nanosleep",
            "globaltimer", "peer_view", "peer_after", "data_ptr", "epoch_reached", "wait_flag", "record_timeout",
+           "record_error",
            "acquire", "release", "pack_bf16x2", "add_bf16x2",
            "epoch_of", "epoch_of_host", "next_epoch_host", "FRAME_WORDS"]
 
@@ -331,17 +333,25 @@ def epoch_reached(value, epoch):
     return ((np.int64(value) - np.int64(epoch)) & 0xFFFFFFFF) < 0x80000000
 
 
-@cuda.jit(device=True)
-def record_timeout(err, rank, role, flag_idx, expected, seen):
-    """Write the error record once (first writer wins); the host turns it into MkTimeoutError."""
+@cuda.jit(device=True, inline=True)
+def record_error(err, rank, role, flag_idx, expected, seen, block, kind):
+    """Write the error record once (first writer wins): the fields as ``errors`` names them
+    for ``kind``; the host turns it into an exception (``errors.raise_if_timed_out``)."""
     if cuda.atomic.cas(err, ERR_SET, 0, 1) == 0:
         err[ERR_RANK] = rank
         err[ERR_ROLE] = role
         err[ERR_FLAG] = flag_idx
         err[ERR_EXPECTED] = expected
         err[ERR_SEEN] = seen
-        err[ERR_BLOCK] = cuda.blockIdx.x
+        err[ERR_BLOCK] = block
+        err[ERR_KIND] = kind
         fence_sys()
+
+
+@cuda.jit(device=True)
+def record_timeout(err, rank, role, flag_idx, expected, seen):
+    """:func:`record_error` of a wait that expired; the host turns it into MkTimeoutError."""
+    record_error(err, rank, role, flag_idx, expected, seen, cuda.blockIdx.x, KIND_TIMEOUT)
 
 
 @cuda.jit(device=True, inline=True)

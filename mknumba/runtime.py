@@ -83,9 +83,11 @@ class Comm:
         self._buffers = []
         self._closed = False
         self.proxy = None
+        self._held_frees = None
         if self.nodes > 1:
             from . import proxy
             self.proxy = proxy.start(self, transport)
+            self._hold_frees()
 
     def _bind_gpu(self):
         if not cuda.is_available():
@@ -180,18 +182,48 @@ class Comm:
 
         A blocking CUDA call from this thread keeps the GIL while it waits; if the kernel it
         waits for needs the proxy thread (which needs the GIL) to make progress, that is a
-        deadlock. So: record an event and poll it, sleeping between polls.
+        deadlock. So: record an event and poll it, sleeping between polls. With a proxy
+        running, the device arrays numba was told to free since the last call are freed here
+        (see :meth:`_hold_frees`).
         """
         if SIMULATOR:
             return
         if isinstance(stream, int) and stream:      # a raw handle (an op's last stream)
             stream = cuda.external_stream(stream)
+        self._poll(stream)
+        if self._held_frees and any(len(q) for q in self._held_frees):
+            self._poll(0)        # the legacy stream: after every blocking stream's work
+            self._release_frees()
+            self._hold_frees()
+
+    def _poll(self, stream):
         done = cuda.event(timing=False)
         done.record(stream)
         while not done.query():
             if self.proxy is not None:
                 self.proxy.check()
             time.sleep(20e-6)
+
+    def _hold_frees(self):
+        """numba frees device arrays in batches (cuMemFree, every 10 dropped arrays), and
+        cuMemFree waits for the whole GPU while it blocks this process's other driver calls,
+        the proxy thread's copies included: a kernel waiting on the proxy would then never
+        finish (a deadlock until the timeout). So while the proxy runs, numba's frees (arrays,
+        and events and streams) wait for :meth:`synchronize`, which releases them once the GPU
+        is idle. Between synchronizations the arrays dropped stay allocated."""
+        if SIMULATOR:
+            return
+        ctx = cuda.current_context()
+        queues = [ctx.deallocations, getattr(ctx.memory_manager, "deallocations", None)]
+        self._held_frees = {q: q.disable() for q in queues if q is not None}
+        for hold in self._held_frees.values():
+            hold.__enter__()
+
+    def _release_frees(self):
+        for queue, hold in self._held_frees.items():
+            hold.__exit__(None, None, None)
+            queue.clear()
+        self._held_frees = None
 
     def barrier(self):
         """Synchronise this rank's GPU (default stream), then all ranks."""
@@ -211,6 +243,8 @@ class Comm:
         proxy, self.proxy = self.proxy, None
         if proxy is not None:
             proxy.stop()     # never raises, so every rank reaches the collective frees below
+        if self._held_frees:
+            self._release_frees()
         for buf in reversed(self._buffers):
             buf.free()
         self._buffers.clear()

@@ -151,13 +151,13 @@ def _link_sm90a(kernel, threads, cc):
 
 def _hopper_kernel(name):
     from mknumba.roles.compute import SM90_FUSED_TILE
-    if name == "gemm":
+    if name in ("gemm", "gemm_kn"):
         from mknumba.kernels import gemm
-        build, kernel = gemm._build("sm90")
+        build, kernel = gemm._build("sm90:kn" if name == "gemm_kn" else "sm90")
         return kernel, build.threads
-    if name == "gemm_reduce":
+    if name.startswith("gemm_reduce"):      # gemm_reduce_adaptive: the controller's build
         from mknumba.kernels.gemm_reduce import kernel as K
-        _, threads, kernel = K.build(SM90_FUSED_TILE, "threads")
+        _, threads, kernel = K.build(SM90_FUSED_TILE, name.endswith("adaptive"))
         return kernel, threads
     if name == "allgather_gemm":
         from mknumba.kernels.allgather_gemm import kernel as K
@@ -172,7 +172,13 @@ def _hopper_kernel(name):
     return make_kernel("sm90"), SM90_THREADS
 
 
-@pytest.mark.parametrize("name", ["gemm", "gemm_reduce", "ring_attention"])
+#: registers per thread of the plain GEMM's tile, either layout of B: ptxas's count for the
+#: [n, k] build, rounded up to its allocation unit of 8 (the [k, n] build must not need more)
+GEMM_REGISTERS = 160
+
+
+@pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_reduce", "gemm_reduce_adaptive",
+                                  "ring_attention"])
 @pytest.mark.slow
 def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     """No wgmma of a Hopper kernel is serialized. ptxas serializes all of a kernel's wgmma when
@@ -180,11 +186,18 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     a run-time step): kernels divide with primitives.udiv32 / steps (what serialized wgmma
     cost the GEMM: benchmarks/NOTES.md).
     (allgather_gemm and moe_dispatch_gemm: checked in their own tests below, which link them
-    anyway.)"""
+    anyway.) The plain GEMM with B [n, k] and [k, n] (gemm_tile.cu's MK_B_KN: a transposed
+    wgmma B, tnspB = 1, from four TMA boxes per k-step): no spills, the same registers."""
     ptx, log = _link_sm90a(*_hopper_kernel(name), fake_sm90)
     assert "wgmma.mma_async" in ptx
     assert "serialized" not in log, log
     assert not re.search(r"\b(div|rem)\.[su]64\b", ptx), "a 64-bit divide"
+    if name in ("gemm", "gemm_kn"):
+        tnsp = set(re.findall(r"%rd\d+, %rd\d+, 1, 1, 1, 0, ([01]);", ptx))
+        assert tnsp == {"1" if name == "gemm_kn" else "0"}, tnsp     # wgmma's imm-trans-b
+        assert "0 bytes spill stores, 0 bytes spill loads" in log, log
+        regs = int(re.search(r"Used (\d+) registers", log).group(1))
+        assert regs <= GEMM_REGISTERS, log
 
 
 @pytest.mark.slow

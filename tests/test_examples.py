@@ -33,3 +33,13 @@ def test_gemm_reduce_scatter_example():
     for op in ("GemmReduceScatter", "GemmAllReduce"):
         line = next((x for x in out.splitlines() if x.startswith(f"{op}: ")), "")
         assert line.endswith("2 calls match NumPy"), out[-3000:]
+
+
+@pytest.mark.gpu
+def test_examples_on_gpu():
+    """The README's first command and the other examples on GPUs, at their GPU sizes (ranks
+    share the GPUs where there are fewer)."""
+    out = run_mpi(os.path.join(EXAMPLES, "ring_attention.py"), 2, timeout=300, simulator=False)
+    assert "Ring attention over 2 ranks" in out and "OK" in out, out[-3000:]
+    out = run_mpi(os.path.join(EXAMPLES, "allgather.py"), 2, timeout=300, simulator=False)
+    assert "3 calls match NumPy" in out, out[-3000:]

@@ -119,11 +119,11 @@ COMPILE_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("tile", ["sm90", "sm90:e2p1"])
+@pytest.mark.parametrize("tile", ["sm90:kn", "sm90:e2p1"])
 @pytest.mark.slow
 def test_fused_kernel_compiles_for_sm90a(tile):
-    """The plain staged tile, and the fused ops' default: the staged + publisher tile (320
-    threads)."""
+    """The plain staged tile reading B as [k, n], and the fused ops' default: the staged +
+    publisher tile (320 threads)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     assert "linked" in run_python(COMPILE_SCRIPT, tile, simulator=False, timeout=900)
 
@@ -171,7 +171,89 @@ def test_sim_2x1_both_kernels(mode):
     _passes(run_mpi("fused_checks.py", 2, "both", 128, 32, 8, 2, "numba", 1, env=env), 4)
 
 
-@pytest.mark.slow
+def test_sim_1x2_adaptive_across_the_wrap():
+    """comm_sms='adaptive' (roles.controller): blocks take tiles and reduce (AllReduce: then
+    pull) items from queues and change role between them; two calls from just short of 2**32
+    calls (the call counter, the epoch and the queues' tickets wrap), each against the float64
+    reference, the trace of the last one saved and checked (fused_checks)."""
+    out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, "auto", "auto", "off",
+                  "auto", "adaptive", 2**32 - 1)
+    _passes(out, 4)
+    assert out.count("adaptive=1") == 4, out[-2000:]
+    assert out.count("calls_seen=1 ") == 4, out[-2000:]     # 2**32 + 1 calls, mod 2**32
+
+
+def test_sim_2x1_adaptive():
+    """The controller between two nodes: compute and reduce blocks are flexible, send and
+    receive keep their blocks; the network chunks are counted as reduce items finish."""
+    env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:completion"}
+    out = run_mpi("fused_checks.py", 2, "rs", 128, 32, 8, 2, "numba", 1, "auto", "auto", "off",
+                  "auto", "adaptive", env=env)
+    _passes(out, 2)
+    assert out.count("adaptive=1") == 2, out[-2000:]
+
+
+def test_adaptive_refuses_what_it_cannot_do():
+    """comm_sms: a number, None or 'adaptive'; adaptive with join or fold is refused before
+    anything is allocated."""
+    from types import SimpleNamespace
+    from mknumba.kernels.gemm_rs import GemmReduceScatter
+    op = SimpleNamespace(adaptive=True, name="GemmReduceScatter")
+    for bad in (dict(join=True, fold=None), dict(join=None, fold=True)):
+        with pytest.raises(mknumba.MkValueError, match="adaptive"):
+            GemmReduceScatter._check_adaptive(op, **bad)
+    GemmReduceScatter._check_adaptive(op, None, None)
+
+
+def test_controller_target_is_eq2_rounded():
+    """roles.controller.target (run as Python): the paper's eq. 2, B * R_s C_s / (R_p C_p +
+    R_s C_s) rounded, from the measured ns and items, computed without a divide (a float64
+    divide is a call in SASS, which would serialize the kernel's wgmma); clamped to [1, B-1]
+    while both kinds have work; the initial split until both kinds are measured."""
+    from mknumba.roles import controller as C
+    target = getattr(C.target, "py_func", None) or C.target.fn
+    rng = np.random.default_rng()
+    for _ in range(500):
+        F = int(rng.integers(2, 133))
+        lp, ls = (int(x) for x in rng.integers(1, 5000, 2))
+        ctl = np.zeros(C.CTL_WORDS, np.uint64)
+        ctl[[C.CTL_NS_COMPUTE, C.CTL_NS_COMM]] = rng.integers(1, 10**9, 2)
+        ctl[[C.CTL_N_COMPUTE, C.CTL_N_COMM]] = rng.integers(1, 10**4, 2)
+        P = lp * float(ctl[C.CTL_NS_COMPUTE]) / float(ctl[C.CTL_N_COMPUTE])
+        S = ls * float(ctl[C.CTL_NS_COMM]) / float(ctl[C.CTL_N_COMM])
+        want = min(max(int(np.floor(F * S / (P + S) + 0.5)), 1), F - 1)
+        assert target(ctl, F, lp, ls, 3) == want, (F, lp, ls, ctl)
+    ctl = np.zeros(C.CTL_WORDS, np.uint64)
+    assert target(ctl, 10, 5, 5, 3) == 3                  # nothing measured: the initial split
+    assert target(ctl, 10, 0, 5, 3) == 10 and target(ctl, 10, 5, 0, 3) == 0
+
+
+def test_timeline_layout():
+    """mknumba.timeline: lanes never overlap, the SMs-per-role counter follows the blocks'
+    segments, a decision log becomes segments."""
+    from mknumba import timeline as T
+    ev = [(0, 10), (5, 15), (10, 20), (12, 13), (20, 30)]
+    lane = T.lanes(ev)
+    for a in range(len(ev)):
+        for b in range(a + 1, len(ev)):
+            if lane[a] == lane[b]:
+                assert ev[a][1] <= ev[b][0] or ev[b][1] <= ev[a][0], (ev[a], ev[b])
+    assert max(lane) + 1 == 3                    # (5,15), (10,20), (12,13) overlap at 12
+    segs = [(0, "compute", 0, 10), (1, "reduce", 0, 20), (0, "reduce", 10, 20)]
+    counts = T.sms_over_time(segs)
+    assert counts[0] == (0, dict(compute=1, reduce=1, send=0, recv=0, pull=0))
+    assert counts[1][0] == 10 and counts[1][1]["reduce"] == 2 and counts[1][1]["compute"] == 0
+    assert counts[-1] == (20, dict(compute=0, reduce=0, send=0, recv=0, pull=0))
+    assert T.segments_from_log(5, 40, [(5, 0, 1), (20, 1, 2), (20, 1, 2)],
+                               ("compute", "reduce")) == [("compute", 5, 20),
+                                                          ("reduce", 20, 40)]
+    doc = T.chrome_trace([T.Timeline(0, dict(compute=[(100, 200, 7, 0)]),
+                                     [(0, "compute", 100, 200)], [(100, 0, 0, 1)], {})])
+    x = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert x == [dict(ph="X", name="compute 7", cat="compute", pid=0, tid=1, ts=0.0,
+                      dur=0.1, args=dict(item=7, block=0))]
+
+
 def test_sim_1x4_both_kernels():
     """Four GPUs on one node: each owner sums its tile and three delivered inbox planes
     (ReduceScatter: in its own tile's epilogue, fold)."""
@@ -299,7 +381,7 @@ def test_role_split_when_a_gpu_owns_no_tiles(direct):
     from mknumba.kernels.gemm_ar import GemmAllReduce
     plan = ReducePlan(True, 32, 64, 32, 32, 2, 2, 0, 1, 4, 1)   # 1 tile row, G = 2, local 1
     assert len(plan.red_tiles) == 0 and plan.n_final == 0
-    op = SimpleNamespace(comm_sms=16, plan=plan, allreduce=True, topology="2x2",
+    op = SimpleNamespace(comm_sms=16, plan=plan, allreduce=True, topology="2x2", adaptive=False,
                          name="GemmAllReduce", direct=direct)
     GemmAllReduce._roles(op, 132, 2, 2)
     rb = op.role_blocks

@@ -69,29 +69,40 @@ SIM_SCRIPT = textwrap.dedent("""
         return (b.astype(np.uint32) << 16).view(np.float32)
 
     rng = np.random.default_rng(1)
-    # odd multiples of the tile: ragged last tile row/column, several tiles per block
+    # odd multiples of the tile: ragged last tile row/column, several tiles per block; B as
+    # [n, k], row-major [k, n] (read as it is) and a column-major [k, n] view of an [n, k]
+    # array; b updated in place between the two calls (same address, new values)
     for m, n, k, layout, reserved in [(40, 72, 24, "nk", 0), (70, 40, 16, "kn", 1),
-                                      (3 * SIMT_TILE[0] + 5, 2 * SIMT_TILE[1] + 8, 8, "nk", 2)]:
+                                      (3 * SIMT_TILE[0] + 5, 2 * SIMT_TILE[1] + 8, 8, "nk", 2),
+                                      (16, 40, 8, "kn_view", 0)]:
         a = bf16(rng.standard_normal((m, k)))
-        b = bf16(rng.standard_normal((n, k) if layout == "nk" else (k, n)))
         op = Gemm(reserved_sms=reserved)
         out = cuda.to_device(np.full((m, n), 0x7FC0, np.uint16))  # poisoned: NaN
-        for _ in range(2):  # two calls: epochs advance, flags follow
-            op(cuda.to_device(a), cuda.to_device(b), b_layout=layout, out=out)
+        db = None
+        for call in range(2):  # two calls: epochs advance, flags follow
+            b_nk = bf16(rng.standard_normal((n, k)))
+            b = b_nk if layout in ("nk", "kn_view") else np.ascontiguousarray(b_nk.T)
+            if db is None:
+                db = cuda.to_device(b)
+            else:
+                db.copy_to_device(b)
+            out.copy_to_device(np.full((m, n), 0x7FC0, np.uint16))
+            op(cuda.to_device(a), db.T if layout == "kn_view" else db,
+               b_layout="nk" if layout == "nk" else "kn", out=out)
         c = f32(out.copy_to_host())
-        ref = f32(a).astype(np.float64) @ (f32(b).T if layout == "nk" else f32(b))
+        ref = f32(a).astype(np.float64) @ f32(b_nk).T.astype(np.float64)
         err = np.linalg.norm(c - ref) / np.linalg.norm(ref)
         tiles = -(-m // SIMT_TILE[0]) * -(-n // SIMT_TILE[1])
-        flags = op.tile_flags(m, n, k, layout).copy_to_host()
+        flags = op.tile_flags(m, n, k, "nk" if layout == "nk" else "kn").copy_to_host()
         assert np.isfinite(c).all(), "unwritten outputs"
-        assert err < 1e-2, (m, n, k, err)
+        assert err < 1e-2, (m, n, k, layout, err)
         assert op.calls() == (2, 2) and len(flags) == tiles and (flags == 2).all(), flags
         print("ok", m, n, k, layout, reserved, err)
 """)
 
 
 def test_simt_twin_in_simulator():
-    assert run_python(SIM_SCRIPT).count("ok") == 3
+    assert run_python(SIM_SCRIPT).count("ok") == 4
 
 
 # ---- sm_90a: compile the kernel with the linked helper and link a cubin, without a GPU ---------
@@ -123,8 +134,9 @@ COMPILE_SCRIPT = textwrap.dedent("""
     print("linked", len(bytes(cubin.code)))
 """)
 
-#: the library's tile builds -> how their epilogue stores, in the linked PTX (the probe's
-#: other builds, benchmarks/probe_gemm_tile.py, are compiled when it runs)
+#: the library's tile builds -> how their epilogue stores, in the linked PTX (their ":kn" twins
+#: read B as [k, n]: tests/test_compile.py; the probe's other builds,
+#: benchmarks/probe_gemm_tile.py, are compiled when it runs)
 STORES = {"sm90": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"],
           "sm90:e2p1": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"]}
 
@@ -192,26 +204,55 @@ def test_rejects_bad_shapes_and_layouts():
         kind_for("tensorcore")
 
 
+def test_tile_builds_for_b_as_kn():
+    """Each library tile build has a twin reading B as [k, n] (``kn_kind``), the same shape,
+    threads and shared memory; a build without one (a probe's) is refused by name."""
+    from mknumba._compat import SIMULATOR
+    from mknumba.roles import compute
+    for kind in ("simt",) + (() if SIMULATOR else ("sm90", "sm90:e2p1")):
+        base, kn = compute.tile_build(kind), compute.tile_build(compute.kn_kind(kind))
+        assert kn.b_kn and not base.b_kn and kn.tile is not base.tile
+        assert (kn.shape, kn.threads, kn.smem_bytes, kn.tma) == \
+            (base.shape, base.threads, base.smem_bytes, base.tma)
+    if "test-probe" not in compute._BUILDS:
+        compute.register_tile("test-probe", compute.tile_build("simt"))
+    with pytest.raises(MkValueError, match="'test-probe' has no variant reading b as"):
+        compute.kn_kind("test-probe", "test")
+
+
 # ---- on a GPU ---------------------------------------------------------------------------------
 @pytest.mark.gpu
 @requires_gpu
-@pytest.mark.parametrize("m,n,k,layout", [(128, 256, 64, "nk"), (1000, 776, 1096, "nk"),
-                                          (389, 520, 200, "kn"), (4160, 8184, 1032, "kn_view")])
+@pytest.mark.parametrize("m,n,k,layout", [
+    (128, 256, 64, "nk"), (1000, 776, 1096, "nk"), (389, 520, 200, "kn"),
+    (4160, 8184, 1032, "kn_view"),
+    # B row-major [k, n], read as it is (the ":kn" tile): n past a 64-column box and past a
+    # whole tile (boxes left unloaded), k not a multiple of the 64-deep k-step, one 8 x 8 B
+    (1000, 776, 1096, "kn"), (256, 264, 72, "kn"), (4160, 8184, 1032, "kn"), (130, 8, 8, "kn"),
+    (2048, 2048, 512, "kn")])
 def test_gemm_matches_fp32_reference(m, n, k, layout):
+    """Two calls, b updated in place between them (same tensor, new values): each result
+    against an fp32 reference of the inputs at that call."""
     torch = pytest.importorskip("torch")
     from mknumba.kernels.gemm import Gemm
     op = Gemm()
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     b_nk = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     b = {"nk": b_nk, "kn": b_nk.T.contiguous(), "kn_view": b_nk.T}[layout]
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    op(a, b, b_layout="nk" if layout == "nk" else "kn", out=out)
-    torch.cuda.synchronize()
-    ref = a.float() @ b_nk.float().T
-    assert torch.isfinite(out).all()
-    assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2
+    out = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+    for call in range(2):
+        if call:
+            fresh = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            b.copy_(fresh if layout == "nk" else fresh.T)
+            b_nk = fresh
+        out.fill_(float("nan"))
+        op(a, b, b_layout="nk" if layout == "nk" else "kn", out=out)
+        torch.cuda.synchronize()
+        ref = a.float() @ b_nk.float().T
+        assert torch.isfinite(out).all()
+        assert ((out.float() - ref).norm() / ref.norm()).item() <= 1e-2, call
     calls, epoch = op.calls()
-    assert calls == 1 and epoch == 1
+    assert calls == 2 and epoch == 2
     tiles = op.tile_flags(m, n, k, "nk" if layout == "nk" else "kn").copy_to_host()
     assert (tiles == epoch).all()
 

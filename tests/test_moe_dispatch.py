@@ -1,5 +1,5 @@
-"""MoeDispatchGemm: multi-rank runs in the simulator (1x2, every check in one launch) and on
-GPUs. The checks live in ``tests/mpi/moe_dispatch_checks.py``; the sm_90a link check in
+"""MoeDispatchGemm: multi-rank runs in the simulator (1x2, every check in one launch; 2x1 and
+2x2 through the proxy) and on GPUs. The checks live in ``tests/mpi/moe_dispatch_checks.py``; the sm_90a link check in
 ``test_compile.py``.
 
 Simulator shapes are tiny (every simulated call costs about a second): hidden 16, ffn 24 (a
@@ -23,27 +23,40 @@ def _passes(out, check, n):
 def test_sim_1x2_every_check():
     """Five routings (uniform, Zipf-hot, every token to one expert, a rank that sends
     nothing, experts and a rank that receive nothing) on two ops called in turn across the
-    epoch's wrap, w updated in place, bad input, ranks that disagree, a capacity overflow, a
-    peer that never calls: one launch."""
-    checks = ("calls", "inplace", "bad", "disagree", "capacity", "timeout")
+    epoch's wrap, w updated in place, bad input, expert ids out of range (found on the
+    device), ranks that disagree, a capacity overflow, a peer that never calls: one
+    launch."""
+    checks = ("calls", "inplace", "bad", "badid", "disagree", "capacity", "timeout")
     out = run_mpi("moe_dispatch_checks.py", 2, ",".join(checks), *SIM)
     for check in checks:
         _passes(out, check, 2)
     assert out.count("topology 1x2") == 2 * len(checks), out[-4000:]
 
 
-class _Comm:
-    """What planning reads of a Comm, for a topology of several nodes."""
-    size, rank, nodes, local_size = 4, 0, 2, 2
-
-    def agree(self, what, fields):
-        pass
+# Between nodes: fewer blocks and smaller sizes (each rank's blocks run one at a time).
+SIM_NODES = ("comm_sms=3", "unit=4", "hidden=8", "ffn=8", "ehf=0")
 
 
-def test_several_nodes_refused_clearly():
-    import mknumba as mk
-    with pytest.raises(mk.MkValueError, match="one node for now .* 2 nodes of 2 GPUs"):
-        mk.MoeDispatchGemm(_Comm(), 64, 64, 8, 2, 16)
+def test_sim_2x1_through_the_proxy():
+    """The five routings across two nodes of one GPU: each rank's meta region and token
+    units go to the other node through the proxy (ordered: data, then flag), the forward
+    role there announces them; an expert id out of range on one rank."""
+    env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:ordered"}
+    out = run_mpi("moe_dispatch_checks.py", 2, "calls,badid", *SIM_NODES, "max_tokens=8",
+                  env=env)
+    _passes(out, "calls", 2)
+    _passes(out, "badid", 2)
+    assert out.count("topology 2x1") == 4, out[-4000:]
+
+
+def test_sim_2x2_pulled_from_the_rail_peer():
+    """The five routings on two nodes of two GPUs (completion mode: the receiving proxy sets
+    the flags): a GPU pulls another node's tokens over NVLink from its rail peer there."""
+    env = {"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:completion"}
+    out = run_mpi("moe_dispatch_checks.py", 4, "calls", *SIM_NODES, "experts=8",
+                  "max_tokens=6", "wrap=0", env=env)
+    _passes(out, "calls", 4)
+    assert out.count("topology 2x2") == 4 and out.count("'forward': 1") == 4, out[-4000:]
 
 
 # ---- GPUs -------------------------------------------------------------------------------------
@@ -55,8 +68,32 @@ GPU_SHAPE = ("hidden=264", "ffn=776", "experts=8", "top_k=2", "max_tokens=300") 
 def test_gpu_1x2_torch():
     """The same checks on two GPUs with torch tensors (the sm90 TMA + wgmma tile), 4 rounds
     of the five routings."""
-    checks = ("calls", "inplace", "bad", "disagree", "capacity", "timeout")
+    checks = ("calls", "inplace", "bad", "badid", "disagree", "capacity", "timeout")
     out = run_mpi("moe_dispatch_checks.py", 2, ",".join(checks), *GPU_SHAPE, "calls=4",
                   "arrays=torch", simulator=False, env=GPU_ENV)
     for check in checks:
         _passes(out, check, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arrays", ["torch", "numba"])
+def test_gpu_1x2_graph(arrays):
+    """Captured in a CUDA graph (torch.cuda.graph / a numba stream through cuda.bindings):
+    a capture that would allocate is refused; 20 replays with fresh routing in the captured
+    inputs, each checked."""
+    out = run_mpi("moe_dispatch_checks.py", 2, "graph", *GPU_SHAPE, f"arrays={arrays}",
+                  simulator=False, env=GPU_ENV)
+    _passes(out, "graph", 2)
+
+
+@pytest.mark.gpu
+def test_gpu_2x1_dma():
+    """Two emulated nodes: meta regions and token units (64 tokens: several per rank)
+    through the dma transport's copy engine (4 rounds of the five routings), expert ids out
+    of range, a graph capture."""
+    env = dict(GPU_ENV, MKNUMBA_GPUS_PER_NODE="1", MKNUMBA_TRANSPORT="dma:ordered")
+    out = run_mpi("moe_dispatch_checks.py", 2, "calls,badid,graph", *GPU_SHAPE, "calls=4",
+                  "unit=64", "arrays=torch", simulator=False, env=env)
+    for check in ("calls", "badid", "graph"):
+        _passes(out, check, 2)
+    assert out.count("topology 2x1") == 6, out[-4000:]

@@ -36,11 +36,21 @@ def test_simulator(checks, ranks, gpn, transport):
         _passed(out, check, ranks)
 
 
+# A known defect of the dma transport (emulated nodes on one host): a blocking host copy on
+# the legacy stream (numba's cuda.to_device, here the poisoned out= arrays) while a cross-node
+# call is in flight holds the driver lock the proxy's copies need, and the call times out
+# (benchmarks/NOTES.md, "dma proxy stall").
+_DMA_STALL = pytest.mark.xfail(reason="dma proxy stalled by a blocking host copy in flight "
+                                      "(known defect, benchmarks/NOTES.md)", strict=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranks,gpn", [(1, None), (2, None), (2, 1)], ids=str)
 @pytest.mark.parametrize("check,iterations", [("topology", 0), ("allgather", 250),
                                               ("timeout", 0), ("validation", 0)])
-def test_gpu(check, iterations, ranks, gpn):
+def test_gpu(check, iterations, ranks, gpn, request):
+    if check == "allgather" and gpn == 1:
+        request.applymarker(_DMA_STALL)
     env = {"MKNUMBA_GPUS_PER_NODE": str(gpn)} if gpn else {}
     out = run_mpi("runtime_checks.py", ranks, check, iterations, env=env, simulator=False,
                   timeout=600)

@@ -15,8 +15,18 @@ def test_the_ladder_is_whole():
     assert [f[:2] for f in LESSONS] == ["01", "02", "03", "04", "05"], LESSONS
 
 
-@pytest.mark.parametrize("lesson", LESSONS)
-def test_lesson(lesson):
-    out = run_mpi(os.path.join(TUTORIAL, lesson), 2, timeout=300)
+def _check(lesson, out):
     oks = [line for line in out.splitlines() if line.startswith(lesson[:2] + " ")]
     assert len(oks) == 1 and oks[0].endswith(": OK"), out[-3000:]
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_lesson(lesson):
+    _check(lesson, run_mpi(os.path.join(TUTORIAL, lesson), 2, timeout=300))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_lesson_on_gpu(lesson):
+    """The same lesson on GPUs (the Hopper tile where there is one); two ranks may share one."""
+    _check(lesson, run_mpi(os.path.join(TUTORIAL, lesson), 2, timeout=300, simulator=False))

@@ -1,7 +1,7 @@
 """03 - A GEMM tile as a role: the compute blocks announce tiles, another role consumes them.
 
 What you will learn
-  * ``roles.compute.make_compute_role(init, tile, destination)``: the library's compute role,
+  * ``roles.compute.make_compute_role(build, destination)``: the library's compute role,
     the one its GEMM and fused ops run. Compute block ``blk`` of ``blocks`` computes the tiles
     ``order[blk], order[blk + blocks], ...`` of C = A @ B^T (bf16 in, fp32 accumulate, bf16
     out) and releases ``flags[t] = epoch`` after each tile ``t = tile_m * tiles_n + tile_n``.
@@ -37,7 +37,7 @@ BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8   # the simulator wants a d
 
 
 def make_kernel(build):
-    compute_role = compute.make_compute_role(build.init, build.tile, compute.OWN_TILE)
+    compute_role = compute.make_compute_role(build, compute.OWN_TILE)
     bn = build.shape[1]
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (build.threads, 1)}))

@@ -36,7 +36,7 @@ COMPUTE, PUSH = 2, 2                              # + 1 block that waits for the
 
 
 def make_kernel(build):
-    compute_role = compute.make_compute_role(build.init, build.tile, compute.OWN_TILE)
+    compute_role = compute.make_compute_role(build, compute.OWN_TILE)
     bm, bn = build.shape
 
     @cuda.jit(**({} if SIMULATOR else {"launch_bounds": (build.threads, 1)}))

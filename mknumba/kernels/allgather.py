@@ -43,7 +43,7 @@ from .._compat import SIMULATOR
 from ..arrays import is_torch, operand, torch_ptr
 from ..errors import ERR_SET, ROLE_RECV, MkError, MkValueError
 from ..roles.blocks import begin, copy_tile, publish, wait
-from ..roles.send import enqueue
+from ..roles.send import enqueue_rail
 from .launch import Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, stream_handle
 
 Flags, Ptrs, Record = array_type(np.uint32, 1), array_type(np.uint64, 1), array_type(np.int64, 1)
@@ -63,9 +63,7 @@ def make_kernel(word):
         sends from there), each announced there (the system fence orders the copy before the
         proxy's read), then one proxy command per rail peer; False if a ring credit never
         came (recorded; the peers' waits expire too)."""
-        ring, head, tail = proxy
         epoch, deadline, err, rank = ctx
-        sent = cuda.shared.array(1, np.int32)
         for jt in range(prim.steps(first, tiles, step)):
             t = first + jt * step
             off = t * tile
@@ -73,15 +71,8 @@ def make_kernel(word):
             at = (slot * members + me) * n + off
             copy_tile(shard, off, stage, at, cnt)
             publish(flags, me * tiles + t, epoch)
-            if cuda.threadIdx.x == 0:
-                sent[0] = 1
-                for i in range(n_rail):
-                    if sent[0] and not enqueue(ring, head, tail, rail[i], wins[0], at * wbytes,
-                                               wins[0], at * wbytes, cnt * wbytes, t, wins[1],
-                                               me * tiles + t, epoch, deadline, err, rank):
-                        sent[0] = 0
-            cuda.syncthreads()
-            if sent[0] == 0:
+            if not enqueue_rail(proxy, rail[:n_rail], wins[0], at * wbytes, cnt * wbytes, t,
+                                wins[1], me * tiles + t, epoch, deadline, err, rank):
                 return False                  # the whole block, together
         return True
 

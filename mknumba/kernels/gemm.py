@@ -8,8 +8,10 @@ with ``tile_flags[t] = epoch``. The blocks held back (``reserved_sms``) return a
 the fused kernels they run the communication roles and consume those flags.
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles) or ``"simt"`` (the generic
-twin: the CUDA simulator and GPUs without sm_90a). Calls go through the launch frame
-(``kernels.launch``): planned once per shape, then an address bind and one driver launch.
+twin: the CUDA simulator and GPUs without sm_90a), each reading B as given: [n, k] (or a ``w.T``
+view of one), or row-major [k, n] through its ``":kn"`` build (``kernels.gemm_inputs``). Calls
+go through the launch frame (``kernels.launch``): planned once per shape and layout of B, then
+an address bind and one driver launch.
 """
 import threading
 
@@ -22,7 +24,7 @@ from ..errors import MkError, MkValueError
 from ..roles import compute
 from ..roles.blocks import begin
 from ..sched.tiles import cdiv, default_group_m, grouped_order, plan_grid
-from .gemm_inputs import NoTensorMaps, TensorMaps, Transposer, b_mode
+from .gemm_inputs import NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
 from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, is_capturing,
                      stream_handle)
 from numba import cuda, types
@@ -36,23 +38,24 @@ Words64, Flags, Ints = array_type(np.uint64, 1), array_type(np.uint32, 1), array
 _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 
 
-def _make_kernel(tile_init, tile, bm, bn, threads):
-    """The persistent kernel around one tile implementation."""
+def _make_kernel(build, threads):
+    """The persistent kernel around one tile build (``roles.compute.TileBuild``)."""
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
-    compute_role = compute.make_compute_role(tile_init, tile, compute.OWN_TILE)
+    compute_role = compute.make_compute_role(build, compute.OWN_TILE)
+    bn, n_dim = build.shape[1], 1 if build.b_kn else 0
 
     @cuda.jit(**bounds)
-    def gemm_kernel(a: Bits2D, bt: Bits2D, c: Bits2D, c_planes: Bits3D, tmaps: Words64,
+    def gemm_kernel(a: Bits2D, b: Bits2D, c: Bits2D, c_planes: Bits3D, tmaps: Words64,
                     tile_flags: Flags, frame: Words64, order: Ints, compute_blocks: types.int64):
-        """a [m, k], bt [n, k], c [m, n]: bf16 bits; c_planes: c as [1, m, n] (the tile's
-        addend argument, which the plain GEMM never reads); tmaps: the tensor maps of a and bt
-        (sm90); tile_flags uint32[tiles] := epoch when done; frame: the op's call counter
+        """a [m, k], b [n, k] (or [k, n] with a ":kn" tile build), c [m, n]: bf16 bits;
+        c_planes: c as [1, m, n] (the tile's addend argument, which the plain GEMM never
+        reads); tmaps: the tensor maps of a and b (sm90); tile_flags uint32[tiles] := epoch when done; frame: the op's call counter
         (``kernels.launch.Frame``); order int32[tiles] (sched.grouped_order)."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         epoch, call = begin(frame)
         if cuda.blockIdx.x >= compute_blocks:
             return  # held back for other roles; nothing else runs in a plain GEMM
-        compute_role(smem, tmaps, a, bt, order, (bt.shape[0] + bn - 1) // bn, cuda.blockIdx.x,
+        compute_role(smem, tmaps, a, b, order, (b.shape[n_dim] + bn - 1) // bn, cuda.blockIdx.x,
                      compute_blocks, epoch, (c, tile_flags, False, c_planes))  # flags: this GPU
 
     return gemm_kernel
@@ -66,7 +69,7 @@ def _build(kind):
     """(roles.compute.TileBuild, persistent kernel) of a tile build name."""
     b = compute.tile_build(kind)
     if kind not in _KERNELS:
-        _KERNELS[kind] = _make_kernel(b.init, b.tile, *b.shape, b.threads)
+        _KERNELS[kind] = _make_kernel(b, b.threads)
     return b, _KERNELS[kind]
 
 
@@ -144,7 +147,6 @@ class Gemm:
         self.tile, self.reserved_sms, self.group_m = tile, int(reserved_sms), group_m
         self.frame = None     # the call counter of the last GPU used
         self._frames = {}     # device -> (tile build, Frame): one counter per GPU
-        self._transposers = {}    # (k, n, device) -> Transposer, shared by the shapes' plans
         self.streams = StreamOrder(self.name)
         self._plans = {}      # (m, n, k, b mode, device) -> _Plan
         self._hot = None      # (b_layout, plan, device, b's shape, b's strides): the hot path
@@ -204,7 +206,7 @@ class Gemm:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(key, s)
-        b_param = B.as_param(np.uint16, (k, n) if mode == "copy" else (n, k))
+        b_param = B.as_param(np.uint16, b_shape(mode, n, k))
         args = (A.as_param(np.uint16, (m, k)), b_param, C.as_param(np.uint16, (m, n)), s)
         with plan.launch.lock:
             self.streams.enter(s)
@@ -214,8 +216,8 @@ class Gemm:
             else:
                 plan.run(*args)
         # the next call with tensors like these takes the hot path
-        self._hot = ((b_layout, plan, A.device, tuple(B.shape), None if B.row_major and
-                      mode == "copy" or mode == "nk" else tuple(B.strides))
+        self._hot = ((b_layout, plan, A.device, tuple(B.shape), None if mode in ("kn", "nk")
+                      else tuple(B.strides))
                      if A.torch and given and stream is None and A.dtype == "bfloat16" and
                      B.dtype == "bfloat16" and C.dtype == "bfloat16" else None)
         return out
@@ -241,11 +243,6 @@ class Gemm:
             self._frames[device] = (kind_for(self.tile), Frame(grid))
         return self._frames[device]
 
-    def _transposer(self, k, n, device):
-        if (k, n, device) not in self._transposers:
-            self._transposers[k, n, device] = Transposer(k, n)
-        return self._transposers[k, n, device]
-
     def tile_flags(self, m, n, k, b_layout="kn"):
         """The tile flags of the plan for this shape (device uint32 array)."""
         for (pm, pn, pk, mode, _), plan in self._plans.items():
@@ -259,12 +256,13 @@ class Gemm:
 
 
 class _Plan:
-    """One shape of a :class:`Gemm`: the compiled kernel, its order table and flags, the
-    transposer and tensor maps, and the prepared :class:`~mknumba.kernels.launch.Launch`."""
+    """One shape and layout of B of a :class:`Gemm`: the compiled kernel, its order table and
+    flags, the tensor maps, and the prepared :class:`~mknumba.kernels.launch.Launch`."""
 
     def __init__(self, op, m, n, k, mode, device):
         kind = kind_for(op.tile) if device not in op._frames else op._frames[device][0]
-        build, kernel = _build(kind)
+        self.b_kn = b_kn(mode)
+        build, kernel = _build(compute.kn_kind(kind, op.name) if self.b_kn else kind)
         compiled, bps = compile_kernel(kernel, build.threads, build.smem_bytes)
         sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         try:
@@ -278,25 +276,23 @@ class _Plan:
         self.m, self.n, self.k, self.mode = m, n, k, mode
         self.tile_flags = cuda.to_device(np.zeros(tiles_m * tiles_n, np.uint32))
         self.order = cuda.to_device(grouped_order(tiles_m, tiles_n, int(group_m)))
-        self.transpose = op._transposer(k, n, device) if mode == "copy" else None
         self.tmaps = TensorMaps(m, n, k) if build.tma else NoTensorMaps()
         self.launch = Launch(kernel, compiled, dict(
-            a=Slot((m, k)), bt=Slot((n, k)), c=Slot((m, n)), c_planes=Slot((1, m, n)),
+            a=Slot((m, k)), b=Slot(b_shape(mode, n, k)), c=Slot((m, n)), c_planes=Slot((1, m, n)),
             tmaps=Slot((TensorMaps.ROW,)), tile_flags=self.tile_flags, frame=frame.words,
             order=self.order, compute_blocks=grid.compute_blocks),
             grid.grid, build.threads, build.smem_bytes)
 
     def run(self, a, b, c, stream):
         """Bind the parameters (``Operand.as_param``: addresses on the GPU) of A, B as given
-        and C, derive B as [n, k] and the tensor maps, and launch on ``stream``."""
+        and C, derive the tensor maps, and launch on ``stream``."""
         L = self.launch
-        bt = self.transpose(b, stream) if self.transpose is not None else b
         L.bind("a", a)
-        L.bind("bt", bt)
+        L.bind("b", b)
         L.bind("c", c)
         L.bind("c_planes", c if not SIMULATOR else
                c.reshape((1, self.m, self.n)))
-        L.bind("tmaps", self.tmaps(a, bt, stream))
+        L.bind("tmaps", self.tmaps(a, b, stream, self.b_kn))
         L(stream)
 
 
@@ -307,9 +303,9 @@ def gemm(a, b, b_layout="kn", out=None, stream=None, reserved_sms=0, tile="auto"
     """C = a @ b (b_layout="kn", b is [k, n]) or a @ b.T (b_layout="nk", b is [n, k]).
 
     bf16 inputs and output, fp32 accumulation, one persistent launch. ``reserved_sms`` SMs are held
-    back from the compute role. m may be any size; n and k must be multiples of 8. B as [n, k]
-    (or a column-major [k, n] view of it, like ``w.T``) is the tile's native layout; a row-major
-    [k, n] B is transposed into a scratch buffer first, on every call (one extra pass over B).
+    back from the compute role. m may be any size; n and k must be multiples of 8. B is read as
+    it is given, with no copy: [n, k], a column-major [k, n] view of one (like ``w.T``), or
+    row-major [k, n].
     """
     key = (tile, int(reserved_sms))
     if key not in _default:

@@ -92,7 +92,7 @@ def sm90_functions():
     dynamic shared memory; ``smem`` is that memory, map arguments are tensor-map addresses."""
     if _SM90:
         return _SM90[0]
-    helper = linked_source(SM90_HELPER)
+    helper = linked_source(SM90_HELPER, os.environ.get("MKNUMBA_ATTN_DEFINES", "").replace(";", "\n") + "\n")
     u64, i32, f32 = types.uint64, types.int32, types.float32
     init_fn = cuda.declare_device("mk_attn_sm90_init", i32(u64), link=[helper], abi="c")
     load_q_fn = cuda.declare_device("mk_attn_sm90_load_q", i32(u64, u64, i32, i32, i32, i32, i32),

@@ -93,6 +93,19 @@ def wait(flags, idx, epoch, deadline, err, rank, role, system=True):
 
 
 @cuda.jit(device=True)
+def poll(flags, idx, epoch, system=True):
+    """Block-wide, one look and no wait: whether ``flags[idx]`` holds ``epoch`` (acquire, as
+    :func:`wait`). For a block that does other work while what it holds is not ready."""
+    ok = cuda.shared.array(1, np.int32)
+    if cuda.threadIdx.x == 0:
+        ok[0] = 1 if prim.epoch_reached(prim.acquire(flags, idx, system), epoch) else 0
+    cuda.syncthreads()
+    result = ok[0] != 0
+    cuda.syncthreads()
+    return result
+
+
+@cuda.jit(device=True)
 def take(queue, q, call, n, workers):
     """Block-wide: this block's next item (0 .. n-1) of a work queue shared by ``workers``
     blocks, or ``n`` or more once the call's items are all taken. Items go out in index order,
@@ -114,20 +127,16 @@ def take(queue, q, call, n, workers):
     return i
 
 
-@cuda.jit(device=True, inline=True)
-def take_band(queue, q, call, n_tiles, bands, workers):
-    """:func:`take` for a queue of ``n_tiles`` tiles cut into ``bands`` row bands each:
-    ``(item, tile index, band)``, item ``n_tiles * bands`` or more once all are taken."""
-    i = take(queue, q, call, n_tiles * bands, workers)
-    it = prim.udiv32(i, bands)
-    return i, it, i - it * bands
+@cuda.jit(device=True)
+def record(on, trace, event, item, value):
+    """Tracing: ``trace[event, item] = value`` from thread 0, when ``on`` (and the item has a
+    column). Costs one predictable branch when off."""
+    if on and cuda.threadIdx.x == 0 and item < trace.shape[1]:
+        trace[event, item] = value
 
 
 @cuda.jit(device=True)
 def stamp(on, trace, event, item):
-    """Tracing: ``trace[event, item] = globaltimer`` (ns) from thread 0, when ``on``.
-
-    Costs one predictable branch when off; the host turns rows into a role timeline.
-    """
-    if on and cuda.threadIdx.x == 0 and item < trace.shape[1]:
-        trace[event, item] = prim.globaltimer()
+    """Tracing: ``trace[event, item] = globaltimer`` (ns) from thread 0, when ``on``: the host
+    turns the rows into a role timeline (``mknumba.timeline``)."""
+    record(on, trace, event, item, prim.globaltimer())

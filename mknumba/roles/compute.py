@@ -7,7 +7,9 @@ every thread of the block):
         -> 1 in exactly one thread, else 0
 
     a: [m, k] bf16 bits (uint16/int16), row-major     — A, K contiguous
-    b: [n, k] bf16 bits, row-major                     — B given as [N, K] (K contiguous)
+    b: [n, k] bf16 bits, row-major                     — B given as [N, K] (K contiguous),
+       or [k, n] row-major (N contiguous: a weight as ``a @ b`` takes it) with a build whose
+       ``b_kn`` is set (``"<build>:kn"``, see :func:`tile_build`)
     c: [*, n] bf16 bits, row-major, from global row c_row0 on — the tile's rows
        [tile_m*BM, +BM) and cols [tile_n*BN, +BN) land in c[row - c_row0, col]
     addend: [P, m, n] bf16 bits; adds > 0: planes 1..adds are added to the tile before it is
@@ -17,13 +19,13 @@ every thread of the block):
 
 The thread that returns 1 does so after every thread's stores of this tile were issued and a
 block-level barrier among the storing threads, so it can publish the tile's completion flag with a
-release (``primitives.st_release``). A kernel whose B is [K, N] transposes it first
-(``kernels.gemm``).
+release (``primitives.st_release``).
 
 Two implementations:
 - ``gemm_tile_sm90``: Hopper only (sm_90a). The linked helper ``cuda/gemm_tile.cu`` does TMA into a
   4-stage mbarrier ring, two consumer warpgroups issue wgmma m64n256k16; 128 x 256 x 64 tiles,
-  288 threads per block, ``SM90_SMEM_BYTES`` of dynamic shared memory.
+  288 threads per block, ``SM90_SMEM_BYTES`` of dynamic shared memory. B [k, n] is read as it is
+  (TMA boxes of 64 N-columns, a transposed wgmma operand): built with ``MK_B_KN=1``.
 - ``gemm_tile_simt``: the generic twin (simulator, GPUs without sm_90a): plain loads, one fp32 dot
   product per output element, ``SIMT_TILE`` tiles, any block size.
 """
@@ -74,21 +76,22 @@ SIMT_THREADS = 128
 
 
 # ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
-_SM90_BUILDS = {}   # (epilogue, publisher) -> (init, tile)
+_SM90_BUILDS = {}   # (epilogue, publisher, b_kn) -> (init, tile)
 
 
-def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False):
+def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False, b_kn=False):
     """``(init, tile)`` device functions around ``cuda/gemm_tile.cu`` built with
-    ``MK_EPILOGUE=epilogue`` and ``MK_PUBLISHER=publisher`` (see the helper's header; the
-    library uses ``SM90_EPILOGUE`` and 0, the probe ``benchmarks/probe_gemm_tile.py`` the
-    others). Launch with ``sm90_smem_bytes(epilogue)`` and ``sm90_threads(publisher)``."""
+    ``MK_EPILOGUE=epilogue``, ``MK_PUBLISHER=publisher`` and ``MK_B_KN=b_kn`` (see the
+    helper's header; the library uses ``SM90_EPILOGUE`` and 0, the probe
+    ``benchmarks/probe_gemm_tile.py`` the others; b_kn: B is [k, n], not [n, k]). Launch with
+    ``sm90_smem_bytes(epilogue)`` and ``sm90_threads(publisher)``."""
     if epilogue not in SM90_STAGING:
         raise MkValueError(f"no epilogue {epilogue} in gemm_tile.cu")
-    key = (epilogue, bool(publisher))
+    key = (epilogue, bool(publisher), bool(b_kn))
     if key not in _SM90_BUILDS:
-        helper = linked_source(HELPER, "" if key == (SM90_EPILOGUE, False) else
-                               f"#define MK_EPILOGUE {epilogue}\n"
-                               f"#define MK_PUBLISHER {key[1]:d}\n")
+        defines = "" if key[:2] == (SM90_EPILOGUE, False) else (
+            f"#define MK_EPILOGUE {epilogue}\n#define MK_PUBLISHER {key[1]:d}\n")
+        helper = linked_source(HELPER, defines + ("#define MK_B_KN 1\n" if b_kn else ""))
         u64, i32 = types.uint64, types.int32
         init_fn = cuda.declare_device("mk_gemm_sm90_init", i32(u64, u64), link=[helper],
                                       abi="c")
@@ -105,7 +108,8 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False):
         @cuda.jit(device=True)
         def gemm_tile(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, tile_n,
                       seq):
-            """One 128 x 256 tile through TMA + wgmma; a and b are read through ``tmaps``."""
+            """One 128 x 256 tile through TMA + wgmma; a and b are read through ``tmaps``
+            (B's layout is the build's: MK_B_KN)."""
             k_iters = (k + SM90_BK - 1) // SM90_BK
             return tile_fn(data_ptr(smem), data_ptr(tmaps), data_ptr(c), np.int32(c.shape[1]),
                            np.int32(c_row0), data_ptr(addend), np.int32(adds), np.int32(m),
@@ -194,32 +198,42 @@ def gemm_init_simt(smem, tmaps):
     pass
 
 
-@cuda.jit(device=True)
-def gemm_tile_simt(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, tile_n, seq):
-    """One SIMT_TILE tile of C = A @ B^T: threads stride over its elements, fp32 dot products
-    (plus ``adds`` planes of ``addend``: the product rounded to bf16 first, as the sm90 tile's
-    partial is, then the sum rounded once)."""
-    r0 = tile_m * SIMT_TILE[0]
-    c0 = tile_n * SIMT_TILE[1]
-    rows = min(SIMT_TILE[0], m - r0)
-    cols = min(SIMT_TILE[1], n - c0)
-    for e in range(cuda.threadIdx.x, rows * cols, cuda.blockDim.x):
-        i = r0 + e // cols
-        j = c0 + e % cols
-        acc = np.float32(0.0)
-        for kk in range(k):
-            acc += bf16_to_f32(a[i, kk]) * bf16_to_f32(b[j, kk])
-        if adds > 0:
-            acc = bf16_to_f32(f32_to_bf16(acc))
-            for p in range(1, adds + 1):
-                acc += bf16_to_f32(addend[p, i, j])
-        c[i - c_row0, j] = f32_to_bf16(acc)
-    cuda.syncthreads()  # every store of the tile is issued before thread 0 reports it
-    return cuda.threadIdx.x == 0
+def _simt_tile(b_kn):
+    """The SIMT tile reading B as [n, k] or, with ``b_kn`` (a constant of the build), [k, n]."""
+
+    @cuda.jit(device=True)
+    def gemm_tile_simt(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, tile_n,
+                       seq):
+        """One SIMT_TILE tile of C = A @ B^T: threads stride over its elements, fp32 dot
+        products (plus ``adds`` planes of ``addend``: the product rounded to bf16 first, as
+        the sm90 tile's partial is, then the sum rounded once)."""
+        r0 = tile_m * SIMT_TILE[0]
+        c0 = tile_n * SIMT_TILE[1]
+        rows = min(SIMT_TILE[0], m - r0)
+        cols = min(SIMT_TILE[1], n - c0)
+        for e in range(cuda.threadIdx.x, rows * cols, cuda.blockDim.x):
+            i = r0 + e // cols
+            j = c0 + e % cols
+            acc = np.float32(0.0)
+            for kk in range(k):
+                acc += bf16_to_f32(a[i, kk]) * bf16_to_f32(b[kk, j] if b_kn else b[j, kk])
+            if adds > 0:
+                acc = bf16_to_f32(f32_to_bf16(acc))
+                for p in range(1, adds + 1):
+                    acc += bf16_to_f32(addend[p, i, j])
+            c[i - c_row0, j] = f32_to_bf16(acc)
+        cuda.syncthreads()  # every store of the tile is issued before thread 0 reports it
+        return cuda.threadIdx.x == 0
+    return gemm_tile_simt
 
 
-def make_compute_role(tile_init, tile, destination, grouped=None):
-    """The compute role around one tile implementation (the plain GEMM and the fused kernels).
+gemm_tile_simt = _simt_tile(False)
+gemm_tile_simt_kn = _simt_tile(True)
+
+
+def make_compute_role(build, destination, grouped=None):
+    """The compute role around one tile build (:class:`TileBuild`: the plain GEMM and the
+    fused kernels); ``b`` is [n, k], or [k, n] when ``build.b_kn``.
 
     ``compute_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where)``: compute
     block ``blk`` of ``blocks`` computes tiles ``order[blk], order[blk + blocks], ...`` (linear
@@ -243,8 +257,9 @@ def make_compute_role(tile_init, tile, destination, grouped=None):
     where the tile's stores stop), B and tensor maps (one expert's). Default: every entry of
     ``order``, the role's own operands.
     """
-    place, ready = destination
-    work, operands = grouped if grouped is not None else (all_tiles, same_operands)
+    work = grouped[0] if grouped is not None else all_tiles
+    tile_init = build.init
+    compute_tile = make_compute_tile(build, destination, grouped)
 
     @cuda.jit(device=True)
     def compute_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where):
@@ -254,20 +269,35 @@ def make_compute_role(tile_init, tile, destination, grouped=None):
         tiles = work(where, epoch, order.shape[0])
         i = blk         # no range() with a run-time step, no 64-bit divide: see udiv32
         while i < tiles:
-            t = order[i]
-            tm = udiv32(t, tiles_n)
+            compute_tile(smem, tmaps, a, b, order[i], tiles_n, seq, epoch, where)
             i += blocks
-            ta, tb, tt = operands(where, tm, a, b, tmaps)
-            m, k = ta.shape
-            n = tb.shape[0]
-            c, c_row0, addend, adds, flags, idx, system = place(where, t, tm)
-            if not ready(where, t, adds, epoch):   # each thread acquires the tile's inputs
-                adds = 0              # timed out (recorded): store the product alone, go on
-            if tile(smem, tt, ta, tb, c, c_row0, addend, adds, m, n, k, tm, t - tm * tiles_n,
-                    seq):
-                release(flags, idx, epoch, system)   # the tile's stores (its barrier) first
             seq += 1
     return compute_role
+
+
+def make_compute_tile(build, destination, grouped=None):
+    """One tile of :func:`make_compute_role`'s loop, for kernels that hand tiles out
+    themselves (the fused reductions' adaptive split, ``roles.controller``):
+    ``compute_tile(smem, tmaps, a, b, t, tiles_n, seq, epoch, where)`` computes linear tile
+    ``t`` as this block's ``seq``-th tile (after ``tile_init`` and a barrier, once per block),
+    places and announces it as the role does. Per thread, no barrier."""
+    place, ready = destination
+    operands = grouped[1] if grouped is not None else same_operands
+    tile, n_dim = build.tile, 1 if build.b_kn else 0
+
+    @cuda.jit(device=True, inline=True)
+    def compute_tile(smem, tmaps, a, b, t, tiles_n, seq, epoch, where):
+        tm = udiv32(t, tiles_n)
+        ta, tb, tt = operands(where, tm, a, b, tmaps)
+        m, k = ta.shape
+        n = tb.shape[n_dim]
+        c, c_row0, addend, adds, flags, idx, system = place(where, t, tm)
+        if not ready(where, t, adds, epoch):   # each thread acquires the tile's inputs
+            adds = 0              # timed out (recorded): store the product alone, go on
+        if tile(smem, tt, ta, tb, c, c_row0, addend, adds, m, n, k, tm, t - tm * tiles_n,
+                seq):
+            release(flags, idx, epoch, system)   # the tile's stores (its barrier) first
+    return compute_tile
 
 
 @cuda.jit(device=True, inline=True)
@@ -345,10 +375,14 @@ TO_OWNER = (to_owner, inbox_ready)
 # ---- tile builds: what a kernel needs to run one tile implementation ---------------------------
 #: init/tile: the device functions (tile contract above); shape: (BM, BN); threads per block;
 #: smem_bytes: dynamic shared memory per block; tma: reads A and B through tensor maps (sm_90a);
-#: timing_only: leaves the output unwritten (probes; the fused ops refuse it).
-TileBuild = namedtuple("TileBuild", "init tile shape threads smem_bytes tma timing_only")
+#: timing_only: leaves the output unwritten (probes; the fused ops refuse it); b_kn: B is [k, n]
+#: (row-major, N contiguous), not [n, k].
+TileBuild = namedtuple("TileBuild", "init tile shape threads smem_bytes tma timing_only b_kn",
+                       defaults=(False,))
 _BUILDS = {"simt": TileBuild(gemm_init_simt, gemm_tile_simt, SIMT_TILE, SIMT_THREADS, 0, False,
-                             False)}
+                             False),
+           "simt:kn": TileBuild(gemm_init_simt, gemm_tile_simt_kn, SIMT_TILE, SIMT_THREADS, 0,
+                                False, False, True)}
 if not SIMULATOR:
     _BUILDS["sm90"] = TileBuild(gemm_init_sm90, gemm_tile_sm90, SM90_TILE, SM90_THREADS,
                                 SM90_SMEM_BYTES, True, False)
@@ -356,8 +390,8 @@ if not SIMULATOR:
 
 class KernelBuilds:
     """The persistent kernels of one op, one per tile build, made on first use:
-    ``builds(kind) -> (TileBuild, threads per block, kernel)``, ``make_kernel(init, tile, bm,
-    bn, threads)`` making the kernel (the SIMT tile runs 32 threads in the simulator, whose
+    ``builds(kind) -> (TileBuild, threads per block, kernel)``, ``make_kernel(build,
+    threads)`` making the kernel (the SIMT tile runs 32 threads in the simulator, whose
     threads are Python threads)."""
 
     def __init__(self, make_kernel):
@@ -368,30 +402,54 @@ class KernelBuilds:
         b = tile_build(kind)
         with self.lock:
             if kind not in self.kernels:
-                threads = (32 if SIMULATOR else SIMT_THREADS) if kind == "simt" else b.threads
-                self.kernels[kind] = (threads, self.make_kernel(b.init, b.tile, *b.shape,
-                                                                threads))
+                self.kernels[kind] = (threads_of(b), self.make_kernel(b, threads_of(b)))
         return (b, *self.kernels[kind])
 
 
-def sm90_build(epilogue, publisher):
-    """The :class:`TileBuild` of gemm_tile.cu built with MK_EPILOGUE=epilogue and
-    MK_PUBLISHER=publisher (sm_90a). The library runs (2, 0) and, in the fused ops, (2, 1);
-    ``benchmarks/probe_gemm_tile.py`` registers the others (:func:`register_tile`)."""
-    return TileBuild(*sm90_tile_functions(epilogue, publisher), SM90_TILE,
-                     sm90_threads(publisher), sm90_smem_bytes(epilogue), True, epilogue == 1)
+def threads_of(build):
+    """Threads per block a kernel runs ``build`` with: its own, except the SIMT tile in the
+    simulator (32: the simulator's threads are Python threads)."""
+    return 32 if SIMULATOR and not build.tma else build.threads
+
+
+def sm90_build(epilogue, publisher, b_kn=False):
+    """The :class:`TileBuild` of gemm_tile.cu built with MK_EPILOGUE=epilogue,
+    MK_PUBLISHER=publisher and MK_B_KN=b_kn (sm_90a). The library runs (2, 0) and, in the fused
+    ops, (2, 1), each also with b_kn; ``benchmarks/probe_gemm_tile.py`` registers the others
+    (:func:`register_tile`)."""
+    return TileBuild(*sm90_tile_functions(epilogue, publisher, b_kn), SM90_TILE,
+                     sm90_threads(publisher), sm90_smem_bytes(epilogue), True, epilogue == 1,
+                     b_kn)
 
 
 def tile_build(name):
     """The tile build called ``name``: ``"simt"``, ``"sm90"`` (the library's Hopper tile),
-    ``SM90_FUSED_TILE`` (made on first use), or one added with :func:`register_tile`. Raises
-    MkValueError for anything else."""
-    if name == SM90_FUSED_TILE and name not in _BUILDS and not SIMULATOR:
-        _BUILDS[name] = sm90_build(SM90_EPILOGUE, True)
+    ``SM90_FUSED_TILE`` (made on first use), or one added with :func:`register_tile`; any of
+    the first three with ``":kn"`` appended (:func:`kn_kind`): the same tile reading B as
+    [k, n]. Raises MkValueError for anything else."""
+    if name not in _BUILDS and not SIMULATOR:
+        lazy = {"sm90:kn": (SM90_EPILOGUE, False, True), SM90_FUSED_TILE: (SM90_EPILOGUE, True,
+                False), f"{SM90_FUSED_TILE}:kn": (SM90_EPILOGUE, True, True)}
+        if name in lazy:
+            _BUILDS[name] = sm90_build(*lazy[name])
     if name not in _BUILDS:
         raise MkValueError(f"no tile build {name!r} here (known: {sorted(_BUILDS)}"
-                           f"{'' if SIMULATOR else ', ' + repr(SM90_FUSED_TILE)})")
+                           f"{'' if SIMULATOR else ', ' + repr(SM90_FUSED_TILE)}, each of "
+                           "the library's also with ':kn')")
     return _BUILDS[name]
+
+
+def kn_kind(kind, op="mknumba"):
+    """The name of the build ``kind`` reading B as [k, n] (row-major) instead of [n, k]; a
+    build without one (e.g. a probe's, :func:`register_tile`) raises MkValueError."""
+    name = f"{kind}:kn"
+    try:
+        tile_build(name)
+    except MkValueError:
+        raise MkValueError(f"{op}: tile build {kind!r} has no variant reading b as [k, n] "
+                           "(row-major); pass b as a column-major view (w.T of a row-major "
+                           "[n, k] w)") from None
+    return name
 
 
 def register_tile(name, build):
@@ -406,7 +464,8 @@ def register_tile(name, build):
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions", "sm90_build",
-           "gemm_init_simt", "gemm_tile_simt", "bf16_to_f32", "bf16_hi_to_f32", "f32_to_bf16",
-           "make_compute_role", "own_tile", "to_owner", "TileBuild", "tile_build", "KernelBuilds",
-           "register_tile",
+           "gemm_init_simt", "gemm_tile_simt", "gemm_tile_simt_kn", "bf16_to_f32",
+           "bf16_hi_to_f32", "f32_to_bf16", "make_compute_role", "make_compute_tile",
+           "own_tile", "to_owner", "TileBuild", "tile_build", "kn_kind", "threads_of",
+           "KernelBuilds", "register_tile",
            "HELPER"] + ([] if SIMULATOR else ["gemm_init_sm90", "gemm_tile_sm90"])

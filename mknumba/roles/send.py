@@ -46,3 +46,26 @@ def enqueue(ring, head, tail, peer, src_win, src_off, dst_win, dst_off, nbytes, 
                 flag_win, flag_slot, epoch)
     st_release_sys(ring, base + W_SEQ, np.uint32((np.int64(ticket) + 1) & 0xFFFFFFFF))
     return True
+
+
+@cuda.jit(device=True)
+def enqueue_rail(proxy, rail, win, off, nbytes, chunk, flag_win, flag_slot, epoch, deadline,
+                 err, rank):
+    """Block-wide: one command per rail peer (``rail``: their world ranks), each moving
+    ``nbytes`` at byte ``off`` of window ``win`` here to the same place there, then setting
+    their ``flags[flag_slot]`` (window ``flag_win``) to ``epoch``. Thread 0 enqueues; the
+    data must already be visible to the proxy (a system fence, e.g. ``blocks.publish``).
+    False for the whole block if a credit never came (recorded; the peers' waits expire too),
+    so it can end together. proxy: ``(ring, head, tail)``."""
+    ring, head, tail = proxy
+    sent = cuda.shared.array(1, np.int32)
+    if cuda.threadIdx.x == 0:
+        sent[0] = 1
+        for i in range(rail.shape[0]):
+            if sent[0] and not enqueue(ring, head, tail, rail[i], win, off, win, off, nbytes,
+                                       chunk, flag_win, flag_slot, epoch, deadline, err, rank):
+                sent[0] = 0
+    cuda.syncthreads()
+    ok = sent[0] != 0
+    cuda.syncthreads()   # read by all before a later call could rewrite it
+    return ok

@@ -311,7 +311,7 @@ def check_inplace(comm, opts, A):
             a_bits, b_bits = fused_inputs(comm, opts, tag + (0,))
             da = A.dev(a_bits)
             if layout == "row":
-                db = A.dev(b_bits)                      # row-major [k, n]: transposed per call
+                db = A.dev(b_bits)                      # row-major [k, n], read as it is
                 b_arg = db
             else:
                 db = A.dev(np.ascontiguousarray(b_bits.T))   # row-major [n, k] ...

@@ -1,7 +1,7 @@
 """Multi-rank checks of GemmReduceScatter and GemmAllReduce, run under mpiexec.
 
     mpiexec -n N python tests/mpi/fused_checks.py KERNEL M N K [ITERATIONS] [ARRAYS] [CHUNK_TILES]
-        [JOIN] [DELIVER] [SHARED] [FOLD]
+        [JOIN] [DELIVER] [SHARED] [FOLD] [COMM_SMS] [START_AT]
 
 KERNEL: rs | ar | both. ARRAYS: numba (bf16 bits in uint16 device arrays) or torch (GPU only).
 CHUNK_TILES: tiles per network chunk (default: the op's; small values exercise the counters).
@@ -10,13 +10,22 @@ into its shared output (``shared_out``, ``out=None``), copied after each call on
 the next call's peers write into it, and must not before that copy is done; SHARED=mixed:
 rank 0 so, the others into arrays of their own (copied out of their shared outputs). FOLD=on:
 ReduceScatter's owners add the delivered partials in their GEMM epilogue (``fold``).
+COMM_SMS: a number, or "adaptive" (the controller moves blocks between compute and reduce).
+START_AT: the ops first take the state of that many earlier calls (``_start_at``, e.g.
+4294967295: the calls cross the wrap of the call counter, the epoch and the queues' tickets).
 Each call gets fresh random inputs (never zeros) and a poisoned (NaN) output; the calls run
 back to back with no host synchronisation (short runs check the role trace of the last call,
 with one synchronisation before it), then every output is compared with a float64 NumPy
 reference of the same bf16 inputs (relative Frobenius error <= 1e-2, every element written).
+Traced runs also write the trace with ``op.save_trace`` and check it (rank 0): it parses, it
+has a track for every role with items, an event per item, times monotone per track, the SMs
+per role counter (and with the controller, its target).
 Prints ``PASS <kernel> rank <r> ...`` per op; any failure exits non-zero.
 """
+import json
+import os
 import sys
+import tempfile
 
 import numpy as np
 
@@ -37,7 +46,7 @@ def bits_f64(b):
 
 
 def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, join, deliver,
-        shared=False, fold=None):
+        shared=False, fold=None, comm_sms=None, start_at=0):
     from mknumba.kernels.gemm import kind_for
     from mknumba.roles.compute import tile_build
     chunk = None
@@ -49,7 +58,9 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, join, deliver,
     into_shared = shared and (shared != "mixed" or comm.rank == 0)   # else: our own arrays
     fold = fold if Op is GemmReduceScatter else None
     op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced, join=join,
-            deliver=deliver, shared_out=bool(shared), fold=fold)
+            deliver=deliver, shared_out=bool(shared), fold=fold, comm_sms=comm_sms)
+    if start_at:
+        op._start_at(start_at)
     rows = op.out_shape()[0]
     sent, outs = [], []
     for it in range(iterations):
@@ -97,12 +108,59 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, join, deliver,
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert err <= 1e-2, f"{op.name} call {it}: relative error {err:.3g}"
         worst = max(worst, err)
+    op.calls_seen = None if op.solo else op.frame.read()[0]      # the device's call counter
     op.free()
     return worst, op
 
 
+def check_saved_trace(op):
+    """op.save_trace (collective): rank 0 reads the file back and checks it."""
+    path = os.path.join(tempfile.gettempdir(), f"mk-trace-{os.getpid()}-{op.kernel_name}.json")
+    path = op.comm.mpi.bcast(path, root=0)
+    wrote = op.save_trace(path)
+    if op.comm.rank != 0:
+        assert wrote is None
+        return
+    with open(path) as f:
+        doc = json.load(f)
+    os.unlink(path)
+    ev = doc["traceEvents"]
+    world = op.comm.size
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {e["pid"] for e in ev if e["ph"] == "X"} == set(range(world))
+    for r in range(world):
+        meta = doc["otherData"]["ranks"][str(r)]
+        rb = meta["role_blocks"]
+        for role in ("compute", "reduce", "send", "recv", "pull"):
+            got = [e for e in ev if e["ph"] == "X" and e["pid"] == r and e["cat"] == role]
+            if role == "compute":
+                assert len(got) == meta["tiles"], (r, role, len(got))
+            if rb[role] > 0 or role == "compute" or (role == "reduce" and meta["adaptive"]):
+                tracks = {names[r, e["tid"]] for e in got}
+                assert not got or role in tracks, (r, role, tracks)
+            for e in got:
+                assert names[r, e["tid"]].split()[0] == role
+        counters = [e for e in ev if e["ph"] == "C" and e["pid"] == r]
+        sms = [e for e in counters if e["name"] == "SMs per role"]
+        assert sms and max(sum(e["args"].values()) for e in sms) <= sum(rb.values())
+        assert sms[-1]["args"] == {k: 0 for k in sms[-1]["args"]}   # every block ended
+        if meta["adaptive"]:
+            assert any(e["name"] == "controller target" for e in counters)
+    tracks = {}
+    for e in ev:
+        if e["ph"] == "X":
+            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    for key, spans in tracks.items():          # in time order, none overlapping the next
+        for (s0, e0), (s1, e1) in zip(spans, spans[1:]):
+            assert s0 <= s1 and e0 <= s1 + 1e-6, (key, (s0, e0), (s1, e1))
+    return doc
+
+
 def check_trace(op):
-    """Every block started and ended; every role item was stamped, after what it waited for."""
+    """Every block started and ended; every role item was stamped, after what it waited for;
+    the saved trace (check_saved_trace) has an event per item."""
+    doc = check_saved_trace(op)
     ev = op.trace_events()
     grid = sum(ev["role_blocks"].values())
     for e in ("block_start", "block_end"):
@@ -118,6 +176,15 @@ def check_trace(op):
         if before == "block_start":       # pull items have one stamp: after the block began
             b = np.full(n, ev["block_start"][:grid].min())
         assert (b > 0).all() and (a >= b).all(), f"{op.name}: {before} -> {after} stamps wrong"
+    if doc is not None:                # rank 0: this rank's events, one per item
+        x = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["pid"] == op.comm.rank]
+        for role, n in (("compute", len(p.order)), ("reduce", len(p.red_tiles)),
+                        ("send", p.n_cmds if net else 0), ("recv", p.n_final if net else 0),
+                        ("pull", len(p.pull_tiles))):
+            assert sum(e["cat"] == role for e in x) == n, (role, n)
+    if op.adaptive:                    # the controller logged each flexible block's start
+        flex = op.role_blocks["compute"] + op.role_blocks["reduce"]
+        assert all(len(log) >= 1 for log in ev["controller"][:flex])
 
 
 def main():
@@ -131,6 +198,10 @@ def main():
     shared = {"on": True, "mixed": "mixed"}.get(sys.argv[10] if len(sys.argv) > 10 else "",
                                                  False)
     fold = onoff.get(sys.argv[11] if len(sys.argv) > 11 else "")
+    comm_sms = sys.argv[12] if len(sys.argv) > 12 else ""
+    comm_sms = None if comm_sms in ("", "0") else comm_sms if comm_sms == "adaptive" \
+        else int(comm_sms)
+    start_at = int(sys.argv[13]) if len(sys.argv) > 13 else 0
     ops = {"rs": [GemmReduceScatter], "ar": [GemmAllReduce],
            "both": [GemmReduceScatter, GemmAllReduce]}[kernel]
     with mk.init() as comm:
@@ -140,11 +211,12 @@ def main():
         rng = np.random.default_rng(1000 + comm.rank)
         for Op in ops:
             worst, op = run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, join,
-                            deliver, shared, fold)
+                            deliver, shared, fold, comm_sms, start_at)
             print(f"PASS {Op.kernel_name} rank {comm.rank} topology {comm.nodes}x"
                   f"{comm.local_size} m={m} n={n} k={k} calls={iterations} "
                   f"join={int(op.join)} deliver={int(op.deliver)} solo={int(op.solo)} "
-                  f"direct={int(op.direct)} fold={int(op.fold)} "
+                  f"direct={int(op.direct)} fold={int(op.fold)} adaptive={int(op.adaptive)} "
+                  f"calls_seen={op.calls_seen} "
                   f"max_rel_err={worst:.2e}",
                   flush=True)
         comm.barrier()

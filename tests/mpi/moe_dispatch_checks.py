@@ -3,8 +3,12 @@
     mpiexec -n N python -m mpi4py tests/mpi/moe_dispatch_checks.py CHECK[,CHECK...] [key=value ...]
 
 keys: hidden, ffn, experts, top_k, max_tokens, calls (rounds of the routing patterns), seed,
-comm_sms (pack + pull blocks; 0: the op's choice), unit (tokens per flag; 0: the op's choice),
-arrays=numba|torch (torch: GPU only). Inputs come from ``rand_bits(seed, rank, call, ...)``
+comm_sms (pack, forward and pull blocks; 0: the op's choice), unit (tokens per flag; 0: the
+op's choice), wrap (1: ``calls`` starts an op just short of the epoch's wrap; 0 not: a
+completion-mode proxy keeps its own record of the flags it set, which ``_start_at`` does not
+move), ehf (1: ``calls`` passes w as [E/W, hidden, ffn] for uniform, zipf and one; 0: every
+pattern on the "efh" op, one op, no transposes), replays (``graph``), arrays=numba|torch
+(torch: GPU only). Inputs come from ``rand_bits(seed, rank, call, ...)``
 (``frame_checks``), so every rank regenerates every rank's tokens and routing for its float64
 reference without communicating.
 
@@ -19,7 +23,7 @@ Routing patterns (one call each, fresh T per rank and call, T <= max_tokens):
 Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exits non-zero):
 
   calls     two ops on one comm called in turn, back to back, ``calls`` rounds of every
-            pattern: w [E/W, hidden, ffn] (transposed per call) for uniform, zipf and one, on
+            pattern: w [E/W, hidden, ffn] (read as [k, n]) for uniform, zipf and one, on
             an op started at ``_start_at(2**32 - 3)`` so its calls cross the epoch's wrap; w
             [E/W, ffn, hidden] (w_layout="efh") for silent and cold; w fresh per call,
             topk_weights on every other call, out and the layout poisoned. After one
@@ -27,13 +31,25 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
             as a set per expert in source-rank order, the weights, and out against a float64
             reference of x[token] @ w[expert] (rows past the received ones untouched); the
             call counters.
-  inplace   one op (w [E/W, hidden, ffn], transposed into scratch per call): the same x,
-            topk_idx and w arrays, w updated in place between 2 calls, out= and layout=
-            reused: the second result follows the update (no stale transposed copy).
+  inplace   one op (w [E/W, hidden, ffn], read as it is): the same x, topk_idx and w
+            arrays, w updated in place between 2 calls, out= and layout= reused: the second
+            result follows the update.
   bad       refused with MkValueError before anything is launched, naming the op and the
             argument: x's hidden, a float32 x, T > max_tokens, int64 topk_idx, topk_idx's
             shape, expert ids -1 and E, w's shape, a float32 w, out's shape, topk_weights'
             dtype; at planning: experts not divisible by the world, top_k > experts.
+  badid     rank 0 routes two pairs to expert ids out of range (E at token 1 slot 1, -1 at its
+            last token; every rank's call launches): rank 0's synchronize() raises
+            MkValueError naming topk_idx[1, 1] = E, the other ranks' raises nothing; every
+            rank's rows are right without those pairs; the next call (fresh routing) works
+            on every rank and raises nothing.
+  graph     (GPU) a call inside a CUDA graph capture (torch.cuda.graph for arrays=torch,
+            cuStreamBeginCapture on a numba stream for numba) that would allocate out or the
+            layout is refused with MkError naming out= and layout=; then one capture with
+            out= and layout= and ``replays`` replays, each with fresh tokens, routing
+            (uniform, zipf, one in turn; T = max_tokens, fixed by the capture) and weights in
+            the captured inputs, out and the layout poisoned, each checked; an ordinary call
+            half-way; the call counter counts every launch.
   disagree  ranks planning different hidden (then max_tokens): MkValueError on every rank.
   capacity  capacity=8 rows, every token to rank 0's first expert: rank 0's synchronize()
             raises MkCapacityError naming the rows and the capacity; its next call refuses;
@@ -42,8 +58,10 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
             wait for rank 1's counts expires; synchronize() raises MkTimeoutError naming the
             op, rank, role and flag; the next call refuses (``check_peer_never_calls``).
 """
+import sys
 
 import numpy as np
+from numba import cuda
 
 import mknumba as mk
 from frame_checks import (bits_f64, check_close, check_peer_never_calls, expected_after,
@@ -54,7 +72,7 @@ PATTERNS = ("uniform", "zipf", "one", "silent", "cold")
 
 
 def tokens_of(opts, rank, key, pattern):
-    if pattern == "one":
+    if pattern == "one" or opts.get("fixed_tokens") or pattern == "badid" and rank == 0:
         return opts["max_tokens"]
     if pattern == "silent" and rank == 1:
         return 0
@@ -69,11 +87,14 @@ def routing(opts, world, rank, key, pattern):
     if pattern == "one":
         idx = np.zeros((T, K), np.int32)
     else:
-        pool = E // world if pattern == "cold" else E
+        pool = E // world if pattern == "cold" else E    # badid: uniform, then two bad
         p = 1.0 / (np.arange(pool) + 1.0) ** 2 if pattern == "zipf" else np.ones(pool)
         p = p / p.sum()
         idx = np.array([rng.choice(pool, K, replace=False, p=p) for _ in range(T)],
                        np.int32).reshape(T, K)
+    if pattern == "badid" and rank == 0:        # the first, then a later one
+        idx[1, K - 1] = E
+        idx[T - 1, 0] = -1
     return idx, rng.random((T, K), dtype=np.float32)
 
 
@@ -135,18 +156,25 @@ def verify(comm, opts, A, op, key, pattern, out, lay, w_bits, weighted, what):
 
 
 def check_calls(comm, opts, A, start=2 ** 32 - 3):
-    """Two ops on one comm, called in turn: w [E/W, hidden, ffn] (transposed per call) for
+    """Two ops on one comm, called in turn: w [E/W, hidden, ffn] (read as [k, n]) for
     uniform, zipf and one, started just short of the epoch's wrap; w [E/W, ffn, hidden] for
-    silent and cold."""
-    ops = dict(ehf=make_op(comm, opts), efh=make_op(comm, opts, w_layout="efh"))
+    silent and cold (``ehf=0``: one op, w [E/W, ffn, hidden], for all; ``wrap=0``: from call
+    0)."""
+    ops = dict(efh=make_op(comm, opts, w_layout="efh"))
+    if opts["ehf"]:
+        ops["ehf"] = make_op(comm, opts)
+    if not opts["wrap"]:
+        start = 0
     comm.barrier()                   # no peer is still in a call that writes our flags
-    ops["ehf"]._start_at(start)
+    wrapped = "ehf" if opts["ehf"] else "efh"
+    if start:
+        ops[wrapped]._start_at(start)
     comm.barrier()                   # nobody's next call publishes before every rank is set
     pending, keep = [], []
     n = dict(ehf=0, efh=0)
     for rnd in range(opts["calls"]):
         for i, pattern in enumerate(PATTERNS):
-            layout = "efh" if pattern in ("silent", "cold") else "ehf"
+            layout = "efh" if pattern in ("silent", "cold") or not opts["ehf"] else "ehf"
             op = ops[layout]
             key = (1, rnd, i)
             x, idx, wts = inputs(opts, comm.size, comm.rank, key, pattern)
@@ -167,9 +195,10 @@ def check_calls(comm, opts, A, start=2 ** 32 - 3):
         worst = max(worst, verify(comm, opts, A, op, key, pattern, out, lay, w_bits, weighted,
                                   f"call {key} ({pattern}, w {op.w_layout})"))
         received.append(int(A.host(lay.offsets)[-1]))
-    want = expected_after(start, n["ehf"])
-    assert ops["ehf"].frame.read() == want, f"frame {ops['ehf'].frame.read()}, want {want}"
-    assert ops["efh"].frame.read() == (n["efh"], n["efh"]), ops["efh"].frame.read()
+    want = expected_after(start, n[wrapped])
+    for name, op in ops.items():
+        got = op.frame.read()
+        assert got == (want if name == wrapped else (n[name], n[name])), (name, got, want)
     for op in ops.values():
         op.free()
     say("calls", comm, f"calls={sum(n.values())} rows={received} roles={op.role_blocks} "
@@ -213,11 +242,6 @@ def check_bad(comm, opts, A):
     _refused(lambda: op(dx, A.dev(idx.astype(np.int64)), dw), [name, "topk_idx", "int64"])
     _refused(lambda: op(dx, A.dev(np.zeros((T, K + 1), np.int32)), dw),
              [name, "topk_idx", "shape"])
-    for wrong in (-1, E):
-        bad = idx.copy()
-        bad[T - 1, K - 1] = wrong
-        _refused(lambda: op(dx, A.dev(bad), dw), [name, f"topk_idx[{T - 1}, {K - 1}]",
-                                                  str(wrong), "expert id"])
     _refused(lambda: op(dx, di, A.dev(rand_bits(opts, (El, F, H), 3))) if F != H else
              op(dx, di, A.dev(rand_bits(opts, (El + 1, H, F), 3))), [name, "w", "shape"])
     _refused(lambda: op(dx, di, A.dev(np.zeros((El, H, F), np.float32))),
@@ -232,7 +256,34 @@ def check_bad(comm, opts, A):
                  [name, "divisible", "world"])
     _refused(lambda: mk.MoeDispatchGemm(comm, H, F, E, E + 1, 4), [name, "top_k"])
     comm.barrier()
-    say("bad", comm, "x topk_idx w out topk_weights experts top_k")
+    say("bad", comm, "x topk_idx w out topk_weights experts top_k (expert ids: badid)")
+
+
+def check_badid(comm, opts, A):
+    op = make_op(comm, opts)
+    E, K = opts["experts"], opts["top_k"]
+    worst = 0.0
+    for i, pattern in enumerate(("badid", "uniform")):
+        key = (4, i)
+        x, idx, wts = inputs(opts, comm.size, comm.rank, key, pattern)
+        w_bits = weights_of(opts, comm.size, comm.rank, key)
+        out, lay = poisoned(op, A)
+        op(A.dev(x), A.dev(idx), A.dev(w_bits), A.dev(wts), out=out, layout=lay)
+        try:
+            op.synchronize()
+        except mk.MkValueError as e:
+            assert comm.rank == 0 and pattern == "badid", f"rank {comm.rank}, {pattern}: {e}"
+            for words in ("MoeDispatchGemm", "rank 0", f"topk_idx[1, {K - 1}] = {E}",
+                          "expert id", f"0 .. {E - 1}"):
+                assert words in str(e), f"{words!r} not in: {e}"
+        else:
+            assert comm.rank != 0 or pattern != "badid", "an expert id out of range: no error"
+        worst = max(worst, verify(comm, opts, A, op, key, pattern, out, lay, w_bits, True,
+                                  f"{pattern} call"))
+    assert op.frame.read()[0] == 2, op.frame.read()
+    comm.barrier()
+    op.free()
+    say("badid", comm, f"max_rel_err={worst:.2e}")
 
 
 def check_disagree(comm, opts, A):
@@ -288,17 +339,115 @@ def check_timeout(comm, opts, A):
     x, idx, _ = inputs(opts, comm.size, 0, (7,), "uniform")
     args = (A.dev(x), A.dev(idx), A.dev(weights_of(opts, comm.size, 0, (7,))))
     check_peer_never_calls(comm, lambda: make_op(comm, opts), lambda op: op(*args),
-                           ("MoeDispatchGemm", "rank 0", "role", "flag 1", "to reach epoch 1"),
+                           ("MoeDispatchGemm", "rank 0", "role", "waiting on flag", "to reach epoch 1"),
                            bound_s)
 
 
-CHECKS = dict(calls=check_calls, inplace=check_inplace, bad=check_bad, disagree=check_disagree,
-              capacity=check_capacity, timeout=check_timeout)
+def check_graph(comm, opts, A):
+    """A CUDA graph capture of a call (GPU): see the module docstring."""
+    opts = dict(opts, fixed_tokens=1)         # the captured x has one T
+    op = make_op(comm, opts)
+    W, T, K = comm.size, opts["max_tokens"], opts["top_k"]
+    key0 = (8, 0)
+    x, idx, wts = inputs(opts, W, comm.rank, key0, "uniform")
+    w_bits = weights_of(opts, W, comm.rank, key0)
+    dx, di, dg, dw = A.dev(x), A.dev(idx), A.dev(wts), A.dev(w_bits)   # captured inputs
+    out, lay = poisoned(op, A)
+    if A.kind == "torch":
+        torch = A.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):         # warm-up: the cfg of T, the transposer
+            op(dx, di, dw, dg, out=out, layout=lay)
+        torch.cuda.current_stream().wait_stream(side)
+        call = lambda **kw: op(dx, di, dw, dg, **kw)   # noqa: E731
+        graphs = []                           # kept while their replays may run
+
+        def capture(fn):
+            graphs.append(torch.cuda.CUDAGraph())
+            with torch.cuda.graph(graphs[-1]):
+                fn()
+            return graphs[-1].replay
+    else:
+        from cuda.bindings import driver as drv
+        from mknumba.kernels.launch import stream_handle
+        s = cuda.stream()
+        h = drv.CUstream(stream_handle(s))
+        op(dx, di, dw, dg, out=out, layout=lay, stream=s)
+        s.synchronize()
+        call = lambda **kw: op(dx, di, dw, dg, stream=s, **kw)   # noqa: E731
+
+        def capture(fn):
+            (err,) = drv.cuStreamBeginCapture(
+                h, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)[:1]
+            assert err == drv.CUresult.CUDA_SUCCESS, err
+            try:
+                fn()
+            finally:
+                err, g = drv.cuStreamEndCapture(h)
+            assert err == drv.CUresult.CUDA_SUCCESS, err
+            err, gexec = drv.cuGraphInstantiate(g, 0)
+            assert err == drv.CUresult.CUDA_SUCCESS, err
+
+            def replay():
+                (e,) = drv.cuGraphLaunch(gexec, h)
+                assert e == drv.CUresult.CUDA_SUCCESS, e
+                s.synchronize()
+            return replay
+    worst = verify(comm, opts, A, op, key0, "uniform", out, lay, w_bits, True, "warm-up")
+    try:
+        capture(lambda: call())
+    except mk.MkError as e:
+        for words in ("MoeDispatchGemm", "capture", "out=", "layout="):
+            assert words in str(e), f"{words!r} not in: {e}"
+    else:
+        raise AssertionError("a call that allocates inside a capture was not refused")
+    comm.barrier()
+    replay = capture(lambda: call(out=out, layout=lay))
+    launches = 1
+    for i in range(1, opts["replays"] + 1):
+        pattern = ("uniform", "zipf", "one")[i % 3]
+        key = (8, i)
+        x, idx, wts = inputs(opts, W, comm.rank, key, pattern)
+        w_bits = weights_of(opts, W, comm.rank, key)
+        for d, h in ((dx, x), (di, idx), (dg, wts), (dw, w_bits)):
+            A.put(d, h)
+        A.poison(out)
+        for d, fill in zip(lay, (-1, -1, -1, np.nan)):
+            A.put(d, np.full(tuple(d.shape), fill, np.float32 if fill != -1 else np.int32))
+        replay()
+        launches += 1
+        worst = max(worst, verify(comm, opts, A, op, key, pattern, out, lay, w_bits, True,
+                                  f"replay {i} ({pattern})"))
+        if i == opts["replays"] // 2:        # an ordinary call, other arrays
+            key = (8, 1000)
+            x, idx, wts = inputs(opts, W, comm.rank, key, "zipf")
+            w_bits = weights_of(opts, W, comm.rank, key)
+            o3, l3 = poisoned(op, A)
+            op(A.dev(x), A.dev(idx), A.dev(w_bits), A.dev(wts), out=o3, layout=l3)
+            launches += 1
+            worst = max(worst, verify(comm, opts, A, op, key, "zipf", o3, l3, w_bits, True,
+                                      "ordinary call between replays"))
+    op.synchronize()
+    got = op.frame.read()
+    assert got[0] == launches, f"frame {got}, {launches} launches made"
+    comm.barrier()
+    op.free()
+    say("graph", comm, f"replays={opts['replays']} T={T} K={K} arrays={A.kind} "
+                       f"max_rel_err={worst:.2e}")
+
+
+CHECKS = dict(calls=check_calls, inplace=check_inplace, bad=check_bad, badid=check_badid,
+              disagree=check_disagree, capacity=check_capacity, timeout=check_timeout,
+              graph=check_graph)
 
 
 def main():
+    if SIMULATOR:    # the simulator's block runner polls its threads
+        sys.setswitchinterval(5e-5)
     run_checks(CHECKS, dict(hidden=16, ffn=24, experts=4, top_k=2, max_tokens=12, calls=1,
-                            seed=2020, comm_sms=0, unit=0, arrays="numba"))
+                            seed=2020, comm_sms=0, unit=0, wrap=1, ehf=1, replays=20,
+                            arrays="numba"))
 
 if __name__ == "__main__":
     main()

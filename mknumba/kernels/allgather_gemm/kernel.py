@@ -16,7 +16,7 @@ from ...errors import ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV
 from ...roles import compute
 from ...roles.blocks import launch_context, publish, wait
 from ...roles.reduce import copy_tile_2d
-from ...roles.send import enqueue
+from ...roles.send import enqueue_rail
 from ..launch import array_type
 
 Bits2D, Bits3D = array_type(np.uint16, 2), array_type(np.uint16, 3)
@@ -44,9 +44,10 @@ def part_rows(cfg, p):
     return r0, min(cfg[C_ROWS], cfg[C_SHARD] - r0)
 
 
-def make_kernel(tile_init, tile, bm, bn, threads):
-    """The persistent kernel around one tile build (``roles.compute``). Each role is a device
-    function below; the kernel at the end hands blocks to them in block order."""
+def make_kernel(build, threads):
+    """The persistent kernel around one tile build (``roles.compute.TileBuild``). Each role is
+    a device function below; the kernel at the end hands blocks to them in block order."""
+    bm = build.shape[0]
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
 
     @cuda.jit(device=True, inline=True)
@@ -79,7 +80,7 @@ def make_kernel(tile_init, tile, bm, bn, threads):
         prim.fence_proxy_async()
         return True
 
-    compute_role = compute.make_compute_role(tile_init, tile, (into_out, rows_ready))
+    compute_role = compute.make_compute_role(build, (into_out, rows_ready))
 
     @cuda.jit(device=True, inline=True)
     def send_role(cfg, a, gathered, gathered_ptrs, flags, flag_ptrs, rail, proxy, first, step,
@@ -88,30 +89,20 @@ def make_kernel(tile_init, tile, bm, bn, threads):
         GPU's gathered A, its flag published here; then, between nodes, one command per rail
         peer to the proxy (the slowest link starts first); then into every other GPU of the
         node (NVLink stores, the next GPU first), its flag published there."""
-        ring, head, tail = proxy
         epoch, call, deadline, err, rank = ctx
         kw = cfg[C_K] // 4
         me, parts = cfg[C_ME], cfg[C_PARTS]
         row0 = (call & 1) * cfg[C_M] + me * cfg[C_SHARD]     # my rows in this call's slot
-        sent = cuda.shared.array(1, np.int32)
         for jp in range(prim.steps(first, parts, step)):
             p = first + jp * step
             r0, rows = part_rows(cfg, p)
             at = (row0 + r0) * kw
             copy_tile_2d(a, r0 * kw, kw, gathered, at, kw, rows, kw)
             publish(flags, me * parts + p, epoch)     # system fence: also for the proxy's copy
-            if cfg[C_NODES] > 1:
-                if cuda.threadIdx.x == 0:
-                    sent[0] = 1
-                    for i in range(rail.shape[0]):
-                        if sent[0] and not enqueue(
-                                ring, head, tail, rail[i], cfg[C_WIN_GATHERED], at * 8,
-                                cfg[C_WIN_GATHERED], at * 8, rows * kw * 8, p,
-                                cfg[C_WIN_FLAGS], me * parts + p, epoch, deadline, err, rank):
-                            sent[0] = 0       # recorded; the peers' waits expire too
-                cuda.syncthreads()
-                if sent[0] == 0:
-                    return False              # the whole block, together
+            if cfg[C_NODES] > 1 and not enqueue_rail(
+                    proxy, rail, cfg[C_WIN_GATHERED], at * 8, rows * kw * 8, p,
+                    cfg[C_WIN_FLAGS], me * parts + p, epoch, deadline, err, rank):
+                return False                  # the whole block, together
         g, local = cfg[C_G], cfg[C_LOCAL]
         for jp in range(prim.steps(first, parts, step)):
             p = first + jp * step
@@ -171,16 +162,16 @@ def make_kernel(tile_init, tile, bm, bn, threads):
 
     @cuda.jit(**bounds)
     def allgather_gemm_kernel(
-            a: Words, bt: Bits2D, tmaps: Words, tmaps_odd: Words, gathered: Bits3D,
+            a: Words, b: Bits2D, tmaps: Words, tmaps_odd: Words, gathered: Bits3D,
             gathered_words: Words, gathered_ptrs: Words, flags: Flags, flag_ptrs: Words,
             out: Bits2D, gathered_out: Words, tile_flags: Flags, cfg: Cfg, order: Ints,
             shards: Ints, rail: Ints, ring: Flags, head: Flags, tail: Flags, frame: Words,
             timeout_ns: types.uint64, err: Record, rank: types.int64):
-        """a: this rank's shard [m / world, k] bf16 as uint64 words; bt [n, k] bf16 bits;
-        tmaps / tmaps_odd: the tensor maps of A (this GPU's gathered A, slot 0 / 1) and bt
-        (sm_90a; one zero row for the SIMT tile); gathered [2, m, k] bf16 bits: the symmetric
-        gathered A, one slot per call parity (gathered_words: the same memory as uint64
-        words, gathered_ptrs its address table); flags uint32 [world * parts] (symmetric,
+        """a: this rank's shard [m / world, k] bf16 as uint64 words; b [n, k] bf16 bits ([k, n]
+        with a ":kn" tile build); tmaps / tmaps_odd: the tensor maps of A (this GPU's gathered
+        A, slot 0 / 1) and b (sm_90a; one zero row for the SIMT tile); gathered [2, m, k]
+        bf16 bits: the symmetric gathered A, one slot per call parity (gathered_words: the
+        same memory as uint64 words, gathered_ptrs its address table); flags uint32 [world * parts] (symmetric,
         flag_ptrs its address table): part p of world rank r's shard is here at flags[r *
         parts + p]; out [m, n] bf16 bits; gathered_out: the caller's [m, k] as words (read
         only when cfg[C_COLLECT]); tile_flags uint32 [tiles]; order int32 [tiles]
@@ -206,7 +197,7 @@ def make_kernel(tile_init, tile, bm, bn, threads):
         else:
             slot = call & 1
             tiles_n = cfg[C_TILES_N]
-            compute_role(smem, tmaps_odd if slot else tmaps, gathered[slot], bt, order,
+            compute_role(smem, tmaps_odd if slot else tmaps, gathered[slot], b, order,
                          tiles_n, blk - collect_end, cuda.gridDim.x - collect_end, epoch,
                          (out, tile_flags, gathered, flags, tiles_n, cfg[C_M], cfg[C_SHARD],
                           cfg[C_ROWS], cfg[C_PARTS], (deadline, err, rank)))

@@ -6,9 +6,8 @@ from numba import cuda
 from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
-from ..gemm_inputs import FirstCallScratch, NoTensorMaps, TensorMaps, b_mode
-from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel, pack,
-                      param, stream_handle)
+from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
+from ..launch import Frame, OpLifetime, Slot, StreamOrder, pack, param, stream_handle
 from .kernel import CFG_FIELDS, build
 from .plan import AllGatherGemmPlan
 
@@ -41,10 +40,8 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
         self.streams = StreamOrder(self.name)
         self.freed = False
         self._buffers = []
-        self._transposer = FirstCallScratch.transposer(self.k, self.n, self.name)
         self.err = comm.new_error_record()
         self.frame = Frame(self.grid)
-        _, self.threads, self._kernel = build(self.kind)
         self.tmaps = TensorMaps(self.m, self.n, self.k) if self.build.tma else NoTensorMaps()
         self._allocate(comm)
 
@@ -83,12 +80,9 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
         self._cfg = {c: cuda.to_device(pack(CFG_FIELDS, **cfg, collect=c)) for c in (0, 1)}
         self._cfg_ptr = {c: param(x) for c, x in self._cfg.items()}
         self._no_gathered = cuda.to_device(np.zeros(1, np.uint64))    # never read
-        compiled, bps = compile_kernel(self._kernel, self.threads, self.build.smem_bytes)
-        if bps < 1:
-            raise MkError(f"{self.name}: the kernel does not fit on an SM")
         local = self.gathered_buf.local
-        self.launch = Launch(self._kernel, compiled, dict(
-            a=Slot((self.shard * k // 4,)), bt=Slot((n, k)), tmaps=Slot((TensorMaps.ROW,)),
+        values = dict(
+            a=Slot((self.shard * k // 4,)), tmaps=Slot((TensorMaps.ROW,)),
             tmaps_odd=Slot((TensorMaps.ROW,)),
             gathered=local.view(np.uint16).reshape(2, m, k), gathered_words=local,
             gathered_ptrs=self.gathered_buf.ptrs, flags=self.flags.local,
@@ -96,8 +90,9 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
             tile_flags=self.tile_flags, cfg=Slot((len(CFG_FIELDS),)),
             order=cuda.to_device(self.order), shards=cuda.to_device(self.arrival), rail=rail,
             ring=ring, head=head, tail=tail, frame=self.frame.words,
-            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank),
-            self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
+            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank)
+        self.launches = LayoutLaunches(build, self.kind, values, "b",   # planned for b [k, n]
+                                       {False: (n, k), True: (k, n)}, self.grid, True, self.name)
 
     # -- calls ------------------------------------------------------------------------------------
     def out_shape(self):
@@ -110,8 +105,8 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
         bf16 array (row-major) that also receives the gathered A (needs ``gathered=True`` at
         planning). PyTorch tensors in -> tensor out (on the current PyTorch stream);
         numba/CuPy arrays in (bf16 as ml_dtypes.bfloat16 or bits as uint16/int16) -> numba
-        array of bf16 bits out (on ``stream``). A row-major b is transposed on every call
-        (the op keeps no copy of an input)."""
+        array of bf16 bits out (on ``stream``). b is read as it is at the call, in either
+        layout (no copy; the first call with a w.T view compiles its kernel)."""
         if (out is not None and gathered is None and stream is None and not self.freed
                 and self.comm.proxy is None and is_torch(a)):     # the hot path: tensors
             dev, (m, n, k) = self.comm.device_id, (self.m, self.n, self.k)
@@ -119,7 +114,7 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
             pb = pa and torch_ptr(b, (k, n), dev, (1, k))          # w.T: no copy
             mode = "view"
             if pa and not pb:
-                pb, mode = torch_ptr(b, (k, n), dev), "copy"
+                pb, mode = torch_ptr(b, (k, n), dev), "kn"
             pc = pb and torch_ptr(out, (m, n), dev)
             if pc and not self.err[ERR_SET]:
                 self._run(pa, pb, mode, pc, None, stream_handle(None, dev))
@@ -156,23 +151,23 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
             g = Gd.as_param(np.uint64, (m * k // 4,))
         mode = b_mode(B, "kn", n, k, self.name)
         self._run(A.as_param(np.uint64, (self.shard * k // 4,)),
-                  B.as_param(np.uint16, (k, n) if mode == "copy" else (n, k)), mode,
+                  B.as_param(np.uint16, b_shape(mode, n, k)), mode,
                   O.as_param(np.uint16, (m, n)), g,
                   stream_handle(stream, dev if A.torch else None))
         return out
 
     def _run(self, a, b, mode, out, gathered, stream):
-        """Bind the parameters (``Operand.as_param``: addresses on the GPU) and launch: B as
-        [n, k] (transposed on the stream when ``mode`` is "copy"), the tensor maps of each
+        """Bind the parameters (``Operand.as_param``: addresses on the GPU) and launch the
+        kernel for B's layout (``gemm_inputs.b_mode``): B as it is, the tensor maps of each
         slot of the gathered A with it, and the cfg that collects the gathered A or not."""
-        L = self.launch
-        with L.lock:                      # one call at a time binds and launches
+        kn = b_kn(mode)
+        with self.launches.lock:          # one call at a time binds and launches
+            L = self.launches(kn, stream)
             self.streams.enter(stream)
-            bt = self._transposer(stream)(b, stream) if mode == "copy" else b
             L.bind("a", a)
-            L.bind("bt", bt)
-            L.bind("tmaps", self.tmaps(self._slot_ptr[0], bt, stream))
-            L.bind("tmaps_odd", self.tmaps(self._slot_ptr[1], bt, stream))
+            L.bind("b", b)
+            L.bind("tmaps", self.tmaps(self._slot_ptr[0], b, stream, kn))
+            L.bind("tmaps_odd", self.tmaps(self._slot_ptr[1], b, stream, kn))
             L.bind("out", out)
             collect = gathered is not None
             L.bind("gathered_out", gathered if collect else param(self._no_gathered))

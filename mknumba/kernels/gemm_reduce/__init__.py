@@ -43,6 +43,15 @@ AllReduce every compute and reduce block then joins the pull queue (``join``): t
 is NVLink work, and a queue (``roles.blocks.take``) lets every idle SM take the next tile. The
 held-back communication SMs carry the reduction while the GEMM runs; the joiners shorten the tail.
 
+With ``comm_sms="adaptive"`` the compute and reduce blocks (one node, AllReduce: and the pull
+blocks) are one pool, [0, R): each block takes its next item from the compute queue or the
+reduce (then pull) queue as the controller (``roles.controller``) decides between items, and a
+block holding a reduce or pull item that is not ready computes a tile meanwhile (a poll, no
+wait) while tiles are left; only then does it wait, bounded. A compute item never waits (no
+fold), and every tile is taken by a block that computes it at once, so the waits end: on the
+GPU every block is resident; in the simulator block 0 does all the pool's work itself.
+Send, receive and (between nodes) pull keep their blocks after the pool.
+
 Stores rather than loads cross NVLink wherever the roles allow: a block stores over NVLink
 about twice as fast as it loads (loads wait a round trip; benchmarks/NOTES.md). So the owner
 pushes finished AllReduce tiles to the other local GPUs rather than letting them pull, and on

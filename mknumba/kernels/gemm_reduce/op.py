@@ -8,10 +8,13 @@ from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
 from ...sched.reduce import nonempty
 from ..gemm import Gemm
-from ..gemm_inputs import FirstCallScratch, NoTensorMaps, TensorMaps, b_mode
-from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel, pack,
-                      param, stream_handle)
-from .kernel import CFG_FIELDS, Q_PULL, Q_REDUCE, TRACE_EVENTS, build
+from ...roles.controller import CTL_WORDS
+from ...timeline import Timeline, segments_from_log
+from ...timeline import save as timeline_save
+from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
+from ..launch import Frame, OpLifetime, Slot, StreamOrder, pack, param, stream_handle
+from .kernel import (CFG_FIELDS, CTL_LOG, Q_COMPUTE, Q_PULL, Q_REDUCE, QUEUES, TRACE_EVENTS,
+                     TRACE_ROWS, T_CTL_N, build)
 from .plan import GemmReducePlan
 
 
@@ -21,7 +24,10 @@ class GemmReduce(GemmReducePlan, OpLifetime):
     comm: the Comm; m, n, k: the full output [m, n] and this rank's inner dimension k (= k_local);
     dtype: "bfloat16" (inputs, output; fp32 accumulation everywhere).
     comm_sms: SMs held back from the GEMM for the communication roles (default: the recorded
-    sweep in ``sched.split``); chunk_bytes: network chunk size (rounded to whole tiles);
+    sweep in ``sched.split``), or "adaptive": the compute and reduce (one node, AllReduce:
+    and pull) blocks change role between items as ``roles.controller`` decides, starting
+    from the recorded split (no join, no fold); chunk_bytes: network chunk size (rounded to
+    whole tiles);
     tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else "simt") | "sm90" | "simt"
     (or another build, ``roles.compute.tile_build``);
     join: idle compute blocks help the reduce and pull roles (default: on
@@ -49,7 +55,6 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         self._views = {}      # the shared output as the caller's array type
         self._buffers = []
         self.freed = False
-        self._transposer = FirstCallScratch.transposer(self.k, self.n, self.name)
         self.err = comm.new_error_record()
         if self.solo:         # one rank: the plain GEMM into ``out`` (plan.py)
             self._solo_gemm = Gemm(tile=tile, group_m=group_m)
@@ -57,7 +62,6 @@ class GemmReduce(GemmReducePlan, OpLifetime):
                            if self.shared_out else None)
             return
         self.frame = Frame(self.grid)
-        _, self.threads, self._kernel = build(self.kind)
         self.tmaps = TensorMaps(self.m, self.n, self.k) if self.build.tma else NoTensorMaps()
         self._allocate(comm.local_size, comm.nodes)
 
@@ -120,29 +124,28 @@ class GemmReduce(GemmReducePlan, OpLifetime):
                    win_recv=wins[1], win_arrive=wins[2], nred=len(plan.red_tiles),
                    npull=len(plan.pull_tiles), words=self.planes * self.words,  # per slot
                    trace=self.tracing, join=self.join, deliver=self.deliver,
-                   direct=self.direct, fold=self.fold)
+                   direct=self.direct, fold=self.fold, adaptive=self.adaptive,
+                   flex_pull=self.flex_pull, init_comm=rb["reduce"])
         # calls into the shared output need no copy at the end (out_shared)
         self._cfg = {into: cuda.to_device(pack(CFG_FIELDS, **cfg,
                                                    out_shared=into and self.direct))
                      for into in (False, True)}
         self._cfg_ptr = {into: param(c) for into, c in self._cfg.items()}
-        self.queue = cuda.to_device(np.zeros(2, np.uint32))
+        self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
+        # the controller's measurements: they grow across calls (roles.controller)
+        self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
         items = max(self.grid, len(plan.red_tiles), plan.n_cmds, plan.n_final,
-                    len(plan.pull_tiles)) if self.tracing else 1
-        self._trace = cuda.to_device(np.zeros((len(TRACE_EVENTS), items), np.int64))
+                    len(plan.pull_tiles), len(plan.order)) if self.tracing else 1
+        self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
         tables = {name: cuda.to_device(nonempty(np.ascontiguousarray(getattr(plan, name))))
                   for name in ("order", "owner_of_row", "red_tiles", "red_slots", "red_chunks",
                                "chunk_tiles", "cmds", "final_tiles", "final_slots",
                                "pull_tiles")}
         net = dict(zip(("stage", "recv", "arrive", "red_flags", "chunk_count", "chunk_ready"),
                        dev), ring=ring, head=head, tail=tail)
-        kernel_fn = self._kernel
-        compiled, bps = compile_kernel(kernel_fn, self.threads, self.build.smem_bytes)
-        if bps < 1:
-            raise MkError(f"{self.name}: the kernel does not fit on an SM")
         m, n, rows = self.m, self.n, self.out_rows
-        self.launch = Launch(kernel_fn, compiled, dict(
-            a=Slot((m, self.k)), bt=Slot((n, self.k)), tmaps=Slot((TensorMaps.ROW,)),
+        values = dict(
+            a=Slot((m, self.k)), tmaps=Slot((TensorMaps.ROW,)),
             part_c=self.part.local.view(np.uint16).reshape(2, self.planes, m, n),
             part=self.part.local, part_ptrs=self.part.ptrs,
             tile_flags=self.tile_flags.local, tile_flag_ptrs=self.tile_flags.ptrs,
@@ -151,8 +154,10 @@ class GemmReduce(GemmReducePlan, OpLifetime):
             out_ptrs=(self.shared or self.part).ptrs,      # read only when direct
             cfg=Slot((len(CFG_FIELDS),)), **tables, **net,
             frame=self.frame.words, timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank,
-            trace=self._trace, queue=self.queue),
-            self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
+            trace=self._trace, queue=self.queue, ctl=self.ctl)
+        self.launches = LayoutLaunches(      # planned for b [k, n], as in a @ b
+            lambda kind: build(kind, self.adaptive), self.kind, values, "b",
+            {False: (n, self.k), True: (self.k, n)}, self.grid, True, self.name)
 
     # -- calls ------------------------------------------------------------------------------------
     def out_shape(self):
@@ -187,8 +192,8 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         (AllReduce), bf16. PyTorch tensors in -> tensor out (on the current PyTorch stream);
         numba/CuPy arrays in (bf16 as ml_dtypes.bfloat16 or bits as uint16/int16) -> numba
         array of bf16 bits out (on ``stream``). ``out=None``: a new array, or with
-        ``shared_out`` the shared output (:meth:`output`). A row-major b is transposed on
-        every call (the op keeps no copy of an input)."""
+        ``shared_out`` the shared output (:meth:`output`). b is read as it is at the call, in
+        either layout (no copy; the first call with a w.T view compiles its kernel)."""
         if (out is not None and stream is None and not self.solo and not self.freed
                 and self.comm.proxy is None and is_torch(a)):     # the hot path: tensors
             dev, (m, n, k) = self.comm.device_id, (self.m, self.n, self.k)
@@ -196,7 +201,7 @@ class GemmReduce(GemmReducePlan, OpLifetime):
             pb = pa and torch_ptr(b, (k, n), dev, (1, k))          # w.T: no copy
             mode = "view"
             if pa and not pb:
-                pb, mode = torch_ptr(b, (k, n), dev), "copy"
+                pb, mode = torch_ptr(b, (k, n), dev), "kn"
             pc = pb and torch_ptr(out, (self.out_rows, n), dev)
             if pc and not self.err[ERR_SET]:
                 self._run(pa, pb, mode, pc, pc, pc == self._shared_ptr,
@@ -227,23 +232,23 @@ class GemmReduce(GemmReducePlan, OpLifetime):
             return self._solo_gemm(a, b, out=out, stream=stream)
         m, n, k, rows = self.m, self.n, self.k, self.out_rows
         mode = b_mode(B, "kn", n, k, self.name)
-        self._run(A.as_param(np.uint16, (m, k)),
-                  B.as_param(np.uint16, (k, n) if mode == "copy" else (n, k)), mode,
+        self._run(A.as_param(np.uint16, (m, k)), B.as_param(np.uint16, b_shape(mode, n, k)),
+                  mode,
                   O.as_param(np.uint64, (rows * n // 4,)), O.as_param(np.uint16, (rows, n)),
                   O.ptr == self._shared_ptr, stream_handle(stream, dev if A.torch else None))
         return out
 
     def _run(self, a, b, mode, out_words, out_c, into_shared, stream):
-        """Bind the parameters (``Operand.as_param``: addresses on the GPU) and launch: B as
-        [n, k] (transposed on the stream when ``mode`` is "copy"), its tensor maps, and the
+        """Bind the parameters (``Operand.as_param``: addresses on the GPU) and launch the
+        kernel for B's layout (``gemm_inputs.b_mode``): B as it is, its tensor maps, and the
         cfg for calls into the shared output or not."""
-        L = self.launch
-        with L.lock:                      # one call at a time binds and launches
+        kn = b_kn(mode)
+        with self.launches.lock:          # one call at a time binds and launches
+            L = self.launches(kn, stream)
             self.streams.enter(stream)
-            bt = self._transposer(stream)(b, stream) if mode == "copy" else b
             L.bind("a", a)
-            L.bind("bt", bt)
-            L.bind("tmaps", self.tmaps(a, bt, stream))
+            L.bind("b", b)
+            L.bind("tmaps", self.tmaps(a, b, stream, kn))
             L.bind("out", out_words)
             L.bind("out_c", out_c)
             # the owners write every GPU's shared output (direct, planned); a call into
@@ -264,7 +269,77 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         if not self.tracing:
             raise MkValueError(f"{self.name}: built without trace=True")
         rows = self._trace.copy_to_host()
-        return dict(zip(TRACE_EVENTS, rows), role_blocks=dict(self.role_blocks))
+        n = len(TRACE_EVENTS)
+        log = [[(int(rows[n + 2 * j, b]), int(rows[n + 2 * j + 1, b]) & 15,
+                 int(rows[n + 2 * j + 1, b]) >> 4)
+                for j in range(min(int(rows[T_CTL_N, b]), CTL_LOG))]
+               for b in range(self.grid)] if self.adaptive else []
+        return dict(zip(TRACE_EVENTS, rows), role_blocks=dict(self.role_blocks),
+                    controller=log)
+
+    def timeline(self):
+        """The last traced call as a :class:`mknumba.timeline.Timeline` (this rank): an item
+        per tile computed, tile reduced, chunk sent, tile finished from the
+        network, tile pulled; each block's role over time (the static layout by block index,
+        joined compute blocks counted as reduce from their last tile on; adaptive: the
+        controller's log, its communication role named ``reduce``). After
+        :meth:`synchronize`."""
+        ev = self.trace_events()
+        p, rb = self.plan, self.role_blocks
+        net = self.comm.nodes > 1
+
+        def span(a, b, n, item, block=lambda i: -1):
+            return [(int(ev[a][i]), int(ev[b][i]), int(item(i)), int(block(i)))
+                    for i in range(n) if ev[a][i] > 0 and ev[b][i] > 0]
+        order = p.order
+        n_compute = rb["compute"]
+        items = dict(
+            compute=span("tile_start", "tile_done", len(order), lambda i: order[i],
+                         (lambda i: ev["tile_block"][i]) if self.adaptive
+                         else (lambda i: i % n_compute)),
+            reduce=span("reduce_ready", "reduce_done", len(p.red_tiles),
+                        lambda i: p.red_tiles[i]),
+            send=span("send_ready", "send_enqueued", p.n_cmds if net else 0,
+                      lambda i: p.cmds[i, 0]),
+            recv=span("recv_arrived", "recv_done", p.n_final if net else 0,
+                      lambda i: p.final_tiles[i]),
+            pull=span("pull_ready", "pull_done", len(p.pull_tiles),
+                      lambda i: p.pull_tiles[i]))
+        start, end = ev["block_start"], ev["block_end"]
+        bounds = [n_compute + rb["reduce"]]
+        for role in ("send", "recv", "pull"):
+            bounds.append(bounds[-1] + rb[role])
+        segments, decisions = [], []
+        for b in range(self.grid):
+            if start[b] <= 0 or end[b] <= 0:
+                continue
+            if self.adaptive and b < bounds[0]:
+                log = ev["controller"][b]
+                segs = segments_from_log(start[b], end[b], log, ("compute", "reduce"))
+                decisions += [(t, b, role, want) for t, role, want in log]
+            elif b < n_compute:
+                mid = ev["compute_end"][b] if self.join else end[b]
+                segs = [("compute", int(start[b]), int(mid))] + (
+                    [("reduce", int(mid), int(end[b]))] if self.join else [])
+            else:
+                role = ("reduce", "send", "recv", "pull")[
+                    sum(b >= x for x in bounds[:3])]
+                segs = [(role, int(start[b]), int(end[b]))]
+            segments += [(b, role, t0, t1) for role, t0, t1 in segs]
+        meta = dict(op=self.name, m=self.m, n=self.n, k=self.k, topology=self.topology,
+                    comm_sms=self.comm_sms, adaptive=self.adaptive, role_blocks=dict(rb),
+                    tiles=len(order), controller_log_dropped=sum(
+                        max(0, int(ev["ctl_n"][b]) - CTL_LOG) for b in range(self.grid))
+                    if self.adaptive else 0)
+        return Timeline(self.comm.rank, items, segments, decisions, meta)
+
+    def save_trace(self, path):
+        """Collective (every rank calls it, after :meth:`synchronize`): rank 0 writes the last
+        traced call of every rank to ``path`` as a Chrome / Perfetto trace
+        (:mod:`mknumba.timeline`: one process per rank, tracks per role, an event per item,
+        SMs per role and the controller's target as counters). Returns ``path`` on rank 0,
+        None on the others."""
+        return timeline_save(self.comm, self.timeline(), path)
 
     def free(self):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
@@ -285,11 +360,13 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         rb, p = self.role_blocks, self.plan
         reduce_end = rb["compute"] + rb["reduce"]
         recv_end = reduce_end + rb["send"] + rb["recv"]
-        red_workers = reduce_end - (0 if self.join else rb["compute"])
-        pull_workers = self.grid - recv_end + (reduce_end if self.join else 0)
-        q = np.zeros(2, np.uint64)
+        red_workers = reduce_end - (0 if self.join or self.adaptive else rb["compute"])
+        pull_workers = (reduce_end if self.flex_pull else
+                        self.grid - recv_end + (reduce_end if self.join else 0))
+        q = np.zeros(QUEUES, np.uint64)
         q[Q_REDUCE] = calls * (len(p.red_tiles) + red_workers)
         q[Q_PULL] = calls * (len(p.pull_tiles) + pull_workers)
+        q[Q_COMPUTE] = calls * (len(p.order) + reduce_end)      # adaptive: flexible blocks
         self.queue.copy_to_device((q & 0xFFFFFFFF).astype(np.uint32))
         if self.comm.nodes > 1:
             c = np.zeros(self.chunk_count.local.shape, np.uint64)

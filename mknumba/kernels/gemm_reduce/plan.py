@@ -46,13 +46,19 @@ class GemmReducePlan:
         sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         self.topology = f"{nodes}x{G}"
         recorded = sm_split.choose(self.kernel_name, self.topology, m, n, k, sms)
-        self.comm_sms = int(recorded.comm_sms if comm_sms is None else comm_sms)
+        if isinstance(comm_sms, str) and comm_sms != "adaptive":
+            raise MkValueError(f"{self.name}: comm_sms={comm_sms!r}: a number of SMs, None "
+                               "(the recorded table) or 'adaptive'")
+        self.adaptive = comm_sms == "adaptive"
+        # adaptive: the table's split is where the controller starts (roles.controller)
+        self.comm_sms = int(recorded.comm_sms if comm_sms in (None, "adaptive") else comm_sms)
         tile_bytes = self.bm * self.bn * 2
         if chunk_bytes is None:
             chunk_bytes = sm_split.default_chunk_bytes(self.topology)
         self.chunk_tiles = max(1, int(chunk_bytes) // tile_bytes)
         self.group_m = int(group_m or default_group_m(tiles_m, tiles_n, 128 if not SIMULATOR
                                                       else 2))
+        self._check_adaptive(join, fold)
         self.join = self._join(join, nodes)
         self.deliver = self._deliver(deliver, nodes, G, recorded.deliver)
         self.fold = self._fold(fold, recorded.fold)
@@ -108,8 +114,25 @@ class GemmReducePlan:
             recv = min(s - send - pull - 1, max(1, round((s - send - pull) * share)))
         reduce = s - send - recv - pull
         self.role_blocks = dict(compute=sms - s, reduce=reduce, send=send, recv=recv, pull=pull)
+        # adaptive: compute and reduce blocks (and on one node the pull blocks) are flexible,
+        # those counted as reduce (and pull) start in the communication role
+        self.flex_pull = self.adaptive and nodes == 1 and pull > 0
+        if self.flex_pull:
+            self.role_blocks.update(reduce=reduce + pull, pull=0)
         self.grid = sms
         self.sms = sms
+
+    def _check_adaptive(self, join, fold):
+        """comm_sms='adaptive' moves blocks between compute and reduce between items
+        (``kernels.gemm_reduce.kernel.flexible_role``): joining is what it does already, and
+        folding waits inside a compute tile, which a block that may be the only one left to
+        reduce must not."""
+        if not self.adaptive:
+            return
+        for name, value in (("join", join), ("fold", fold)):
+            if value:
+                raise MkValueError(f"{self.name}: {name}=True does not go with "
+                                   "comm_sms='adaptive'")
 
     def _join(self, join, nodes):
         """Whether compute blocks, once their tiles are done, join the reduce queue, and (for
@@ -118,8 +141,9 @@ class GemmReducePlan:
 
         A joined block waits on tiles of higher-numbered blocks, which needs the whole grid
         resident (one block per SM, as launched); the simulator runs blocks one at a time, so
-        there it is off. On by default: measured faster on 1x2 (benchmarks/NOTES.md, join)."""
-        return self._option(join, nodes == 1 and not SIMULATOR, True,
+        there it is off. On by default: measured faster on 1x2 (benchmarks/NOTES.md, join).
+        Not with comm_sms='adaptive', whose pool does what joining does."""
+        return self._option(join, nodes == 1 and not SIMULATOR and not self.adaptive, True,
                             "join=True needs one node and a GPU (not the simulator)")
 
     def _deliver(self, deliver, nodes, G, recorded):
@@ -145,11 +169,11 @@ class GemmReducePlan:
         """Whether the owner of a ReduceScatter tile adds the other local GPUs' delivered
         partials in its own GEMM epilogue and writes the sum to ``out`` (it computes its own
         row block last, ``sched.reduce``), instead of a reduce pass over three planes. Needs
-        ``deliver`` (one node of several GPUs). Default: the recorded sweep's choice for the
-        nearest shape."""
-        return self._option(fold, not self.allreduce and self.deliver, recorded,
-                            "fold=True needs ReduceScatter with deliver=True (one node of "
-                            "several GPUs)")
+        ``deliver`` (one node of several GPUs), and not comm_sms='adaptive'. Default: the
+        recorded sweep's choice for the nearest shape."""
+        return self._option(fold, not self.allreduce and self.deliver and not self.adaptive,
+                            recorded, "fold=True needs ReduceScatter with deliver=True (one "
+                                      "node of several GPUs)")
 
     def _option(self, value, possible, default, needs):
         """An on/off option: None takes ``default`` where ``possible`` (else off); True where

@@ -5,6 +5,13 @@ Every role takes ``ctx = (epoch, call, deadline, err, rank)`` and returns False 
 waits timed out (the error record says which), so the block can end. Token rows move as
 ``uint64`` words (4 bf16); a row is ``hidden / 4`` words. ``slot = call & 1`` picks the half of
 each symmetric buffer this call writes (see the package docstring).
+
+What a source rank publishes for a call sits in a *region* of its own memory (``slot``, its
+node) and, between nodes, in the same region of each rail peer's memory (the proxy's copy), so
+that every GPU finds source ``src``'s region on the GPU of its own node with ``src``'s local
+index (:func:`holder`), at region (slot, node of ``src``): a meta region (``mw`` int32 words:
+the call's token count T, the counts and starts of its send list per expert, then the send
+list as (flat (token, slot) index, weight bits) pairs) and a token region (max_tokens rows).
 """
 import numpy as np
 from numba import cuda, types
@@ -12,10 +19,10 @@ from numba import cuda, types
 from ... import _compat  # noqa: F401  (numpy alias before numba compiles)
 from ... import primitives as prim
 from ..._compat import SIMULATOR
-from ...errors import (ERR_BLOCK, ERR_EXPECTED, ERR_FLAG, ERR_KIND, ERR_RANK, ERR_ROLE,
-                       ERR_SEEN, ERR_SET, KIND_CAPACITY, ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV)
+from ...errors import KIND_CAPACITY, KIND_EXPERT, ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV
 from ...roles import compute
-from ...roles.blocks import launch_context, copy_tile, publish, wait
+from ...roles.blocks import launch_context, copy_tile, publish, publish_peers, wait
+from ...roles.send import enqueue_rail
 from ..launch import array_type
 
 Bits2D, Bits3D = array_type(np.uint16, 2), array_type(np.uint16, 3)
@@ -27,12 +34,16 @@ Cfg, Record = array_type(np.int64, 1), array_type(np.int64, 1)
 #: cfg: the small integers of a launch, one int64 array, by name (``launch.pack``). tokens: this
 #: call's T; k: top_k; el: experts per rank; me: world rank; units: flags per rank's token
 #: buffer (``unit`` tokens each); cap: rows this rank may receive; tiles_m: tile rows of the
-#: receive buffer; *_end: the roles' block ranges; weighted: the call has topk_weights.
+#: receive buffer; *_end: the roles' block ranges; weighted: the call has topk_weights; g:
+#: GPUs per node, local: this GPU's index in its node; mw: int32 words of a meta region;
+#: win_*: the proxy's windows of the token buffer, the meta regions and the flags.
 CFG_FIELDS = ("tokens", "k", "hidden", "ffn", "el", "experts", "world", "me", "max_tokens",
-              "unit", "units", "cap", "tiles_m", "tiles_n", "bm", "pack_end", "pull_end",
-              "weighted")
+              "unit", "units", "cap", "tiles_m", "tiles_n", "bm", "pack_end", "forward_end",
+              "pull_end", "weighted", "nodes", "node", "g", "local", "mw", "win_xbuf",
+              "win_meta", "win_flags")
 (C_T, C_K, C_HIDDEN, C_FFN, C_EL, C_EXPERTS, C_WORLD, C_ME, C_MAXT, C_UNIT, C_UNITS, C_CAP,
- C_TILES_M, C_TILES_N, C_BM, C_PACK_END, C_PULL_END, C_WEIGHTED) = range(len(CFG_FIELDS))
+ C_TILES_M, C_TILES_N, C_BM, C_PACK_END, C_FORWARD_END, C_PULL_END, C_WEIGHTED, C_NODES,
+ C_NODE, C_G, C_LOCAL, C_MW, C_WIN_XBUF, C_WIN_META, C_WIN_FLAGS) = range(len(CFG_FIELDS))
 
 #: the layout the pull role's first block derives from the counts (``lay``, int32, local):
 #: tile rows this call, rows this call, then per local expert its first row in the receive
@@ -46,6 +57,37 @@ _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 
 def lay_words(el, world, tiles_m):
     return LAY_BASE + 3 * el + world * el + tiles_m
+
+
+def meta_words(experts, max_tokens, top_k):
+    """int32 words of a meta region: T, counts and starts per expert, the send list's pairs."""
+    return 1 + 2 * experts + 2 * max_tokens * top_k
+
+
+def flag_words(world, units):
+    """Epoch flags per GPU: counts (one per source rank), token units (``units`` per source),
+    meta regions that came through the proxy (one per source rank)."""
+    return world + world * units + world
+
+
+@cuda.jit(device=True, inline=True)
+def unit_flag(cfg, src, u):
+    """Flag index of unit ``u`` of source ``src``'s tokens (``flags[src]``: its counts)."""
+    return cfg[C_WORLD] + src * cfg[C_UNITS] + u
+
+
+@cuda.jit(device=True, inline=True)
+def arrived_flag(cfg, src):
+    """Flag index, on a rail peer of ``src``, of ``src``'s meta region (the proxy sets it)."""
+    return cfg[C_WORLD] * (1 + cfg[C_UNITS]) + src
+
+
+@cuda.jit(device=True, inline=True)
+def holder(cfg, slot, src):
+    """(local index of the GPU of this node that holds source ``src``'s regions, their region
+    index): ``src`` itself in this node, its rail peer here in another."""
+    n = prim.udiv32(src, cfg[C_G])
+    return src - n * cfg[C_G], slot * cfg[C_NODES] + n
 
 
 @cuda.jit(device=True, inline=True)
@@ -68,103 +110,159 @@ def expert_at(cfg, tm):
 
 
 @cuda.jit(device=True)
-def publish_all(flag_ptrs, flags, world, me, idx, epoch):
-    """:func:`roles.blocks.publish` into every GPU's ``flags[idx]`` (this one's too), the next
-    GPU first: for data that every rank reads from this GPU's memory."""
+def publish_node(flag_ptrs, flags, cfg, idx, epoch):
+    """:func:`roles.blocks.publish` into every GPU of the node's ``flags[idx]`` (this one's
+    too), the next GPU first: for data the node's GPUs read from this GPU's memory (the
+    system fence also orders it before the proxy's reads)."""
     cuda.syncthreads()
     if cuda.threadIdx.x == 0:
         prim.fence_sys()
-        for j in range(world):
-            prim.st_release_sys(prim.peer_view(flag_ptrs, prim.peer_after(me, j, world),
+        g, local = cfg[C_G], cfg[C_LOCAL]
+        for j in range(g):
+            prim.st_release_sys(prim.peer_view(flag_ptrs, prim.peer_after(local, j, g),
                                                flags), idx, epoch)
-
-
-@cuda.jit(device=True)
-def record_capacity(err, rank, role, rows, cap):
-    """An error record saying ``rows`` rows came where ``cap`` were planned (first writer wins,
-    like ``primitives.record_timeout``)."""
-    if cuda.atomic.cas(err, ERR_SET, 0, 1) == 0:
-        err[ERR_RANK] = rank
-        err[ERR_ROLE] = role
-        err[ERR_FLAG] = 0
-        err[ERR_EXPECTED] = cap
-        err[ERR_SEEN] = rows
-        err[ERR_BLOCK] = cuda.blockIdx.x
-        err[ERR_KIND] = KIND_CAPACITY
-        prim.fence_sys()
 
 
 @cuda.jit(device=True, inline=True)
 def route_role(cfg, topk, weights, hist, meta, meta_f, table, table_ptrs, flags, flag_ptrs,
-               ctx):
-    """One block: count this call's (token, slot) pairs per expert, list them expert by expert
-    in this GPU's send list (a counting sort; the order within an expert is the atomics'), with
-    their weights; write each destination's counts and where its lists start into that GPU's
-    count table; publish the counts flag ``flags[me]`` on every GPU. Waits on nothing.
-    (Expert ids were checked on the host; one out of range here is skipped.)"""
+               rail, proxy, ctx):
+    """One block: count this call's (token, slot) pairs per expert and list them expert by
+    expert in this GPU's meta region (a counting sort; the order within an expert is the
+    atomics'), with their weights (1 without topk_weights), T and the counts; write the
+    counts of each destination of this node and where its lists start into that GPU's count
+    table; publish the counts flag ``flags[me]`` on every GPU of the node; between nodes, one
+    command per rail peer: the meta region into the same region there, then its arrival
+    flag. A pair with an expert id out of range is left out and the first one (lowest token,
+    then slot) recorded (``KIND_EXPERT``: the host raises it, then clears it). Waits on
+    nothing but ring credits."""
     epoch, call, deadline, err, rank = ctx
     E, K, el, me = cfg[C_EXPERTS], cfg[C_K], cfg[C_EL], cfg[C_ME]
     n = cfg[C_T] * K
     slot = call & 1
-    mk = cfg[C_MAXT] * K
+    base = (slot * cfg[C_NODES] + cfg[C_NODE]) * cfg[C_MW]
+    pairs = base + 1 + 2 * E
     tid, nt = cuda.threadIdx.x, cuda.blockDim.x
     g = tid
     while g < E:
         hist[g] = 0
         g += nt
+    if tid == 0:
+        hist[3 * E] = n               # the first pair out of range (n: none)
     cuda.syncthreads()
     p = tid
     while p < n:
         g = topk[p]
         if g >= 0 and g < E:
             cuda.atomic.add(hist, g, 1)
+        else:
+            cuda.atomic.min(hist, 3 * E, p)
         p += nt
     cuda.syncthreads()
     if tid == 0:                      # exclusive scan: where each expert's list starts
+        meta[base] = cfg[C_T]
         run = 0
         for g in range(E):
             hist[E + g] = run
             hist[2 * E + g] = run     # the cursor the scatter advances
+            meta[base + 1 + g] = hist[g]
+            meta[base + 1 + E + g] = run
             run += hist[g]
+        bad = hist[3 * E]
+        if bad < n:
+            t = prim.udiv32(bad, K)
+            prim.record_error(err, rank, ROLE_INTRA, t, E, topk[bad], bad - t * K,
+                              KIND_EXPERT)
     cuda.syncthreads()
     p = tid
     while p < n:
         g = topk[p]
         if g >= 0 and g < E:
             pos = cuda.atomic.add(hist, 2 * E + g, 1)
-            meta[slot * 2 * mk + pos] = p
-            if cfg[C_WEIGHTED]:
-                meta_f[(slot * 2 + 1) * mk + pos] = weights[p]
+            meta[pairs + 2 * pos] = p
+            meta_f[pairs + 2 * pos + 1] = weights[p] if cfg[C_WEIGHTED] else np.float32(1)
         p += nt
+    G, node = cfg[C_G], cfg[C_NODE]
     g = tid
-    while g < E:                      # counts into each destination's table (NVLink stores)
+    while g < E:                      # counts into this node's tables (NVLink stores)
         dst = prim.udiv32(g, el)
-        e = g - dst * el
-        there = prim.peer_view(table_ptrs, dst, table)
-        there[tab(cfg, slot, me, 0, e)] = hist[g]
-        there[tab(cfg, slot, me, 1, e)] = hist[E + g]
+        q = dst - node * G
+        if q >= 0 and q < G:
+            e = g - dst * el
+            there = prim.peer_view(table_ptrs, q, table)
+            there[tab(cfg, slot, me, 0, e)] = hist[g]
+            there[tab(cfg, slot, me, 1, e)] = hist[E + g]
         g += nt
-    # the send list and weights (read by peers from here) and the counts (stored there)
-    publish_all(flag_ptrs, flags, cfg[C_WORLD], me, me, epoch)
+    # the meta region (read by the node's GPUs from here) and the counts (stored there)
+    publish_node(flag_ptrs, flags, cfg, me, epoch)
+    if cfg[C_NODES] > 1:
+        return enqueue_rail(proxy, rail, cfg[C_WIN_META], base * 4, (pairs - base + 2 * n) * 4,
+                            0, cfg[C_WIN_FLAGS], arrived_flag(cfg, me), epoch, deadline, err,
+                            rank)
     return True
 
 
 @cuda.jit(device=True, inline=True)
-def pack_role(cfg, x, xbuf, flags, flag_ptrs, first, step, ctx):
-    """This call's tokens into this GPU's token buffer, ``unit`` tokens at a time (units
-    ``first, first + step, ...``), each unit's flag ``flags[world + me * units + u]`` published
-    on every GPU: peers pull the rows they need from here. Waits on nothing."""
+def pack_role(cfg, x, xbuf, flags, flag_ptrs, rail, proxy, first, step, ctx):
+    """This call's tokens into this GPU's token region, ``unit`` tokens at a time (units
+    ``first, first + step, ...``), each unit's flag published on every GPU of the node (they
+    pull the rows they need from here); between nodes, then one command per rail peer: the
+    unit into the same region there, then its flag there. Waits on nothing but ring
+    credits."""
     epoch, call, deadline, err, rank = ctx
     kw = cfg[C_HIDDEN] // 4
-    T, unit, W, me = cfg[C_T], cfg[C_UNIT], cfg[C_WORLD], cfg[C_ME]
-    base = (call & 1) * cfg[C_MAXT] * kw
+    T, unit, me = cfg[C_T], cfg[C_UNIT], cfg[C_ME]
+    base = ((call & 1) * cfg[C_NODES] + cfg[C_NODE]) * cfg[C_MAXT] * kw
     units = prim.udiv32(T + unit - 1, unit)
     for j in range(prim.steps(first, units, step)):
         u = first + j * step
         r0 = u * unit
         rows = min(unit, T - r0)
-        copy_tile(x, r0 * kw, xbuf, base + r0 * kw, rows * kw)
-        publish_all(flag_ptrs, flags, W, me, W + me * cfg[C_UNITS] + u, epoch)
+        at = base + r0 * kw
+        copy_tile(x, r0 * kw, xbuf, at, rows * kw)
+        publish_node(flag_ptrs, flags, cfg, unit_flag(cfg, me, u), epoch)
+        if cfg[C_NODES] > 1 and not enqueue_rail(
+                proxy, rail, cfg[C_WIN_XBUF], at * 8, rows * kw * 8, u, cfg[C_WIN_FLAGS],
+                unit_flag(cfg, me, u), epoch, deadline, err, rank):
+            return False
+    return True
+
+
+@cuda.jit(device=True, inline=True)
+def forward_role(cfg, meta, table, table_ptrs, flags, flag_ptrs, rail, first, step, ctx):
+    """Between nodes: for each rail peer ``src`` (its meta region and token units come here
+    through the proxy), once its meta region is here (the proxy's flag): the first block
+    writes ``src``'s counts into the count table of every GPU of the node (NVLink stores) and
+    publishes ``flags[src]`` on each; every block (units ``first, first + step, ...``) waits
+    for each of ``src``'s token units and publishes its flag on the node's other GPUs, which
+    pull those rows from here. It waits for every unit, needed or not: a call ends only
+    once the rail peers' data of the call is all here, which keeps the slots' reuse safe (see
+    the package docstring). Waits only on the proxy."""
+    epoch, call, deadline, err, rank = ctx
+    slot = call & 1
+    E, el, G, node = cfg[C_EXPERTS], cfg[C_EL], cfg[C_G], cfg[C_NODE]
+    for i in range(rail.shape[0]):
+        src = rail[i]
+        if not wait(flags, arrived_flag(cfg, src), epoch, deadline, err, rank, ROLE_RECV):
+            return False
+        _, region = holder(cfg, slot, src)
+        base = region * cfg[C_MW]
+        if first == 0:
+            j = cuda.threadIdx.x
+            while j < G * el:
+                q = prim.udiv32(j, el)
+                e = j - q * el
+                gq = (node * G + q) * el + e
+                there = prim.peer_view(table_ptrs, q, table)
+                there[tab(cfg, slot, src, 0, e)] = meta[base + 1 + gq]
+                there[tab(cfg, slot, src, 1, e)] = meta[base + 1 + E + gq]
+                j += cuda.blockDim.x
+            publish_node(flag_ptrs, flags, cfg, src, epoch)
+        units = prim.udiv32(meta[base] + cfg[C_UNIT] - 1, cfg[C_UNIT])
+        for j in range(prim.steps(first, units, step)):
+            idx = unit_flag(cfg, src, first + j * step)
+            if not wait(flags, idx, epoch, deadline, err, rank, ROLE_RECV):
+                return False
+            publish_peers(flag_ptrs, flags, G, cfg[C_LOCAL], idx, epoch)
     return True
 
 
@@ -203,7 +301,8 @@ def layout_lead(cfg, table, flags, lay, lflags, counts, offsets, ctx):
             tm += tiles
         offsets[el] = rows
         if rows > cfg[C_CAP]:
-            record_capacity(err, rank, ROLE_RECV, rows, cfg[C_CAP])
+            prim.record_error(err, rank, ROLE_RECV, 0, cfg[C_CAP], rows, cuda.blockIdx.x,
+                              KIND_CAPACITY)
             tm = 0
         lay[LAY_TILES] = tm
         lay[LAY_ROWS] = rows
@@ -215,15 +314,15 @@ def layout_lead(cfg, table, flags, lay, lflags, counts, offsets, ctx):
 def pull_role(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv, lay, lflags,
               rows_out, weights_out, first, step, ctx):
     """Tile rows ``first, first + step, ...`` of the receive buffer: every row of it, from the
-    GPU that routed its token here (NVLink loads from that GPU's token buffer, once the unit
-    holding the token is there: its flag), with its source rank, token and top-k slot (and
-    weight) into the caller's layout; then the tile row's flag (GPU scope: compute blocks of
-    this GPU wait on it). Waits on the layout (a lower block) and on the pack roles."""
+    GPU of this node that holds its source's tokens (:func:`holder`; NVLink loads, once the
+    unit holding the token is there: its flag), with its source rank, token and top-k slot
+    (and weight) into the caller's layout; then the tile row's flag (GPU scope: compute blocks
+    of this GPU wait on it). Waits on the layout (a lower block) and on the pack and forward
+    roles."""
     epoch, call, deadline, err, rank = ctx
     W, el, K, me = cfg[C_WORLD], cfg[C_EL], cfg[C_K], cfg[C_ME]
     kw = cfg[C_HIDDEN] // 4
     slot = call & 1
-    mk = cfg[C_MAXT] * K
     if not wait(lflags, LAYOUT_FLAG, epoch, deadline, err, rank, ROLE_INTRA, False):
         return False
     tiles = lay[LAY_TILES]
@@ -239,33 +338,37 @@ def pull_role(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv,
             lo = max(r0, s0)
             hi = min(r1, s0 + table[tab(cfg, slot, src, 0, e)])
             if lo < hi:
+                q, region = holder(cfg, slot, src)
+                pairs = region * cfg[C_MW] + 1 + 2 * cfg[C_EXPERTS]
+                xrow = region * cfg[C_MAXT]
                 first_q = table[tab(cfg, slot, src, 1, e)] - s0
-                their_meta = prim.peer_view(meta_ptrs, src, meta)
-                their_w = prim.peer_view(meta_ptrs, src, meta_f)
-                their_x = prim.peer_view(xbuf_ptrs, src, xbuf)
+                their_meta = prim.peer_view(meta_ptrs, q, meta)
+                their_w = prim.peer_view(meta_ptrs, q, meta_f)
+                their_x = prim.peer_view(xbuf_ptrs, q, xbuf)
                 for row in range(lo, hi):
-                    q = first_q + row
-                    p = their_meta[slot * 2 * mk + q]
+                    at = pairs + 2 * (first_q + row)
+                    p = their_meta[at]
                     t = prim.udiv32(p, K)
                     u = prim.udiv32(t, cfg[C_UNIT])
-                    if not wait(flags, W + src * cfg[C_UNITS] + u, epoch, deadline, err, rank,
+                    if not wait(flags, unit_flag(cfg, src, u), epoch, deadline, err, rank,
                                 ROLE_INTRA):
                         return False
-                    copy_tile(their_x, (slot * cfg[C_MAXT] + t) * kw, recv, row * kw, kw)
+                    copy_tile(their_x, (xrow + t) * kw, recv, row * kw, kw)
                     if cuda.threadIdx.x == 0:
                         o = row + out0
                         rows_out[o, 0] = src
                         rows_out[o, 1] = t
                         rows_out[o, 2] = p - t * K
                         if cfg[C_WEIGHTED]:
-                            weights_out[o] = their_w[(slot * 2 + 1) * mk + q]
+                            weights_out[o] = their_w[at + 1]
         publish(lflags, 1 + tm, epoch, False)
     return True
 
 
-def make_kernel(tile_init, tile, bm, bn, threads):
-    """The persistent kernel around one tile build (``roles.compute``). Each role is a device
-    function above or below; the kernel at the end hands blocks to them in block order."""
+def make_kernel(build, threads):
+    """The persistent kernel around one tile build (``roles.compute.TileBuild``). Each role is
+    a device function above or below; the kernel at the end hands blocks to them in block
+    order."""
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
 
     @cuda.jit(device=True, inline=True)
@@ -282,7 +385,7 @@ def make_kernel(tile_init, tile, bm, bn, threads):
     @cuda.jit(device=True, inline=True)
     def expert_operands(where, tm, a, b, tmaps):
         """Tile row ``tm`` belongs to one local expert e: A is the receive buffer up to e's
-        last row (the tile stores no row past it), B is e's weight [ffn, hidden], the tensor
+        last row (the tile stores no row past it), B is e's weight (``wt[e]``), the tensor
         maps e's (sm_90a: A = the receive buffer, B = e's weight)."""
         lay, cfg, wt, tmtable = where[2], where[4], where[5], where[6]
         el = cfg[C_EL]
@@ -311,7 +414,7 @@ def make_kernel(tile_init, tile, bm, bn, threads):
         prim.fence_proxy_async()
         return True
 
-    compute_role = compute.make_compute_role(tile_init, tile, (into_out, rows_arrived),
+    compute_role = compute.make_compute_role(build, (into_out, rows_arrived),
                                              (tile_rows, expert_operands))
 
     @cuda.jit(**bounds)
@@ -321,39 +424,48 @@ def make_kernel(tile_init, tile, bm, bn, threads):
             meta_ptrs: Words, table: Ints, table_ptrs: Words, flags: Flags, flag_ptrs: Words,
             hist: Ints, lay: Ints, lflags: Flags, tile_flags: Flags, out: Bits2D, counts: Ints,
             offsets: Ints, rows_out: Ints2D, weights_out: F32, cfg: Cfg, order: Ints,
-            frame: Words, timeout_ns: types.uint64, err: Record, rank: types.int64):
+            rail: Ints, ring: Flags, head: Flags, tail: Flags, frame: Words,
+            timeout_ns: types.uint64, err: Record, rank: types.int64):
         """x: this call's tokens [T, hidden] bf16 as uint64 words; topk int32 [T * top_k];
         weights fp32 [T * top_k] (read when cfg[C_WEIGHTED]); wt [experts / world, ffn,
-        hidden] bf16 bits: this rank's experts as the tile's B; tmtable [experts / world, 32]:
+        hidden] bf16 bits ([experts / world, hidden, ffn] with a ":kn" tile build): this
+        rank's experts as the tile's B; tmtable [experts / world, 32]:
         each expert's tensor maps (sm_90a; zeros for the SIMT tile); recv [tiles_m * bm,
         hidden] bf16 bits: the receive buffer (recv_words: the same memory as words);
-        symmetric, each with its address table: xbuf [2, max_tokens, hidden] words (the token
-        buffer, one half per call parity), meta int32 [2, 2, max_tokens * top_k] (the send
-        list and, as meta_f, its weights), table int32 [2, world, 2, experts / world] (counts
-        from every rank), flags uint32 [world + world * units] (counts flags, then the token
-        units' flags); local: hist int32 [3 * experts] (the route's counting sort), lay int32
-        (``lay_words``), lflags uint32 [1 + tiles_m], tile_flags uint32 [tiles_m * tiles_n];
-        out [capacity, ffn] bf16 bits; counts int32 [experts / world], offsets int32
-        [experts / world + 1], rows_out int32 [capacity, 3] (source rank, token, top-k slot),
-        weights_out fp32 [capacity]; order int32 [tiles_m * tiles_n]; frame: the op's call
-        counter (``kernels.launch.Frame``); err: the error record."""
+        symmetric over the node, each with its address table (by local index): xbuf [2,
+        nodes, max_tokens, hidden] words (token regions: per call parity, this GPU's tokens
+        and its rail peers'), meta int32 [2, nodes, mw] (meta regions, likewise; meta_f: the
+        same memory as fp32, for the weights), table int32 [2, world, 2, experts / world]
+        (counts from every rank), flags uint32 (``flag_words``); local: hist int32 [3 *
+        experts + 1] (the route's counting sort), lay int32 (``lay_words``), lflags uint32
+        [1 + tiles_m], tile_flags uint32 [tiles_m * tiles_n]; out [capacity, ffn] bf16 bits;
+        counts int32 [experts / world], offsets int32 [experts / world + 1], rows_out int32
+        [capacity, 3] (source rank, token, top-k slot), weights_out fp32 [capacity]; order
+        int32 [tiles_m * tiles_n]; rail int32: the rail peers' world ranks; ring/head/tail:
+        the proxy's command ring (between nodes); frame: the op's call counter
+        (``kernels.launch.Frame``); err: the error record."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         ctx = launch_context(frame, timeout_ns, err, rank)
         epoch, deadline = ctx[0], ctx[2]
         blk = cuda.blockIdx.x
-        pack_end, pull_end = cfg[C_PACK_END], cfg[C_PULL_END]
+        pack_end, forward_end = cfg[C_PACK_END], cfg[C_FORWARD_END]
+        pull_end = cfg[C_PULL_END]
+        proxy = (ring, head, tail)
         if blk == 0:
             route_role(cfg, topk, weights, hist, meta, meta_f, table, table_ptrs, flags,
-                       flag_ptrs, ctx)
+                       flag_ptrs, rail, proxy, ctx)
         elif blk < pack_end:
-            pack_role(cfg, x, xbuf, flags, flag_ptrs, blk - 1, pack_end - 1, ctx)
+            pack_role(cfg, x, xbuf, flags, flag_ptrs, rail, proxy, blk - 1, pack_end - 1, ctx)
+        elif blk < forward_end:
+            forward_role(cfg, meta, table, table_ptrs, flags, flag_ptrs, rail, blk - pack_end,
+                         forward_end - pack_end, ctx)
         elif blk < pull_end:
-            if blk == pack_end:
+            if blk == forward_end:
                 if not layout_lead(cfg, table, flags, lay, lflags, counts, offsets, ctx):
                     return
             pull_role(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv_words,
-                      lay, lflags, rows_out, weights_out, blk - pack_end, pull_end - pack_end,
-                      ctx)
+                      lay, lflags, rows_out, weights_out, blk - forward_end,
+                      pull_end - forward_end, ctx)
         else:
             compute_role(smem, tmtable[0], recv, wt[0], order, cfg[C_TILES_N], blk - pull_end,
                          cuda.gridDim.x - pull_end, epoch,

@@ -6,43 +6,50 @@ from collections import namedtuple
 import numpy as np
 from numba import cuda
 
-from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand
 from ...errors import MkError, MkValueError
-from ..gemm_inputs import FirstCallScratch, Transposer
+from ...roles.compute import kn_kind
+from ..gemm_inputs import b_map
 from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
                       is_capturing, pack, param, stream_handle)
 from ..tensor_maps import MapTable, tensor_map
-from .kernel import CFG_FIELDS, build, lay_words
+from .kernel import CFG_FIELDS, build, flag_words, lay_words, meta_words
 from .plan import MoeDispatchGemmPlan
 
 #: What a combine step needs to send the rows back, beside ``out`` (device arrays, int32 unless
 #: said): counts [experts / world] rows per local expert; offsets [experts / world + 1]: expert
 #: e's rows are out[offsets[e]:offsets[e + 1]], offsets[-1] the rows this call received;
 #: rows [capacity, 3]: per out row its source rank, token index (in that rank's x) and top-k
-#: slot; weights [capacity] fp32: its routing weight (calls with topk_weights). Rows past
-#: offsets[-1] are not written.
+#: slot; weights [capacity] fp32: its routing weight (written by calls with topk_weights; 1 for
+#: a row from a rank whose call passed none). Rows past offsets[-1] are not written.
 MoeLayout = namedtuple("MoeLayout", "counts offsets rows weights")
 
 
 class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
     """Expert-parallel dispatch and the experts' first GEMM in one persistent launch.
 
-    comm: the :class:`mknumba.Comm` (one node for now); hidden, ffn: the experts' GEMM
+    comm: the :class:`mknumba.Comm` (several nodes: through its proxy); hidden, ffn: the experts' GEMM
     [hidden] -> [ffn] (multiples of 8); experts: in all, ``experts / world`` per rank (rank r
     holds experts [r * E / W, (r + 1) * E / W)); top_k: experts per token; max_tokens: the most
     tokens a rank passes in one call. capacity: the rows a rank can receive in one call
     (default: every token of every rank routed to it, ``world * max_tokens * top_k``; a call
     that routes more rows to a rank raises MkCapacityError at the next synchronize() or call,
     with nothing written past the buffers). w_layout: "ehf" (w is [experts / world, hidden,
-    ffn], transposed into the op's scratch on every call) or "efh" ([experts / world, ffn,
-    hidden], read as is). comm_sms: SMs of the pack and pull roles (default 16, not measured
-    yet: a third pack, the rest pull); unit_tokens: tokens behind one flag of the token
-    buffer (default 16). Every rank must plan the same sizes (checked).
+    ffn]) or "efh" ([experts / world, ffn, hidden]), either read as it is (the tile build
+    ``kn_kind(kind)`` reads "ehf"). comm_sms: SMs of the pack, forward (between nodes) and pull
+    roles (default 16, not measured yet: between nodes a quarter forward; of the rest a third
+    pack, the others pull); unit_tokens: tokens behind one flag of the token buffer (default
+    16; between nodes, where a unit is also one proxy command, whole 16-token units of about
+    512 KiB). Every rank must plan the same sizes (checked).
 
     Calls are asynchronous on the stream of the inputs (the current PyTorch stream for
-    tensors, else ``stream``); :meth:`synchronize` waits and raises any device-side error
-    (MkTimeoutError; MkCapacityError when a call routed more rows to this rank than planned).
+    tensors, else ``stream``), with no host round trip: :meth:`synchronize` (or the next
+    call, which is then not launched) raises any device-side error: MkTimeoutError;
+    MkCapacityError when a call routed more rows to this rank than planned; MkValueError
+    naming the first (token, slot) of a call whose topk_idx held an expert id out of range
+    (the call left those pairs out; the op takes the next call). A CUDA graph capture
+    replays correctly when every token count was met in an ordinary call first and the
+    capture passes ``out=`` and ``layout=`` (a call that would allocate is refused there).
     """
 
     def __init__(self, comm, hidden, ffn, experts, top_k, max_tokens, dtype="bfloat16", *,
@@ -52,39 +59,54 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         self.streams = StreamOrder(self.name)
         self.freed = False
         self._buffers = []
-        self._transposer = FirstCallScratch(   # made at the first call with w as [E, hidden, ffn]
-            lambda: ExpertTransposer(self.local_experts, self.hidden, self.ffn),
-            f"{self.name}: the first call is inside a CUDA graph capture; call once before "
-            "capturing (it allocates the transposed weights' buffer), or plan with "
-            "w_layout='efh'")
         self._cfgs = {}               # tokens T -> (device cfg, its parameter)
         self.err = comm.new_error_record()
         self.frame = Frame(self.grid)
-        _, self.threads, self._kernel = build(self.kind)
+        self.w_kn = self.w_layout == "ehf"      # w[e] is [hidden, ffn]: B as [k, n]
+        self.build, self.threads, self._kernel = build(kn_kind(self.kind, self.name)
+                                                       if self.w_kn else self.kind)
         self._allocate(comm)
 
     def _allocate(self, comm):
         W, El, K, H, F = self.world, self.local_experts, self.top_k, self.hidden, self.ffn
-        maxt = self.max_tokens
-        self.xbuf = comm.alloc_symmetric((2 * maxt * H // 4,), np.uint64)
-        self.meta = comm.alloc_symmetric((2 * 2 * maxt * K,), np.int32)
+        maxt, nodes = self.max_tokens, self.nodes
+        mw = meta_words(self.experts, maxt, K)
+        # per call parity and node: this GPU's regions and its rail peers' (package docstring)
+        self.xbuf = comm.alloc_symmetric((2 * nodes * maxt * H // 4,), np.uint64)
+        self.meta = comm.alloc_symmetric((2 * nodes * mw,), np.int32)
         self.table = comm.alloc_symmetric((2 * W * 2 * El,), np.int32)
-        self.flags = comm.alloc_flags(W + W * self.units)
+        self.flags = comm.alloc_flags(flag_words(W, self.units))
         self._buffers = [self.xbuf, self.meta, self.table, self.flags]
         self.recv = cuda.device_array((self.recv_rows, H), np.uint16)
         self.lflags = cuda.to_device(np.zeros(1 + self.tiles_m, np.uint32))
         self.tile_flags = cuda.to_device(np.zeros(self.tiles_m * self.tiles_n, np.uint32))
         self._epoch_flags = [self.flags.local, self.lflags, self.tile_flags]
         if self.build.tma:
-            self.tmaps = ExpertMaps(self.recv, El, H, F)
+            self.tmaps = ExpertMaps(self.recv, El, H, F, self.w_kn)
         else:
             self._no_maps = cuda.to_device(np.zeros((El, 32), np.uint64))
+        wins = (0, 0, 0)
+        if nodes > 1:
+            if comm.proxy is None:
+                raise MkError(f"{self.name}: {nodes} nodes need the proxy (mknumba.proxy), "
+                              "which this Comm did not start")
+            wins = tuple(comm.proxy.register(b) for b in (self.xbuf, self.meta, self.flags))
+            ring, head, tail = comm.proxy.device_args()
+            rail = np.array(comm.rail_peers, np.int32)
+        else:                     # never enqueued to
+            ring, head, tail = (cuda.mapped_array(12, np.uint32),
+                                cuda.to_device(np.zeros(1, np.uint32)),
+                                cuda.mapped_array(1, np.uint32))
+            rail = np.zeros(1, np.int32)
         rb = self.role_blocks
         self._cfg = dict(k=K, hidden=H, ffn=F, el=El, experts=self.experts, world=W,
                          me=comm.rank, max_tokens=maxt, unit=self.unit, units=self.units,
                          cap=self.capacity, tiles_m=self.tiles_m, tiles_n=self.tiles_n,
                          bm=self.bm, pack_end=1 + rb["pack"],
-                         pull_end=1 + rb["pack"] + rb["pull"])
+                         forward_end=1 + rb["pack"] + rb["forward"],
+                         pull_end=1 + rb["pack"] + rb["forward"] + rb["pull"], nodes=nodes,
+                         node=comm.node, g=comm.local_size, local=comm.local_rank, mw=mw,
+                         win_xbuf=wins[0], win_meta=wins[1], win_flags=wins[2])
         self._no_weights = cuda.to_device(np.zeros(1, np.float32))      # never read
         compiled, bps = compile_kernel(self._kernel, self.threads, self.build.smem_bytes)
         if bps < 1:
@@ -93,17 +115,18 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         cap = self.capacity
         self.launch = Launch(self._kernel, compiled, dict(
             x=Slot((maxt * H // 4,)), topk=Slot((maxt * K,)), weights=Slot((maxt * K,)),
-            wt=Slot((El, F, H)), tmtable=Slot((El, 32)), recv=self.recv,
+            wt=Slot((El, H, F) if self.w_kn else (El, F, H)), tmtable=Slot((El, 32)), recv=self.recv,
             recv_words=self.recv.reshape(self.recv_rows * H).view(np.uint64),
             xbuf=self.xbuf.local, xbuf_ptrs=self.xbuf.ptrs, meta=meta,
             meta_f=meta.view(np.float32), meta_ptrs=self.meta.ptrs, table=self.table.local,
             table_ptrs=self.table.ptrs, flags=self.flags.local, flag_ptrs=self.flags.ptrs,
-            hist=cuda.to_device(np.zeros(3 * self.experts, np.int32)),
+            hist=cuda.to_device(np.zeros(3 * self.experts + 1, np.int32)),
             lay=cuda.to_device(np.zeros(lay_words(El, W, self.tiles_m), np.int32)),
             lflags=self.lflags, tile_flags=self.tile_flags, out=Slot((cap, F)),
             counts=Slot((El,)), offsets=Slot((El + 1,)), rows_out=Slot((cap, 3)),
             weights_out=Slot((cap,)), cfg=Slot((len(CFG_FIELDS),)),
-            order=cuda.to_device(self.order), frame=self.frame.words,
+            order=cuda.to_device(self.order), rail=cuda.to_device(rail), ring=ring, head=head,
+            tail=tail, frame=self.frame.words,
             timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank),
             self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
 
@@ -121,8 +144,8 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         experts times that expert's weight, expert by expert (expert e's rows are
         ``out[layout.offsets[e]:layout.offsets[e + 1]]``), and the :data:`MoeLayout`. Rows
         past ``layout.offsets[-1]`` are left as they were. ``out=`` / ``layout=`` reuse arrays
-        of an earlier call. Expert ids are checked on the host (a copy of topk_idx, which
-        waits for it to be ready)."""
+        of an earlier call (a CUDA graph capture must pass both). Expert ids are checked on
+        the device (see the class docstring): nothing here waits for the GPU."""
         if self.freed:
             raise MkError(f"{self.name}: called after free()")
         self.comm.check(self.err, f"{self.name} (an earlier call)")
@@ -147,33 +170,22 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             if Wg.torch != X.torch:
                 raise MkValueError(f"{self.name}: topk_weights must be a PyTorch tensor "
                                    "exactly when x is")
-        self._check_experts(topk_idx, I)
+        stream = stream_handle(stream, dev if X.torch else None)
+        if (out is None or layout is None) and is_capturing(stream):
+            raise MkError(f"{self.name}: a call inside a CUDA graph capture must pass out= "
+                          "and layout= (arrays of capacity rows the graph's replays write); "
+                          "allocating them here would break the capture")
         if out is None:
             out = new_output(x, X.torch, (self.capacity, F))
         O = operand(out, self.name, "out", shape=(self.capacity, F), device_id=dev)
         if layout is None:
             layout = self._new_layout(x, X.torch)
         L = self._layout_operands(layout, X.torch, dev)
-        stream = stream_handle(stream, dev if X.torch else None)
         self._run(T, X.as_param(np.uint64, (T * H // 4,)), I.as_param(np.int32, (T * K,)),
                   Wg.as_param(np.float32, (T * K,)) if Wg is not None else None,
                   Wt.as_param(np.uint16, wshape), O.as_param(np.uint16, (self.capacity, F)),
                   L, stream)
         return out, layout
-
-    def _check_experts(self, topk_idx, I):
-        """Every expert id in [0, experts), before anything is launched."""
-        if I.torch:
-            bad = ((topk_idx < 0) | (topk_idx >= self.experts)).any().item()
-            host = topk_idx.cpu().numpy() if bad else None
-        else:
-            host = I.host if SIMULATOR else cuda.as_cuda_array(topk_idx).copy_to_host()
-            bad = host.size and (host.min() < 0 or host.max() >= self.experts)
-        if bad:
-            where = np.argwhere((host < 0) | (host >= self.experts))[0]
-            raise MkValueError(f"{self.name}: topk_idx[{where[0]}, {where[1]}] = "
-                               f"{host[tuple(where)]} is not an expert id (0 .. "
-                               f"{self.experts - 1})")
 
     def _new_layout(self, like, torch):
         cap, El = self.capacity, self.local_experts
@@ -204,18 +216,16 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         return ops
 
     def _run(self, T, x, topk, weights, w, out, lay, stream):
-        """Bind the parameters and launch: w as [E_local, ffn, hidden] (transposed on the
-        stream, expert by expert, for "ehf"), the experts' tensor maps with it, this T's
-        cfg."""
+        """Bind the parameters and launch: w as it is, the experts' tensor maps with it, this
+        T's cfg."""
         L = self.launch
         with L.lock:                      # one call at a time binds and launches
             self.streams.enter(stream)
-            wt = self._transposer(stream)(w, stream) if self.w_layout == "ehf" else w
             L.bind("x", x)
             L.bind("topk", topk)
             L.bind("weights", weights if weights is not None else param(self._no_weights))
-            L.bind("wt", wt)
-            L.bind("tmtable", self.tmaps(wt, stream) if self.build.tma
+            L.bind("wt", w)
+            L.bind("tmtable", self.tmaps(w, stream) if self.build.tma
                    else param(self._no_maps))
             L.bind("out", out)
             for name, p in zip(("counts", "offsets", "rows_out", "weights_out"), lay):
@@ -241,43 +251,24 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                    (off.copy_to_host() if hasattr(off, "copy_to_host") else off)[-1])
 
 
-class ExpertTransposer:
-    """w [E_local, hidden, ffn] row-major -> the op's scratch [E_local, ffn, hidden], one
-    :class:`~mknumba.kernels.gemm_inputs.Transposer` launch per expert, on every call."""
-
-    def __init__(self, experts, hidden, ffn):
-        self.t = Transposer(hidden, ffn)
-        self.experts, self.hidden, self.ffn = experts, hidden, ffn
-        self.wt = cuda.device_array((experts, ffn, hidden), np.uint16)
-        self.ptr = param(self.wt)
-
-    def __call__(self, w, stream):
-        H, F = self.hidden, self.ffn
-        L, step = self.t.launch, H * F * 2
-        for e in range(self.experts):
-            L.bind("src", w[e] if SIMULATOR else w + e * step)
-            L.bind("dst", self.wt[e] if SIMULATOR else self.ptr + e * step)
-            L(stream)
-        return self.ptr
-
-
 class ExpertMaps(MapTable):
     """Per local expert the tile's two tensor maps (A: the receive buffer, B: the expert's
-    [ffn, hidden] weight), one [E_local, 32] table per weight address met so far."""
+    weight, [ffn, hidden] or with ``kn`` [hidden, ffn]), one [E_local, 32] table per weight
+    address met so far."""
 
-    def __init__(self, recv, experts, hidden, ffn, capacity=16):
+    def __init__(self, recv, experts, hidden, ffn, kn, capacity=16):
         self.recv_ptr = recv.__cuda_array_interface__["data"][0]
         self.rows_, self.experts, self.hidden, self.ffn = recv.shape[0], experts, hidden, ffn
+        self.kn = kn
         super().__init__(self._encode, 32 * experts, capacity)
 
     def _encode(self, key):
         from ...roles import compute
-        (w,), bk, (bm, bn) = key, compute.SM90_BK, compute.SM90_TILE
+        (w,), bk, bm = key, compute.SM90_BK, compute.SM90_TILE[0]
         a = tensor_map(self.recv_ptr, (self.hidden, self.rows_), (bk, bm))
         step = self.ffn * self.hidden * 2
-        return np.concatenate([np.concatenate([a, tensor_map(w + e * step,
-                                                             (self.hidden, self.ffn),
-                                                             (bk, bn))])
+        return np.concatenate([np.concatenate([a, b_map(w + e * step, self.ffn, self.hidden,
+                                                        self.kn)])
                                for e in range(self.experts)])
 
     def __call__(self, w_ptr, stream):

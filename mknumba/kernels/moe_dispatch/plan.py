@@ -18,11 +18,17 @@ from ..gemm import check_shapes, fused_tile
 #: Tokens of a rank's x behind one flag (the paper's 16-token units): receivers pull a row as
 #: soon as the unit holding its token is in the sender's token buffer.
 UNIT_TOKENS = 16
-#: pack and pull blocks on the GPU when ``comm_sms`` is not given; not measured yet (issue 20,
-#: item 4): a block stores about 21 GB/s over NVLink (benchmarks/NOTES.md).
+#: Between nodes a unit is also one proxy command to each rail peer, so the default unit grows
+#: to whole 16-token units of about this many bytes (the paper's 512 KiB network chunks; the
+#: host proxy spends microseconds per command). A unit never splits a token: no row waits
+#: for two chunks.
+NETWORK_CHUNK_BYTES = 512 << 10
+#: pack and pull blocks on the GPU when ``comm_sms`` is not given; not swept yet
+#: (``benchmarks/bench_moe_dispatch_gemm.py``): a block stores about 21 GB/s over NVLink
+#: (benchmarks/NOTES.md).
 DEFAULT_COMM_SMS = 16
-#: expert weight layouts a call takes: "ehf" = [experts / world, hidden, ffn] (transposed into
-#: the op's scratch on every call), "efh" = [experts / world, ffn, hidden] (the tile's B as is)
+#: expert weight layouts a call takes: "ehf" = [experts / world, hidden, ffn] (B as [k, n], a
+#: ":kn" tile build), "efh" = [experts / world, ffn, hidden] (B as [n, k]); both read as they are
 W_LAYOUTS = ("ehf", "efh")
 
 
@@ -56,11 +62,6 @@ class MoeDispatchGemmPlan:
         if top_k > experts:
             raise MkValueError(f"{self.name}: top_k={top_k} is more than experts={experts}")
         check_shapes(1, ffn, hidden, self.name)
-        if comm.nodes > 1:
-            raise MkValueError(
-                f"{self.name}: runs on one node for now (this job has {comm.nodes} nodes of "
-                f"{comm.local_size} GPUs); across nodes the token buffer would go to the rail "
-                "peer through the proxy and be forwarded, which is not built yet (issue 20)")
         if w_layout not in W_LAYOUTS:
             raise MkValueError(f"{self.name}: w_layout must be one of {W_LAYOUTS}, got "
                                f"{w_layout!r}")
@@ -86,7 +87,11 @@ class MoeDispatchGemmPlan:
         self.tiles_m = cdiv(self.capacity, self.bm) + self.local_experts
         self.recv_rows = self.tiles_m * self.bm
         self.tiles_n = cdiv(ffn, self.bn)
-        self.unit = int(unit_tokens or UNIT_TOKENS)
+        self.nodes = comm.nodes
+        unit = UNIT_TOKENS
+        if self.nodes > 1:
+            unit = max(unit, NETWORK_CHUNK_BYTES // (2 * hidden) // unit * unit)
+        self.unit = int(unit_tokens or min(unit, max_tokens))
         if self.unit < 1:
             raise MkValueError(f"{self.name}: unit_tokens={unit_tokens} must be >= 1")
         self.units = cdiv(max_tokens, self.unit)
@@ -97,20 +102,23 @@ class MoeDispatchGemmPlan:
 
     def _roles(self, comm_sms):
         """The grid (one block per SM) and its roles in block order: route (one block), pack,
-        pull, compute."""
+        forward (between nodes), pull, compute."""
         sms = None if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        need = 3 if self.nodes > 1 else 2
         if comm_sms is None:
-            comm_sms = 2 if SIMULATOR else DEFAULT_COMM_SMS
+            comm_sms = need if SIMULATOR else DEFAULT_COMM_SMS
         comm_sms = int(comm_sms)
-        if comm_sms < 2:
-            raise MkValueError(f"{self.name}: comm_sms={comm_sms} must be at least 2 (pack "
-                               "and pull)")
-        pack = max(1, comm_sms // 3)
-        pull = comm_sms - pack
-        held = 1 + pack + pull
+        if comm_sms < need:
+            raise MkValueError(f"{self.name}: comm_sms={comm_sms} must be at least {need} "
+                               f"(pack{', forward' if need == 3 else ''} and pull)")
+        forward = max(1, comm_sms // 4) if self.nodes > 1 else 0
+        pack = max(1, (comm_sms - forward) // 3)
+        pull = comm_sms - forward - pack
+        held = 1 + comm_sms
         grid = held + 2 if SIMULATOR else sms   # the simulator runs blocks one at a time
         if held >= grid:
-            raise MkValueError(f"{self.name}: {held} blocks for route, pack and pull leave "
-                               f"none of the {grid} SMs to compute")
-        self.role_blocks = dict(route=1, pack=pack, pull=pull, compute=grid - held)
+            raise MkValueError(f"{self.name}: {held} blocks for route, pack, forward and pull "
+                               f"leave none of the {grid} SMs to compute")
+        self.role_blocks = dict(route=1, pack=pack, forward=forward, pull=pull,
+                                compute=grid - held)
         self.grid = grid

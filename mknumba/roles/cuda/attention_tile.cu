@@ -226,6 +226,23 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], float corr_lo, float 
     }
 }
 
+// Ping-pong between the two consumer warpgroups (FlashAttention-3's inter-warpgroup overlap):
+// a warpgroup issues its MMAs only in its turn, and passes the turn once they are issued, so
+// the tensor cores run one warpgroup's P V and Q K^T while the other computes its softmax.
+// Turn barrier w (named barrier 1 + w, 256 threads) is taken by warpgroup w and passed to it by
+// the other. Without MK_ATTN_PINGPONG both warpgroups issue whenever they are ready. On by
+// default as in FlashAttention-3, not yet timed against off here (A/B:
+// MKNUMBA_ATTN_DEFINES="#define MK_ATTN_PINGPONG 0" benchmarks/bench_attention.py).
+#ifndef MK_ATTN_PINGPONG
+#define MK_ATTN_PINGPONG 1
+#endif
+__device__ __forceinline__ void turn_take(int w) {
+    if (MK_ATTN_PINGPONG) asm volatile("bar.sync %0, 256;" ::"r"(1 + w) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int w) {
+    if (MK_ATTN_PINGPONG) asm volatile("bar.arrive %0, 256;" ::"r"(1 + w) : "memory");
+}
+
 // The consumers' work on one query tile (see mk_attn_sm90_tile): per KV tile S = Q K^T, its
 // softmax, O += P V, each MMA waited for before the next step; the two warpgroups overlap each
 // other's softmax with their MMAs. (FlashAttention-3's pipelining within a warpgroup, S of the
@@ -263,22 +280,32 @@ __device__ __forceinline__ int consume(const Smem &sm, unsigned long long out,
     Cursor c{-1, 0, 0, Runs{0, 0, 0}};
     unsigned g = kv_seq;
     if (advance(c, qr, row0, seq, kv_runs, slices, causal)) {
+        if (wg == 1) turn_pass(0);  // warpgroup 0 issues first
         mbar_wait(sm.k_full + 8 * slot(g), phase(g));
+        turn_take(wg);
         qk_mma<D>(d, q, sm.k + slot(g) * TILE_BYTES);
+        turn_pass(1 - wg);
         wgmma_wait<0>();
         fence_operands(d);
         softmax(d, st, c, seq, q_first, causal, scale_log2, lane, corr_lo, corr_hi);
         to_fragments(d, p);
         for (;;) {
             mbar_wait(sm.v_full + 8 * slot(g), phase(g));
+            turn_take(wg);
             pv_mma<D>(o, p, sm.v + slot(g) * TILE_BYTES);
             wgmma_wait<0>();
             fence_operands(o);
             if (tid % 128 == 0) mbar_arrive(sm.kv_empty + 8 * slot(g));
             ++g;
-            if (!advance(c, qr, row0, seq, kv_runs, slices, causal)) break;
+            if (!advance(c, qr, row0, seq, kv_runs, slices, causal)) {
+                // warpgroup 1 keeps its last turn: each turn barrier then completes as often
+                // as it is waited on
+                if (wg == 0) turn_pass(1);
+                break;
+            }
             mbar_wait(sm.k_full + 8 * slot(g), phase(g));
             qk_mma<D>(d, q, sm.k + slot(g) * TILE_BYTES);
+            turn_pass(1 - wg);
             wgmma_wait<0>();
             fence_operands(d);
             softmax(d, st, c, seq, q_first, causal, scale_log2, lane, corr_lo, corr_hi);

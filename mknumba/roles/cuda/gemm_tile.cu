@@ -6,8 +6,14 @@
 //              and runs wgmma m64n256k16 with fp32 accumulators in registers (128 per thread);
 //   warp 8     the producer: one lane issues the bulk tensor copies (TMA) that fill the ring.
 // Operands (bf16, row-major, described by two CUtensorMaps in global memory):
-//   A [M, K]  box 64 (K) x 128 (rows);  B [N, K]  box 64 (K) x 256 (rows): both K-major,
-//   128-byte swizzled, which is wgmma's native layout for K-major operands.
+//   A [M, K]  box 64 (K) x 128 (rows): K-major, 128-byte swizzled (wgmma's K-major layout);
+//   B, by MK_B_KN:
+//     0  [N, K]  box 64 (K) x 256 (rows of B): K-major like A;
+//     1  [K, N]  (a row-major weight as it is) four boxes 64 (N) x 64 (K) side by side per
+//        k-step, 8 KB apart: each box row is 64 N-columns of one k (128 B, 128B swizzle), which
+//        wgmma reads as an MN-major ("transposed") B: smem_desc_mn with the box stride as its
+//        leading offset, tnspB = 1 (see sm90.cuh). Boxes wholly past column n are not loaded
+//        (their columns of the accumulator are never stored).
 // The shared-memory ring has STAGES slots of (A 16 KB + B 32 KB), each guarded by two mbarriers:
 //   full[s]  the producer's arrive.expect_tx + TMA complete_tx; consumers wait on it;
 //   empty[s] one arrive per consumer warpgroup once its MMAs that read slot s have retired.
@@ -35,6 +41,9 @@
 #ifndef MK_PUBLISHER
 #define MK_PUBLISHER 0
 #endif
+#ifndef MK_B_KN
+#define MK_B_KN 0
+#endif
 
 namespace {
 
@@ -42,6 +51,9 @@ constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
 constexpr int CONSUMER_WARPGROUPS = 2;
 constexpr int CONSUMER_THREADS = 128 * CONSUMER_WARPGROUPS;
 constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
+#if MK_B_KN
+constexpr unsigned B_BOX_BYTES = BK * 128;   // one box of B: 64 k-rows of 64 N-columns
+#endif
 constexpr unsigned WARP_STAGING = 16 * 128;  // 16 rows x 64 bf16: one warp's column chunk
 constexpr unsigned STAGING_BYTES = MK_EPILOGUE == 2 ? CONSUMER_THREADS / 32 * WARP_STAGING : 0;
 // Layout from the 1024-byte-aligned base (128B swizzle repeats every 1024 B):
@@ -178,9 +190,18 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
             for (int kk = 0; kk < k_iters; ++kk) {
                 const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
                 mbar_wait(r.empty + 8 * s, phase ^ 1);  // slot free (a fresh barrier passes)
+#if MK_B_KN
+                const int n0 = tile_n * BN, boxes = min(BN / 64, (n - n0 + 63) / 64);
+                mbar_expect_tx(r.full + 8 * s, A_BYTES + boxes * B_BOX_BYTES);
+                tma_load_2d(r.a + s * A_BYTES, tmaps, kk * BK, tile_m * BM, r.full + 8 * s);
+                for (int j = 0; j < boxes; ++j)
+                    tma_load_2d(r.b + s * B_BYTES + j * B_BOX_BYTES, tmaps + 128, n0 + 64 * j,
+                                kk * BK, r.full + 8 * s);
+#else
                 mbar_expect_tx(r.full + 8 * s, STAGE_BYTES);
                 tma_load_2d(r.a + s * A_BYTES, tmaps, kk * BK, tile_m * BM, r.full + 8 * s);
                 tma_load_2d(r.b + s * B_BYTES, tmaps + 128, kk * BK, tile_n * BN, r.full + 8 * s);
+#endif
             }
         }
         return 0;
@@ -198,9 +219,16 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
         mbar_wait(r.full + 8 * s, phase);
         const unsigned a = r.a + s * A_BYTES + wg * 64 * 128, b = r.b + s * B_BYTES;
         wgmma_fence();
+        // k16: 16 bf16 = 32 bytes along A's swizzled rows; with MK_B_KN 16 rows (2 KB) down
+        // every box of B
 #pragma unroll
-        for (int k16 = 0; k16 < BK / 16; ++k16)  // 16 bf16 = 32 bytes along the swizzled row
+        for (int k16 = 0; k16 < BK / 16; ++k16)
+#if MK_B_KN
+            wgmma_m64n256k16<1>(d, smem_desc(a + 32 * k16),
+                                smem_desc_mn(b + 16 * 128 * k16, B_BOX_BYTES));
+#else
             wgmma_m64n256k16(d, smem_desc(a + 32 * k16), smem_desc(b + 32 * k16));
+#endif
         wgmma_commit();
         // Keep one k-step of MMAs in flight; the previous step's slot can be refilled now.
         wgmma_wait<1>();

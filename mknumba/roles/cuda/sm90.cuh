@@ -74,6 +74,12 @@ __device__ __forceinline__ void fence_proxy_async() {
 //   K-major (the reduction dimension along the row): the leading offset is unused;
 //   MN-major (the output dimension along the row, a transposed B): the leading offset is the
 //   distance between 64-column boxes side by side (``box_bytes``).
+// Why, for MN-major: the 128B-swizzle MN-major canonical layout (PTX ISA, "Shared Memory Matrix
+// Layout"; CUTLASS's GMMA::Layout_MN_SW128_Atom) is, in 16-byte units,
+//   Swizzle<3,4,3> o ((T,8,m),(8,k)) : ((1,T,LBO),(8T,SBO)),  T = 8 bf16 per unit:
+// along M/N, 64 contiguous elements (one 128-byte row), then the next 64 LBO bytes on (the next
+// box); along K, 8 rows 128 B apart, then the next 8 rows SBO bytes on (1024: the 8-row swizzle
+// atom). A k16 step is 2 such groups: advance the start address by 16 rows (2048 B).
 __device__ __forceinline__ unsigned long long smem_desc(unsigned addr) {
     return (unsigned long long)((addr & 0x3FFFF) >> 4) | (1ull << 16) | ((1024ull >> 4) << 32) |
            (1ull << 62);
@@ -99,7 +105,9 @@ template <int N> __device__ __forceinline__ void wgmma_wait() {
 // The accumulator layout of every m64nNk16 below: warp w of the warpgroup holds rows 16w + lane/4
 // and 16w + lane/4 + 8; d[4j .. 4j+3] are columns 8j + 2 (lane % 4) and +1 of those two rows.
 
-// d[64 x 256] += A_desc[64 x 16] @ B_desc[256 x 16]^T, both K-major in shared memory
+// d[64 x 256] += A_desc[64 x 16] @ B_desc[256 x 16]^T, A K-major in shared memory; B K-major
+// (TRANS_B 0: smem_desc) or MN-major (TRANS_B 1, wgmma's tnspB: smem_desc_mn, B stored [16 x 256])
+template <int TRANS_B = 0>
 __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long long da,
                                                  unsigned long long db) {
     asm volatile(
@@ -113,12 +121,12 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
         "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95,"
         "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111,"
         "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-        "}, %128, %129, 1, 1, 1, 0, 0;\n"
+        "}, %128, %129, 1, 1, 1, 0, %130;\n"
         "}\n"
         : MK_ACC8(0), MK_ACC8(8), MK_ACC8(16), MK_ACC8(24), MK_ACC8(32), MK_ACC8(40),
           MK_ACC8(48), MK_ACC8(56), MK_ACC8(64), MK_ACC8(72), MK_ACC8(80), MK_ACC8(88),
           MK_ACC8(96), MK_ACC8(104), MK_ACC8(112), MK_ACC8(120)
-        : "l"(da), "l"(db));
+        : "l"(da), "l"(db), "n"(TRANS_B));
 }
 
 // d[64 x 128] (= or +=, by ``accumulate``) A_desc[64 x 16] @ B_desc[128 x 16]^T, both K-major
