@@ -9,7 +9,7 @@ import numpy as np
 
 import mknumba as mk
 
-P2P_GBPS = 380.0   # measured GPU-to-GPU copy rate on 2xH200 (DESIGN.md §6)
+P2P_GBPS = 380.0   # measured GPU-to-GPU copy rate on 2xH200 (docs/design.md §6)
 
 
 def main():

@@ -11,7 +11,7 @@ one after the other). Shapes (issue 19): the paper's M = K in {4K, 8K, 16K} (32K
 two minutes (M = K = 32K alone needs ~6 ms a call and 10 GB per GPU). Each rank holds A's
 [m / world, k] rows and the row-major [n, k] weight, handed over as its [k, n] view ``w.T``.
 
-Baselines in the same process, one record each (DESIGN.md §8):
+Baselines in the same process, one record each (docs/design.md §8):
 - ``"cublas+nccl"``: ``dist.all_gather_into_tensor`` then ``torch.matmul``. In 2x1 NCCL still
   runs over NVLink (it cannot be paced), so the baseline there is the model
   ``T_cuBLAS + max(T_NCCL, network bytes / pace)``; the measured time is kept beside it.
@@ -23,7 +23,7 @@ Baselines in the same process, one record each (DESIGN.md §8):
 Ours: the fastest of a small sweep of send/forward SMs (``comm_sms``; every point kept under
 "sweep"), after a correctness check against the cuBLAS + NCCL result. Floor:
 ``max(T_cuBLAS, bytes on the slowest link / its rate)``: NVLink at 380 GB/s (measured copy
-rate, DESIGN.md §6) for the shards each GPU receives from its node, the network at the pace
+rate, docs/design.md §6) for the shards each GPU receives from its node, the network at the pace
 for the shards it receives from its rail peers.
 """
 import os

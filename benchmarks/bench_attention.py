@@ -19,7 +19,7 @@ point where the previous point of the same (d, mask) scaled by FLOPs predicts a 
 than ``--max-call-s`` (the SIMT compute role is slow); its records keep ``ours_ms: null``.
 Correctness: ours against each backend's output once per point, the relative Frobenius error
 of out ("rel_err"; above 2e-2 is reported, not fatal). Floor: the FLOPs at 989 TFLOP/s.
-One record per backend and point (DESIGN.md §8, kernel "attention"); "tile" names the compute
+One record per backend and point (docs/design.md §8, kernel "attention"); "tile" names the compute
 tile ours ran (sm90 or simt), where the op says.
 """
 import os

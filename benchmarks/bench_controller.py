@@ -17,13 +17,13 @@ AllReduce (``--kernels rs,ar``). Shapes (m = n, k_local): every row of the recor
 - ``adaptive``: ``comm_sms="adaptive"`` (``roles.controller``; it starts from the table's
   split, never folds).
 
-Records (DESIGN.md §8) carry ``sm_split`` ("compute+comm", or "adaptive"), ``controller``
+Records (docs/design.md §8) carry ``sm_split`` ("compute+comm", or "adaptive"), ``controller``
 (true for the adaptive runs), ``held_out``, ``config`` (static | table | adaptive), and
 compare with the best static split of the point: ``baseline`` "best_static_split",
 ``baseline_ms`` its time, ``speedup`` best / ours (1.0 for the best itself, < 1 slower). The
 floor is as in bench_fused.py. At the end rank 0 prints per kernel and topology the
 controller's geometric mean and worst ratio to the best static split, and against the table
-on the held-out shapes (the issue's goals: <= 1.05x, no point worse than 1.15x, better than
+on the held-out shapes (the goals: <= 1.05x, no point worse than 1.15x, better than
 the table where held out). ``--save-trace PREFIX``: one traced controller call per point as a
 Chrome / Perfetto trace (``PREFIX-<kernel>-<topology>-<m>-<k>.json``, see
 benchmarks/plot_timeline.py).
@@ -41,7 +41,7 @@ from mknumba.kernels.gemm_ar import GemmAllReduce  # noqa: E402
 from mknumba.kernels.gemm_rs import GemmReduceScatter  # noqa: E402
 from mknumba.sched import split as sm_split  # noqa: E402
 
-NVLINK_GBPS = 380.0                  # measured copy rate (DESIGN.md §6), as bench_fused.py
+NVLINK_GBPS = 380.0                  # measured copy rate (docs/design.md §6), as bench_fused.py
 OPS = {"rs": GemmReduceScatter, "ar": GemmAllReduce}
 SWEEP = (1, 2, 4, 8, 16, 32, 64)
 #: (m, k_local) pairs in none of the recorded table's rows

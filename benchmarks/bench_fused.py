@@ -15,7 +15,7 @@ With ``--pace-gbps 0`` the 2x1 transfers run unpaced over NVLink through the cop
 mean over back-to-back calls (the ratio uses it); ``ours_median_ms`` is the median of
 the calls' own times on the stream, without the occasional multi-ms host-side stall (see
 benchmarks/NOTES.md). Floor: ``max(T_cuBLAS, bytes on the slowest link / its rate)`` with NVLink at 380 GB/s (measured
-copy rate, DESIGN.md §6) and the network at the pace. Every point: the fastest of a small sweep
+copy rate, docs/design.md §6) and the network at the pace. Every point: the fastest of a small sweep
 of comm SMs (all kept under "sweep"), on one node of several GPUs each with and without
 delivered partials (keys "24" and "24:deliver"; ReduceScatter also with the delivered partials
 folded into the owner's epilogue, "2:fold"), a correctness check against an fp32 reference
@@ -109,7 +109,7 @@ def bench_topology(comm, dist, args, records, log):
                          for s in (args.sweep or (FOLD_SWEEP if f else SWEEP[(kern, topo)]))]
                 for sms, deliver, fold in tries:
                     shared = args.shared_out == "1" and Op is GemmAllReduce
-                    op = Op(comm, m, n, k, comm_sms=sms, tile=args.tile, moves=args.moves,
+                    op = Op(comm, m, n, k, comm_sms=sms, tile=args.tile,
                             deliver=deliver, shared_out=shared,
                             fold=fold if Op is GemmReduceScatter else None, **opts)
                     dst = None if shared else out    # None: into the op's shared output
@@ -150,7 +150,7 @@ def bench_topology(comm, dist, args, records, log):
                     cublas_ms=t_gemm, nccl_ms=t_nccl, unfused_measured_ms=t_unfused,
                     network_ms=t_net if comm.nodes > 1 else None, nvlink_ms=t_link,
                     comm_share=comm_share, rel_err=err, of_floor=floor / ours,
-                    moves=op.moves, join=op.join, shared_out=op.shared_out,
+                    join=op.join, shared_out=op.shared_out,
                     direct=op.shared_out and comm.local_size > 1 and (chosen.deliver
                                                                       or comm.nodes > 1),
                     deliver=chosen.deliver, fold=chosen.fold,
@@ -180,9 +180,6 @@ def main():
                                               "built-in lists per kernel and topology)")),
         (("--tile",), dict(default="auto", help="GEMM tile build (roles.compute.tile_build), "
                                                 "e.g. sm90:e2p1")),
-        (("--moves",), dict(default=None, choices=("bulk", "bulk:w1", "threads"),
-                            help="how the reduce and pull roles move tiles (roles.bulk); "
-                                 "default: the op's")),
         (("--join",), dict(default=None, choices=("0", "1"),
                            help="idle compute blocks join the reduce and pull queues (1 node "
                                 "only); default: the op's")),

@@ -6,7 +6,7 @@ For every shape: a correctness check on fresh random inputs (poisoned output, re
 error against an fp32 reference), then the median time of ours (0, 8, 16, 32 SMs held back) and of
 cuBLAS (torch.matmul, same operand layout: A [M, K], B [N, K]) in the same process, and with all
 SMs ours and cuBLAS with B row-major [K, N] (records with ``b_layout`` "kn"; the others "nk").
-Writes the records of DESIGN.md §8 and prints a table last.
+Writes the records of docs/design.md §8 and prints a table last.
 """
 import argparse
 import datetime

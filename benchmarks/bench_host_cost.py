@@ -7,7 +7,7 @@ stream, not waited for): the mean over ``--calls`` back-to-back calls after warm
 inputs' shapes small enough that the GPU keeps up and the launch queue never fills. A graph
 record (``graph: true``) is the host time of one ``CUDAGraph.replay()`` of a captured call.
 Ranks may share a GPU (``MKNUMBA_ALLOW_SHARED_GPU=1``): only the host side is timed. Records:
-``kernel: "host_cost"`` with ``op``, ``host_us`` and ``graph`` (DESIGN.md §8); the slowest
+``kernel: "host_cost"`` with ``op``, ``host_us`` and ``graph`` (docs/design.md §8); the slowest
 rank counts.
 """
 import os

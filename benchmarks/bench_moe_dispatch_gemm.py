@@ -16,7 +16,7 @@ rows). Each rank draws its own tokens and routing; weights are [E / W, ffn, hidd
 nn.Linear stores them: ours plans w_layout="efh"; the grouped GEMM reads the [E / W, hidden,
 ffn] view of the same memory).
 
-Baselines in the same process, one record each (DESIGN.md §8):
+Baselines in the same process, one record each (docs/design.md §8):
 - ``"nccl_a2a+grouped_mm"``: per-destination counts exchanged with ``all_to_all_single`` (the
   split sizes then go to the host: one sync, as every NCCL dispatch needs), the rows sorted by
   destination expert and sent with ``all_to_all_single``, regrouped expert by expert, then
@@ -29,7 +29,7 @@ In 2x1 NCCL still runs over NVLink (it cannot be paced), so the baselines' netwo
 modelled there: ``T_compute + max(T_nccl, network bytes / pace)``; the measured time is kept.
 
 Floor: ``max(T_grouped_mm, bytes on the slowest link / its rate)``: the rows this rank
-receives from the other GPU, over NVLink at 380 GB/s (DESIGN.md §6) or the paced network.
+receives from the other GPU, over NVLink at 380 GB/s (docs/design.md §6) or the paced network.
 Correctness: before timing, 2048 sampled rows of ours against x[token] @ w[expert] (float32)
 from an all-gather of every rank's tokens; a WRONG line and ``rel_err`` in the record.
 """

@@ -22,8 +22,8 @@ import time
 import numpy as np
 
 import mknumba
-from mknumba.primitives import globaltimer
-from mknumba.roles.recv import wait_chunk
+from mknumba.errors import ROLE_RECV
+from mknumba.primitives import globaltimer, wait_flag
 from mknumba.roles.send import enqueue
 from numba import cuda
 
@@ -49,7 +49,7 @@ def send_many(ring, head, tail, peer, n, nbytes, stride, epoch, timeout_ns, err,
 def wait_all(flags, n, epoch, timeout_ns, err, rank):
     deadline = globaltimer() + timeout_ns
     for j in range(cuda.grid(1), n, cuda.gridsize(1)):
-        if not wait_chunk(flags, j, epoch, deadline, err, rank):
+        if not wait_flag(flags, j, epoch, deadline, err, rank, ROLE_RECV):
             return
 
 
@@ -60,13 +60,13 @@ def ping_pong(ring, head, tail, flags, peer, first, iters, nbytes, epoch0, timeo
     deadline = globaltimer() + timeout_ns
     for i in range(iters):
         e = epoch0 + i
-        if not first and not wait_chunk(flags, 0, e, deadline, err, rank):
+        if not first and not wait_flag(flags, 0, e, deadline, err, rank, ROLE_RECV):
             return
         slot = 0 if first else 1
         if not enqueue(ring, head, tail, peer, 0, 0, 1, 0, nbytes, i, 2, slot, e, deadline,
                        err, rank):
             return
-        if first and not wait_chunk(flags, 1, e, deadline, err, rank):
+        if first and not wait_flag(flags, 1, e, deadline, err, rank, ROLE_RECV):
             return
 
 

@@ -19,7 +19,7 @@ Ours: one ``RingAttention`` call (one persistent launch). Baselines, same proces
   the end; the KV slice passed on with ``torch.distributed.batch_isend_irecv``, which NCCL runs
   on its own stream while the step's attention runs on the current one. Causal (zigzag) steps:
   step 0 causal on the diagonal; a slice from a lower rank: all of Q against the first half of
-  its KV; from a higher rank: the second half of Q against all of its KV (DESIGN.md §9).
+  its KV; from a higher rank: the second half of Q against all of its KV (docs/design.md §9).
 - ``allgather_kv_sdpa``: NCCL all_gather of K and of V, then SDPA over the whole KV. Causal:
   the gathered KV put in sequence order (a copy), each of our two chunks attends causally to
   its own chunk and fully to the chunks before it, the two parts merged by LSE.

@@ -1,6 +1,6 @@
 """What every benchmark shares: timing on the slowest rank, result records, JSON output.
 
-Records follow DESIGN.md §8: one dict per measured point, ratios as baseline_ms / ours_ms.
+Records follow docs/design.md §8: one dict per measured point, ratios as baseline_ms / ours_ms.
 """
 import argparse
 import datetime

@@ -4,12 +4,7 @@
 # and the machine's CPU cores compile the groups in parallel.
 #   OUT=/some/dir bash benchmarks/gpu_tests_parallel.sh "expr one" "expr two" ...
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/mknumba-gpu}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-[ "$(nvidia-smi -L | wc -l)" -lt 2 ] && export MKNUMBA_ALLOW_SHARED_GPU=1
+source "$(dirname "$0")/gpu_env.sh"
 i=0
 for expr in "$@"; do
   i=$((i + 1))

@@ -3,7 +3,7 @@
     python benchmarks/probe_gemm_tile.py [--out PATH] [--ks 512,1024,2048,8192]
 
 Why: with the first epilogue (``direct`` below) our GEMM at m = n = 8192 grew with K at cuBLAS's
-rate but started about 0.1 ms higher (session 4's ``results/gemm.json``): some 6.5 µs per
+rate but started about 0.1 ms higher (benchmarks/NOTES.md, GEMM tile): some 6.5 µs per
 128 x 256 tile that cuBLAS does not pay, a third of a tile at small K, where the compute role is
 the fused 1x2 kernels' critical path. This probe found the stores to be that cost; the staged
 epilogue is now the library's.
@@ -21,8 +21,9 @@ The persistent GEMM is timed with variants of the tile beside cuBLAS (torch.matm
   publisher       direct stores; a tenth warp publishes the flag (the fence stalls only it)
   staged-publisher  both changes
 
-(``MK_EPILOGUE`` and ``MK_PUBLISHER`` in ``roles/cuda/gemm_tile.cu``; the builds are
-``roles.compute.tile_build`` names, which the fused ops also take as ``tile=``.)
+(``MK_EPILOGUE`` and ``MK_PUBLISHER`` in ``roles/cuda/gemm_tile.cu``; this probe registers
+the builds the library does not run with ``roles.compute.register_tile``, after which
+``mk.Gemm`` and the fused ops take their names as ``tile=``.)
 Variants that write the output are checked against cuBLAS (relative error <= 1e-2). The table
 ends with a least-squares fit ``ms = fixed + slope * K`` per variant, the fixed part per tile.
 """
@@ -56,9 +57,18 @@ def _without_flag(tile):
     return tile_without_flag
 
 
+def register(tile):
+    """Make a probe build ``sm90:e<E>p<P>`` known to the library (once)."""
+    try:
+        compute.tile_build(tile)
+    except Exception:       # noqa: BLE001 - not one of the library's: register it
+        compute.register_tile(tile, compute.sm90_build(int(tile[6]), tile[8] == "1"))
+
+
 def build(name):
     """A Gemm that runs the variant ``name``."""
     tile, flag = VARIANTS[name]
+    register(tile)
     if not flag:
         b = compute.tile_build(tile)
         tile = f"probe:{name}"

@@ -7,8 +7,8 @@ One node, two GPUs. Blocks of the fused kernel's width (288 threads) move 64 MiB
 pulled from the peer (NVLink loads) and pushed to the peer (NVLink stores); ``reduce_peers``
 summing the peer's tile and the local one (what the 1x2 reduce role does); ``sum_local``
 summing two local tiles (the 2x1 receive role). Rank 0 moves; rank 1 only hosts its buffers.
-On sm_90a also the TMA bulk moves of ``roles.bulk`` (``w0``: each move waits for its stores
-to be written; ``w1``: only read out of shared memory): pull, push, pull-sum, and pull-sum
+On sm_90a also the TMA bulk moves of ``bulk_moves.py`` beside this probe (``w0``: each move
+waits for its stores to be written; ``w1``: only read out of shared memory): pull, push, pull-sum, and pull-sum
 pushing the sum back to the peer (the 1x2 AllReduce reduce role).
 Prints GB/s of tile bytes written for 1 to 64 blocks.
 """
@@ -51,7 +51,7 @@ BULK_KINDS = ("pull", "push", "pull-sum", "pull-sum-push")
 
 
 def bulk_kernel(wait):
-    from mknumba.roles import bulk
+    import bulk_moves as bulk     # beside this probe (benchmarks/)
     b_init, b_reduce, b_copy, b_drain = bulk.bulk_functions(wait)
 
     @cuda.jit

@@ -1,4 +1,4 @@
-"""Render benchmark JSON records (DESIGN.md §8) as a table: python benchmarks/report.py F.json..."""
+"""Render benchmark JSON records (docs/design.md §8) as a table: python benchmarks/report.py F.json..."""
 import json
 import sys
 

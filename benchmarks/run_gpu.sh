@@ -3,21 +3,13 @@
 #   OUT=/some/dir bash benchmarks/run_gpu.sh [pytest -k expression] [benchmark name pattern]
 # SANITIZE=0 leaves out compute-sanitizer; a pytest expression "none" runs no tests.
 # Writes under $OUT: env.txt, tests.log, bench.log and one JSON per benchmark
-# (DESIGN.md §8 records); copy the JSON into benchmarks/results/ to commit it.
+# (docs/design.md §8 records); copy the JSON into benchmarks/results/ to commit it.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/mknumba-gpu}
-mkdir -p "$OUT"
-# Never NVLink multicast on the shared hosts (DESIGN.md §3).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+source "$(dirname "$0")/gpu_env.sh"
 PY=${PYTHON:-python3}
-NGPU=$(nvidia-smi -L | wc -l)
 { date -u; nvidia-smi --query-gpu=index,name,memory.total,clocks.sm --format=csv; nvidia-smi topo -m
   $PY -c "import numba, numba_cuda, numpy; print('numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'numpy', numpy.__version__)"; } > "$OUT/env.txt" 2>&1
 
-# With one GPU the multi-rank tests run their ranks on the shared GPU (correctness only).
-[ "$NGPU" -lt 2 ] && export MKNUMBA_ALLOW_SHARED_GPU=1
 tests_rc=0
 if [ "${1:-}" != none ]; then
   $PY -m pytest -q -m gpu -rs ${1:+-k "$1"} tests 2>&1 | tee "$OUT/tests.log" | tail -25

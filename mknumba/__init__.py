@@ -6,7 +6,7 @@
     out = op(x)                             # x: [1024] on this rank's GPU -> out: [ranks, 1024]
 """
 from . import _compat  # noqa: F401  (must run before numba.cuda compiles anything)
-from .arrays import from_bf16_bits, to_bf16_bits
+from .arrays import bf16_array, from_bf16_bits, to_bf16_bits, to_float32
 from .errors import (MkCapacityError, MkError, MkPerformanceWarning, MkTimeoutError,
                      MkValueError)
 from .kernels.allgather import AllGather
@@ -23,5 +23,5 @@ __version__ = "0.1.0"
 __all__ = ["init", "finalize", "Comm", "AllGather", "AllGatherGemm", "Gemm", "gemm",
            "GemmReduceScatter", "GemmAllReduce", "Topology", "make_topology",
            "MkError", "MkValueError", "MkTimeoutError", "MkCapacityError", "MkPerformanceWarning",
-           "to_bf16_bits", "from_bf16_bits", "RingAttention", "attention", "MoeDispatchGemm",
+           "bf16_array", "to_float32", "to_bf16_bits", "from_bf16_bits", "RingAttention", "attention", "MoeDispatchGemm",
            "MoeLayout"]

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 
 # numpy 2.5 removed np.row_stack, but numba-cuda 0.30.4 still registers an overload for it
-# when the first kernel compiles (DESIGN.md §6). The alias is exact: row_stack was vstack.
+# when the first kernel compiles (docs/design.md §6). The alias is exact: row_stack was vstack.
 if not hasattr(np, "row_stack"):
     np.row_stack = np.vstack
 

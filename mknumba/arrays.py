@@ -9,7 +9,8 @@ which a launch binds (``kernels.launch.Launch.bind``).
 
 bfloat16 comes in four spellings, all read as the same 16 bits: PyTorch's ``torch.bfloat16``,
 ``ml_dtypes.bfloat16`` (how NumPy code holds bf16), and the raw bits as ``uint16`` or
-``int16``. :func:`to_bf16_bits` and :func:`from_bf16_bits` move NumPy data in and out.
+``int16``. :func:`bf16_array` and :func:`to_float32` move NumPy data in and out;
+:func:`to_bf16_bits` and :func:`from_bf16_bits` do the same on the raw bits.
 """
 import sys
 
@@ -20,7 +21,7 @@ from ._compat import SIMULATOR
 from .errors import MkValueError
 
 __all__ = ["Operand", "operand", "check_device", "new_output", "BF16", "to_bf16_bits", "from_bf16_bits",
-           "is_torch", "torch_ptr"]
+           "bf16_array", "to_float32", "is_torch", "torch_ptr"]
 
 #: the dtype names read as bf16 bits
 BF16 = ("bfloat16", "uint16", "int16")
@@ -39,6 +40,37 @@ def from_bf16_bits(bits):
     """bf16 bits (uint16/int16, or an ml_dtypes.bfloat16 array) -> float32, exactly."""
     b = np.ascontiguousarray(bits)
     return (b.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def bf16_array(x):
+    """NumPy floats (any array-like) -> a host bf16 array that every op takes (copy it to the
+    GPU, or pass it as it is in the simulator): ``ml_dtypes.bfloat16`` where ml_dtypes is
+    installed (``pip install ml_dtypes``), else the bits as uint16. Rounded to nearest even."""
+    bits = to_bf16_bits(x)
+    try:
+        import ml_dtypes
+    except ImportError:
+        return bits
+    return bits.view(ml_dtypes.bfloat16)
+
+
+def to_float32(a):
+    """A bf16 array -> a NumPy float32 array on the host, exactly: what an op returns (a numba
+    or CuPy device array of bf16 bits, a PyTorch tensor on any device) or a host array
+    (``ml_dtypes.bfloat16``, uint16/int16 bits). Other dtypes raise MkValueError."""
+    if is_torch(a):
+        import torch
+        if a.dtype != torch.bfloat16:
+            raise MkValueError(f"to_float32: a bfloat16 tensor, not {a.dtype}")
+        return a.detach().to("cpu", torch.float32).numpy()
+    if hasattr(a, "copy_to_host"):
+        a = a.copy_to_host()          # numba device array (the simulator's too)
+    elif hasattr(a, "get") and hasattr(a, "__cuda_array_interface__"):
+        a = a.get()                   # CuPy
+    a = np.asarray(a)
+    if a.dtype.name not in BF16:
+        raise MkValueError(f"to_float32: a bf16 array ({_BF16_HINT}), not {a.dtype}")
+    return from_bf16_bits(a)
 
 
 def is_torch(x):

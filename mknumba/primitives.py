@@ -208,7 +208,7 @@ if not SIMULATOR:
         return types.uint64(arr), codegen
 
 else:  # ---- simulator twins: same names, same meaning, plain Python -------------------------
-    _lock = threading.Lock()   # atomics are atomic within one process only (DESIGN.md §4)
+    _lock = threading.Lock()   # atomics are atomic within one process only (docs/design.md §4)
     _sim_arrays = {}           # token -> array: what a simulated peer pointer refers to
 
     def sim_register(token, array):

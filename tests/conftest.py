@@ -1,4 +1,5 @@
-"""Shared test configuration: the ``gpu`` marker and compiling for sm_90a without a GPU."""
+"""Shared test configuration: the ``gpu`` and ``slow`` markers and compiling for sm_90a
+without a GPU."""
 import os
 import sys
 
@@ -22,6 +23,8 @@ HAVE_GPU = _gpu_available()
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped cleanly without one)")
+    config.addinivalue_line("markers", "slow: a slow simulator run or sm_90a link (pytest -m "
+                                       "\"not slow\" leaves them out; CI runs all)")
 
 
 def pytest_collection_modifyitems(config, items):

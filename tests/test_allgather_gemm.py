@@ -58,6 +58,7 @@ def test_sim_1x2_every_check():
     assert out.count("topology 1x2") == 2 * len(checks), out[-4000:]
 
 
+@pytest.mark.slow
 def test_sim_2x1_through_the_proxy():
     """Each shard goes to the other node through the proxy (ordered: data, then flag)."""
     env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:ordered"}
@@ -66,6 +67,7 @@ def test_sim_2x1_through_the_proxy():
     assert out.count("topology 2x1") == 2, out[-4000:]
 
 
+@pytest.mark.slow
 def test_sim_2x2_forwarded_inside_the_node():
     """Each shard crosses to the other node once, to its rail peer (completion mode: the
     receiving proxy sets the flag), which forwards it to the other GPU of its node. 10 rows

@@ -45,6 +45,7 @@ def test_primitives_emit_ordered_ptx(fake_sm90):
     assert "ld.acquire.sys.b32" in loop
 
 
+@pytest.mark.slow
 def test_allgather_kernel_compiles(fake_sm90):
     """Every word width the AllGather moves, compiled for the kernel's own declaration; each
     block starts by numbering the call (a ticket from the frame); the send role's proxy
@@ -99,7 +100,7 @@ def test_epoch_reached_wraps(value, epoch, ready):
 
 
 
-@pytest.mark.parametrize("helper", ["gemm_tile.cu", "attention_tile.cu", "tile_moves.cu"])
+@pytest.mark.parametrize("helper", ["gemm_tile.cu", "attention_tile.cu"])
 def test_linked_tiles_assemble_for_sm90a(helper):
     """Each linked helper, as NVRTC gets it (its ``#include "sm90.cuh"`` pasted in), compiles and
     assembles for sm_90a; ptxas does not serialize its wgmma (any call in a function that
@@ -156,7 +157,7 @@ def _hopper_kernel(name):
         return kernel, build.threads
     if name.startswith("gemm_reduce"):      # gemm_reduce_adaptive: the controller's build
         from mknumba.kernels.gemm_reduce import kernel as K
-        _, threads, kernel = K.build(SM90_FUSED_TILE, "threads", name.endswith("adaptive"))
+        _, threads, kernel = K.build(SM90_FUSED_TILE, name.endswith("adaptive"))
         return kernel, threads
     if name == "allgather_gemm":
         from mknumba.kernels.allgather_gemm import kernel as K
@@ -178,6 +179,7 @@ GEMM_REGISTERS = 160
 
 @pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_reduce", "gemm_reduce_adaptive",
                                   "ring_attention"])
+@pytest.mark.slow
 def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     """No wgmma of a Hopper kernel is serialized. ptxas serializes all of a kernel's wgmma when
     the kernel makes a call, and a 64-bit divide by a run-time value is one (so is range() with
@@ -198,6 +200,7 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         assert regs <= GEMM_REGISTERS, log
 
 
+@pytest.mark.slow
 def test_allgather_gemm_kernel_compiles_for_sm90a(fake_sm90):
     """AllGatherGemm's kernel around the fused ops' Hopper tile (TMA + wgmma, a publisher
     warp), compiled for its own declaration and linked with the tile's helper: its waits poll
@@ -244,6 +247,7 @@ def test_divides_without_64bit_divides_agree_with_python():
     assert "divides ok" in run_python(DIVIDES)
 
 
+@pytest.mark.slow
 def test_moe_dispatch_gemm_kernel_compiles_for_sm90a(fake_sm90):
     """MoeDispatchGemm's kernel (the grouped GEMM around the fused ops' Hopper tile, each
     tile with its expert's tensor maps) compiles for its declaration and links: the

@@ -9,6 +9,7 @@ from mpi_util import ROOT, run_mpi
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
+@pytest.mark.slow
 def test_readme_main_example_ring_attention():
     """As written in the README: no NUMBA_ENABLE_CUDASIM. Without a GPU the library picks the
     simulator itself and says so once (not once per rank)."""
@@ -20,11 +21,13 @@ def test_readme_main_example_ring_attention():
         assert out.count("numba's CUDA simulator stands in") == 1, out[-3000:]
 
 
+@pytest.mark.slow
 def test_allgather_example():
     out = run_mpi(os.path.join(EXAMPLES, "allgather.py"), 4, timeout=300)
     assert "3 calls match NumPy" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_gemm_reduce_scatter_example():
     out = run_mpi(os.path.join(EXAMPLES, "gemm_reduce_scatter.py"), 2, timeout=600)
     for op in ("GemmReduceScatter", "GemmAllReduce"):

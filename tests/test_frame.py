@@ -20,6 +20,7 @@ def _passes(out, check, n):
 
 
 # ---- simulator ----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_sim_1x2_frame_checks():
     """Every simulator check on one node of two GPUs, in one launch: fused ops with a and b
     updated in place between calls (b row-major and as a column-major view), the wrap of the
@@ -32,6 +33,7 @@ def test_sim_1x2_frame_checks():
     assert out.count("frame=(3, 4)") == 2, out[-4000:]     # calls 2**32 + 3, epoch 4 (not 0)
 
 
+@pytest.mark.slow
 def test_sim_2x1_wrap():
     """Across the wrap between two nodes (the proxy's sim transport): ``_start_at`` also sets
     the network flags and chunk counters."""

@@ -103,7 +103,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
     from mknumba.kernels.gemm_reduce import kernel as K
     from mknumba.kernels.launch import signature
 
-    build, threads, kernel = K.build(sys.argv[1], sys.argv[2])
+    build, threads, kernel = K.build(sys.argv[1])
     sig = signature(kernel)          # the kernel's own declaration
     lib, _ = compiler._compile_pyfunc_with_fixup(
         kernel.py_func, sig, device=False, cc=(9, 0, "a"),
@@ -115,24 +115,17 @@ COMPILE_SCRIPT = textwrap.dedent("""
     for instr in ("st.release.sys", "ld.acquire.sys", "atom.add.release.gpu", "fence.acq_rel.sys"):
         assert instr in ptx, instr
     assert "multimem" not in ptx                  # never NVLink multicast
-    bulk = ("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes",
-            "cp.async.bulk.global.shared::cta.bulk_group", "add.rn.bf16x2",
-            "fence.proxy.async.global")
-    for instr in bulk:
-        assert (instr in ptx) == sys.argv[2].startswith("bulk"), instr
-    assert ("cp.async.bulk.wait_group.read" in ptx) == (sys.argv[2] == "bulk:w1")
     print("linked", len(bytes(cubin.code)))
 """)
 
 
-@pytest.mark.parametrize("tile,moves", [("sm90:kn", "threads"), ("sm90:e2p1", "bulk"),
-                                        ("sm90:e2p1", "bulk:w1")])
-def test_fused_kernel_compiles_for_sm90a(tile, moves):
-    """The plain staged tile reading B as [k, n] with plain-load tile moves, and the fused ops'
-    default: the staged + publisher tile (320 threads) with TMA bulk tile moves
-    (roles.bulk)."""
+@pytest.mark.parametrize("tile", ["sm90:kn", "sm90:e2p1"])
+@pytest.mark.slow
+def test_fused_kernel_compiles_for_sm90a(tile):
+    """The plain staged tile reading B as [k, n], and the fused ops' default: the staged +
+    publisher tile (320 threads)."""
     pytest.importorskip("cuda.bindings.nvjitlink")
-    assert "linked" in run_python(COMPILE_SCRIPT, tile, moves, simulator=False, timeout=900)
+    assert "linked" in run_python(COMPILE_SCRIPT, tile, simulator=False, timeout=900)
 
 
 # ---- simulator, several ranks (tiny shapes: every thread is a Python thread) -------------------
@@ -140,21 +133,20 @@ def _passes(out, n):
     assert out.count("PASS") == n, out[-3000:]
 
 
-@pytest.mark.parametrize("split,deliver,shared,fold", [(1, "on", "mixed", "on"),
-                                                       (4, "on", "off", "off"),
-                                                       (1, "off", "on", "off")])
-def test_sim_1x2_both_kernels(split, deliver, shared, fold):
-    """split 4: each tile is reduced (and, AllReduce, pulled) as four row bands, each with
-    its own final flag. deliver: compute blocks write the tiles the other GPU owns into its
+@pytest.mark.parametrize("deliver,shared,fold", [
+    ("on", "mixed", "on"),
+    pytest.param("on", "off", "off", marks=pytest.mark.slow),
+    pytest.param("off", "on", "off", marks=pytest.mark.slow)])
+def test_sim_1x2_both_kernels(deliver, shared, fold):
+    """deliver: compute blocks write the tiles the other GPU owns into its
     inbox; off: the owner loads them from the other GPU. shared: AllReduce into its shared
     output, which the owner writes on both GPUs when delivering (direct), else through the
     copy; mixed: rank 0 into its shared output, rank 1 into an array of its own, which it
     copies out of its shared output. fold: ReduceScatter's owner adds the delivered tile in
     its own tile's epilogue."""
-    out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, split, "auto",
-                  deliver, shared, fold)
+    out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, "auto", deliver,
+                  shared, fold)
     _passes(out, 4)
-    assert out.count(f"split={split}") == 4, out[-2000:]
     assert out.count("join=0") == 4, out[-2000:]       # blocks run one at a time here
     assert out.count(f"deliver={int(deliver == 'on')}") == 4, out[-2000:]
     direct = int(deliver == "on" and shared != "off")
@@ -167,12 +159,13 @@ def test_sim_1x2_both_kernels(split, deliver, shared, fold):
 def test_sim_one_rank_is_the_plain_gemm():
     """One rank has nothing to reduce: the ops run the plain GEMM into ``out`` (fused_checks
     traces runs of 3 calls or fewer, which keeps the fused kernel: 4 calls here)."""
-    out = run_mpi("fused_checks.py", 1, "both", 128, 64, 16, 4, "numba")
+    out = run_mpi("fused_checks.py", 1, "both", 64, 32, 8, 4, "numba")
     _passes(out, 2)
     assert out.count("solo=1") == 2, out[-2000:]
 
 
 @pytest.mark.parametrize("mode", ["ordered", "completion"])
+@pytest.mark.slow
 def test_sim_2x1_both_kernels(mode):
     env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": f"sim:{mode}"}
     _passes(run_mpi("fused_checks.py", 2, "both", 128, 32, 8, 2, "numba", 1, env=env), 4)
@@ -183,8 +176,8 @@ def test_sim_1x2_adaptive_across_the_wrap():
     pull) items from queues and change role between them; two calls from just short of 2**32
     calls (the call counter, the epoch and the queues' tickets wrap), each against the float64
     reference, the trace of the last one saved and checked (fused_checks)."""
-    out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, 0, "auto", "auto",
-                  "off", "auto", "adaptive", 2**32 - 1)
+    out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, "auto", "auto", "off",
+                  "auto", "adaptive", 2**32 - 1)
     _passes(out, 4)
     assert out.count("adaptive=1") == 4, out[-2000:]
     assert out.count("calls_seen=1 ") == 4, out[-2000:]     # 2**32 + 1 calls, mod 2**32
@@ -194,8 +187,8 @@ def test_sim_2x1_adaptive():
     """The controller between two nodes: compute and reduce blocks are flexible, send and
     receive keep their blocks; the network chunks are counted as reduce items finish."""
     env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:completion"}
-    out = run_mpi("fused_checks.py", 2, "rs", 128, 32, 8, 2, "numba", 1, 0, "auto", "auto",
-                  "off", "auto", "adaptive", env=env)
+    out = run_mpi("fused_checks.py", 2, "rs", 128, 32, 8, 2, "numba", 1, "auto", "auto", "off",
+                  "auto", "adaptive", env=env)
     _passes(out, 2)
     assert out.count("adaptive=1") == 2, out[-2000:]
 
@@ -205,14 +198,11 @@ def test_adaptive_refuses_what_it_cannot_do():
     anything is allocated."""
     from types import SimpleNamespace
     from mknumba.kernels.gemm_rs import GemmReduceScatter
-    op = SimpleNamespace(adaptive=True, name="GemmReduceScatter", moves="threads")
+    op = SimpleNamespace(adaptive=True, name="GemmReduceScatter")
     for bad in (dict(join=True, fold=None), dict(join=None, fold=True)):
         with pytest.raises(mknumba.MkValueError, match="adaptive"):
             GemmReduceScatter._check_adaptive(op, **bad)
     GemmReduceScatter._check_adaptive(op, None, None)
-    with pytest.raises(mknumba.MkValueError, match="moves='threads'"):
-        bulk = SimpleNamespace(**dict(op.__dict__, moves="bulk"))
-        GemmReduceScatter._check_adaptive(bulk, None, None)
 
 
 def test_controller_target_is_eq2_rounded():
@@ -267,24 +257,26 @@ def test_timeline_layout():
 def test_sim_1x4_both_kernels():
     """Four GPUs on one node: each owner sums its tile and three delivered inbox planes
     (ReduceScatter: in its own tile's epilogue, fold)."""
-    out = run_mpi("fused_checks.py", 4, "both", 128, 32, 8, 2, "numba", 0, 0, "auto", "on",
-                  "off", "on", env={"MKNUMBA_GPUS_PER_NODE": "4"})
+    out = run_mpi("fused_checks.py", 4, "both", 128, 32, 8, 2, "numba", 0, "auto", "on", "off",
+                  "on", env={"MKNUMBA_GPUS_PER_NODE": "4"})
     _passes(out, 8)
     assert out.count("deliver=1") == 8, out[-2000:]
     assert out.count("fold=1") == 4, out[-2000:]
 
 
+@pytest.mark.slow
 def test_sim_2x2_both_kernels():
     env = {"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:completion"}
     _passes(run_mpi("fused_checks.py", 4, "both", 128, 32, 8, 2, "numba", 1, env=env), 8)
 
 
+@pytest.mark.slow
 def test_sim_2x2_allreduce_shared_output():
     """Between nodes the receive role writes the finished tile into every local GPU's shared
     output (no copy)."""
     env = {"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:ordered"}
-    out = run_mpi("fused_checks.py", 4, "ar", 128, 32, 8, 2, "numba", 1, 0, "auto", "auto",
-                  "on", env=env)
+    out = run_mpi("fused_checks.py", 4, "ar", 128, 32, 8, 2, "numba", 1, "auto", "auto", "on",
+                  env=env)
     _passes(out, 4)
     assert out.count("direct=1") == 4, out[-2000:]
 
@@ -305,8 +297,8 @@ def test_gpu_1x2_hundred_calls_torch():
 def test_gpu_1x2_reduce_scatter_fold_hundred_calls():
     """Each owner computes its row block last and adds the delivered partials in the GEMM
     epilogue: 100 back-to-back calls, torch tensors."""
-    out = run_mpi("fused_checks.py", 2, "rs", 2048, 1536, 512, 100, "torch", 0, 0, "auto",
-                  "on", "off", "on", simulator=False, env=GPU_ENV)
+    out = run_mpi("fused_checks.py", 2, "rs", 2048, 1536, 512, 100, "torch", 0, "auto", "on",
+                  "off", "on", simulator=False, env=GPU_ENV)
     _passes(out, 2)
     assert out.count("fold=1") == 2, out[-2000:]
 
@@ -315,8 +307,8 @@ def test_gpu_1x2_reduce_scatter_fold_hundred_calls():
 def test_gpu_1x2_allreduce_shared_output_hundred_calls():
     """The owners write both GPUs' shared output directly; each call's result is copied out on
     the stream before the next call, whose peer writes must wait for that copy."""
-    out = run_mpi("fused_checks.py", 2, "ar", 2048, 1536, 512, 100, "torch", 0, 0, "auto",
-                  "on", "on", simulator=False, env=GPU_ENV)
+    out = run_mpi("fused_checks.py", 2, "ar", 2048, 1536, 512, 100, "torch", 0, "auto", "on",
+                  "on", simulator=False, env=GPU_ENV)
     _passes(out, 2)
     assert out.count("direct=1") == 2, out[-2000:]
 
@@ -327,7 +319,7 @@ def test_gpu_1x2_ragged_numba(join, deliver):
     """Ragged last tile column and row (AllReduce takes any m), several calls, numba arrays;
     idle compute blocks joining the reduce and pull queues and tiles delivered to their owners,
     and neither."""
-    out = run_mpi("fused_checks.py", 2, "ar", 1000, 776, 264, 5, "numba", 0, 0, join, deliver,
+    out = run_mpi("fused_checks.py", 2, "ar", 1000, 776, 264, 5, "numba", 0, join, deliver,
                   simulator=False, env=GPU_ENV)
     _passes(out, 2)
     assert out.count(f"join={int(join == 'on')} deliver={int(deliver == 'on')}") == 2, \
@@ -364,7 +356,7 @@ def test_ranks_must_plan_the_same_exchange():
     from mknumba.kernels.gemm_rs import GemmReduceScatter
     from mknumba.runtime import Comm
     op = SimpleNamespace(name="GemmReduceScatter", m=256, n=64, k=16, bm=32, bn=32,
-                         chunk_tiles=4, split=1, deliver=True, fold=False, shared_out=False)
+                         chunk_tiles=4, deliver=True, fold=False, shared_out=False)
 
     def fake_comm(theirs):
         group = SimpleNamespace(Get_rank=lambda: 0,

@@ -134,11 +134,10 @@ COMPILE_SCRIPT = textwrap.dedent("""
     print("linked", len(bytes(cubin.code)))
 """)
 
-#: tile build -> how its epilogue stores (gemm_tile.cu: MK_EPILOGUE), in the linked PTX
-#: ("sm90:e2p0" is "sm90"; "sm90:kn", the same reading B as [k, n]: tests/test_compile.py)
+#: the library's tile builds -> how their epilogue stores, in the linked PTX (their ":kn" twins
+#: read B as [k, n]: tests/test_compile.py; the probe's other builds,
+#: benchmarks/probe_gemm_tile.py, are compiled when it runs)
 STORES = {"sm90": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"],
-          "sm90:e0p0": ["st.global.u32"], "sm90:e1p0": [],
-          "sm90:e0p1": ["st.global.u32"],
           "sm90:e2p1": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"]}
 
 
@@ -150,9 +149,10 @@ def _ptxas():
 
 
 @pytest.mark.parametrize("name", list(STORES))
+@pytest.mark.slow
 def test_sm90_kernel_compiles_and_links(tmp_path, name):
-    """The library's tile build and the ones benchmarks/probe_gemm_tile.py times: each links
-    through nvJitLink LTO, stores as its header says, and keeps its accumulators in registers."""
+    """The library's tile builds (the plain GEMM's and the fused ops'): each links through
+    nvJitLink LTO, stores as its header says, and keeps its accumulators in registers."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     ptx_path = str(tmp_path / "gemm_sm90.ptx")
     assert "linked" in run_python(COMPILE_SCRIPT, ptx_path, name, simulator=False)
@@ -164,7 +164,7 @@ def test_sm90_kernel_compiles_and_links(tmp_path, name):
         set(STORES[name]), stores
     ptxas = _ptxas()
     if ptxas is None:
-        return
+        pytest.skip("linked and stores checked; no ptxas here for the register/spill report")
     # Resource report: no stack frame and no spills (the accumulators must stay in registers).
     # nvJitLink may emit a newer PTX ISA than the local ptxas reads; the instructions used here
     # exist since 8.0, so lower the header for this check.

@@ -123,69 +123,6 @@ k_copy[1, THREADS](devs[1], dst)
 want = hosts[1].reshape(64, W)[R0:R0 + ROWS, C0:C0 + WCOLS].reshape(-1)
 assert (dst.copy_to_host() == want).all(), "copy_tile_2d"
 
-# TMA bulk moves (roles.bulk, sm_90a): two members; tiles that fit (whole 16-byte row units at
-# 16-byte aligned addresses, <= 128 x 64 words) go through the bulk path (the returned count
-# says so), the ragged tile above falls back to plain loads. Same bit-exact checks.
-if not SIMULATOR and cuda.get_current_device().compute_capability == (9, 0):
-    from mknumba.kernels import launch as G
-    from mknumba.roles import bulk
-
-    def bulk_kernel(wait):
-        b_init, b_reduce, b_copy, b_drain = bulk.bulk_functions(wait)
-
-        @cuda.jit
-        def k_bulk(ptrs, template, me, out, push, r0, c0, rows, wcols, seqs):
-            smem = cuda.shared.array(0, dtype=np.uint8)
-            b_init(smem)
-            s = b_reduce(smem, 0, ptrs, template, 2, me, r0 * W + c0, W, out, 0, wcols, push,
-                         rows, wcols)
-            s = b_copy(smem, s, template, r0 * W + c0, W, out, rows * wcols, wcols, rows,
-                       wcols)
-            # another phase of the same barrier; it reads the sum: written first (drain)
-            b_drain(smem)
-            s = b_copy(smem, s, out, 0, wcols, out, 2 * rows * wcols, wcols, rows, wcols)
-            b_drain(smem)
-            if cuda.threadIdx.x == 0:
-                seqs[0] = s
-        return k_bulk
-
-    def launch(k_bulk, *args):
-        ty = tuple(__import__("numba").typeof(a) for a in args)
-        if ty not in k_bulk.overloads:
-            kern = k_bulk.compile(ty)
-            G._set_max_dynamic_smem(kern._codelibrary.get_cufunc(), bulk.SMEM_BYTES,
-                                    cuda.get_current_device().id)
-        k_bulk[1, THREADS, 0, bulk.SMEM_BYTES](*args)
-
-    cases = [(wait, *c) for wait in (0, 1) for c in ((2, 6, 37, 64, True),
-                                                     (0, 10, 64, 34, True),
-                                                     (R0, C0, ROWS, WCOLS, False))]
-    kernels = {wait: bulk_kernel(wait) for wait in (0, 1)}
-    for wait, r0, c0, rows, wcols, fast in cases:
-        for me in (0, 1):
-            terms = [f32[(me + 1 + j) % 2][r0:r0 + rows, 4 * c0:4 * (c0 + wcols)]
-                     for j in range(2)]
-            for push in (True, False):
-                out = cuda.to_device(np.full(3 * rows * wcols, POISON, np.uint64))
-                seqs = cuda.to_device(np.zeros(1, np.int64))
-                launch(kernels[wait], ptrs, devs[me], me, out, push, r0, c0, rows, wcols, seqs)
-                got = out.copy_to_host()
-                what = f"bulk w{wait} r0={r0} c0={c0} {rows}x{wcols} me={me} push={push}"
-                assert seqs.copy_to_host()[0] == (3 if fast else 0), (what, seqs.copy_to_host())
-                check(got[:rows * wcols], terms, what)
-                # own partial, as it was before the move, then a copy of the sum
-                own = hosts[me].reshape(64, W)[r0:r0 + rows, c0:c0 + wcols].reshape(-1)
-                assert (got[rows * wcols:2 * rows * wcols] == own).all(), what + " copy"
-                assert (got[2 * rows * wcols:] == got[:rows * wcols]).all(), what + " copy 2"
-                for p in range(3):       # pushed into the peer's buffer only, exactly there
-                    now = devs[p].copy_to_host().reshape(64, W)
-                    want = hosts[p].reshape(64, W).copy()
-                    if push and p == 1 - me:
-                        want[r0:r0 + rows, c0:c0 + wcols] = got[:rows * wcols].reshape(rows,
-                                                                                       wcols)
-                    assert (now == want).all(), f"{what}: buffer {p} wrong"
-                    devs[p].copy_to_device(hosts[p])
-    print("bulk moves ok")
 print("reduce roles ok")
 """
 

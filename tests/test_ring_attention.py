@@ -33,6 +33,7 @@ def test_zigzag_balances_causal_work():
     assert work["contiguous"][-1] > 3 * work["contiguous"][0]
 
 
+@pytest.mark.slow
 def test_ring_kernel_compiles_for_sm90a():
     """Both builds of the kernel (SIMT and sm90 compute roles), for their own declaration,
     compile to PTX for sm_90a without a GPU."""
@@ -100,10 +101,11 @@ def _passes(out, n):
     assert out.count("PASS ring") == 4 * n, out[-3000:]
 
 
-@pytest.mark.parametrize("ranks,gpn,transport", [(2, 2, None), (4, 4, None),
-                                                 (2, 1, "sim:ordered"),
-                                                 (4, 2, "sim:completion")],
-                         ids=["1x2", "1x4", "2x1", "2x2"])
+@pytest.mark.parametrize("ranks,gpn,transport", [
+    pytest.param(2, 2, None, id="1x2"),
+    pytest.param(4, 4, None, id="1x4", marks=pytest.mark.slow),
+    pytest.param(2, 1, "sim:ordered", id="2x1", marks=pytest.mark.slow),
+    pytest.param(4, 2, "sim:completion", id="2x2", marks=pytest.mark.slow)])
 def test_sim_ring(ranks, gpn, transport):
     """Both layouts, causal and not, GQA, seq_local 6 (a partial tile of 8 rows), 2 calls;
     between nodes the slices go through the proxy (both completion modes) and, on 2x2, are

@@ -3,37 +3,59 @@ import textwrap
 
 from mpi_util import run_python
 
-# Forty launches of a kernel whose 256 threads share one static shared array, with Python
-# switching threads as often as it can. numba's unlocked lookup gave some threads a second
-# array (measured: 4 of 40 launches wrong); the locked one in _compat gives none.
+# numba's simulator looks a block's static shared array up by the calling line and creates it
+# when missing, without a lock: two simulated threads switched between the lookup and the store
+# get two arrays. Here a lookup that waits (bounded) for the other thread to look up too forces
+# exactly that interleaving every time: unlocked, both miss and make an array each; with the
+# lock in _compat the second waits for the first, whose wait times out, and finds its array.
+# The same run checks numba's own (unlocked) lookup fails it, so the check can fail.
 RACE = textwrap.dedent("""
     import sys
+    import threading
     import numpy as np
     import mknumba  # noqa: F401  (applies the work-arounds)
-    from numba import cuda
+    from numba.cuda.simulator import kernelapi
 
-    @cuda.jit
-    def transpose_kernel(src, dst):     # dst = src.T through one static shared tile
-        tile = cuda.shared.array((32, 33), dtype=np.uint16)
-        tx, ty, rows = cuda.threadIdx.x % 32, cuda.threadIdx.x // 32, cuda.blockDim.x // 32
-        for j in range(ty, 32, rows):
-            tile[j, tx] = src[j, tx]
-        cuda.syncthreads()
-        for j in range(ty, 32, rows):
-            dst[j, tx] = tile[tx, j]
+    class Racing(dict):
+        def __init__(self):
+            self.barrier = threading.Barrier(2)
 
-    sys.setswitchinterval(1e-6)
-    rng = np.random.default_rng(0)
-    wrong = 0
-    for _ in range(40):
-        src = rng.integers(0, 60000, (32, 32)).astype(np.uint16)
-        dst = np.zeros((32, 32), np.uint16)
-        transpose_kernel[1, 256](src, dst)
-        wrong += not np.array_equal(dst, src.T)
-    print("wrong", wrong)
+        def get(self, key, default=None):
+            found = super().get(key, default)
+            try:                  # return only once the other thread has looked up too
+                self.barrier.wait(timeout=0.5)
+            except threading.BrokenBarrierError:
+                pass
+            return found
+
+    def arrays():
+        shared = kernelapi.FakeCUDAShared(0)
+        shared._allocations = Racing()
+        got = []
+
+        def thread():
+            got.append(shared.array((4,), np.float32))    # one line: one static array
+        ts = [threading.Thread(target=thread) for _ in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return len({id(a) for a in got})
+
+    print("locked", arrays())
+
+    def numba_array(self, shape, dtype, alignment=None):    # numba's lookup, unlocked
+        frame = sys._getframe(1)
+        caller = (frame.f_code.co_filename, frame.f_lineno)
+        res = self._allocations.get(caller)
+        if res is None:
+            res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+    kernelapi.FakeCUDAShared.array = numba_array
+    print("unlocked", arrays())
 """)
 
 
 def test_static_shared_array_is_one_per_block_under_thread_switches():
     out = run_python(RACE)
-    assert "wrong 0" in out, out
+    assert "locked 1" in out and "unlocked 2" in out, out

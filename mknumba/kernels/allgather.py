@@ -189,7 +189,8 @@ class AllGather:
         self.words = nbytes // self.word.itemsize
         # Defaults: (simulator, GPU). The simulator runs every thread as a Python thread.
         # Between nodes a tile is one proxy command: about 1 MiB on a GPU (the host proxy
-        # spends microseconds per command).
+        # spends microseconds per command). The GPU block counts are those of the AllGather
+        # benchmark (0.67x NCCL at 256 MiB, benchmarks/NOTES.md); they were not swept.
         fwd = comm.local_size > 1 if self.remote else False
         given = dict(tile=tile, threads=threads, send_blocks=send_blocks,
                      recv_blocks=recv_blocks, forward_blocks=forward_blocks)

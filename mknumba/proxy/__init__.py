@@ -1,9 +1,9 @@
-"""Host proxy, command ring and transports (paper §3.3, DESIGN.md §7).
+"""Host proxy, command ring and transports (paper §3.3, docs/design.md §7).
 
 Send blocks publish 48-byte commands into a ring in mapped host memory
 (:func:`mknumba.roles.send.enqueue`); one proxy thread per GPU polls it, batches commands per
 connection and hands them to a transport, which moves the payload and then makes the chunk's
-arrival flag true on the peer (:func:`mknumba.roles.recv.wait_chunk` waits for it).
+arrival flag true on the peer (a bounded :func:`mknumba.primitives.wait_flag` waits for it).
 
     proxy = mknumba.proxy.start(comm)            # init() does this when comm.nodes > 1
     win = proxy.register(buf)                    # collective, same order on every rank
@@ -37,6 +37,8 @@ def start(comm, transport=None, *, slots=None, max_batch=None, window_us=5.0, pa
     if pace_gbps is None and os.environ.get("MKNUMBA_PACE_GBPS"):
         pace_gbps = float(os.environ["MKNUMBA_PACE_GBPS"])
     _warn_if_one_cpu(comm)
+    # Defaults of the proxy benchmark runs (benchmarks/NOTES.md, proxy: batches of 8 reached
+    # 87-100% of the copy engine at 1-4 MiB chunks); other values were not swept.
     slots = int(slots or os.environ.get("MKNUMBA_PROXY_SLOTS", 1024))
     max_batch = int(max_batch or os.environ.get("MKNUMBA_PROXY_BATCH", 8))
     return Proxy(comm, t, slots=slots, max_batch=max_batch, window_us=window_us,

@@ -60,13 +60,6 @@ def encode_imm(flag_win, flag_slot, epoch):
     return out
 
 
-def decode_imm(imm):
-    """uint32 immediates -> (flag_win, flag_slot, epoch_lo8) as int64 arrays."""
-    imm = np.asarray(imm, np.int64)
-    return ((imm >> SLOT_BITS) & (MAX_FLAG_WINDOWS - 1), imm & (MAX_FLAG_SLOTS - 1),
-            imm >> (SLOT_BITS + WIN_BITS))
-
-
 @njit(nogil=True, inline="always")
 def shadow_publish(values, offsets, imm):
     """Receiving side of one immediate -> (flag_win, flag_slot, full epoch); updates the shadow.

@@ -127,15 +127,6 @@ def take(queue, q, call, n, workers):
     return i
 
 
-@cuda.jit(device=True, inline=True)
-def take_band(queue, q, call, n_tiles, bands, workers):
-    """:func:`take` for a queue of ``n_tiles`` tiles cut into ``bands`` row bands each:
-    ``(item, tile index, band)``, item ``n_tiles * bands`` or more once all are taken."""
-    i = take(queue, q, call, n_tiles * bands, workers)
-    it = prim.udiv32(i, bands)
-    return i, it, i - it * bands
-
-
 @cuda.jit(device=True)
 def record(on, trace, event, item, value):
     """Tracing: ``trace[event, item] = value`` from thread 0, when ``on`` (and the item has a

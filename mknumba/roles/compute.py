@@ -30,7 +30,6 @@ Two implementations:
   product per output element, ``SIMT_TILE`` tiles, any block size.
 """
 import os
-import re
 from collections import namedtuple
 
 import numpy as np
@@ -413,22 +412,30 @@ def threads_of(build):
     return 32 if SIMULATOR and not build.tma else build.threads
 
 
+def sm90_build(epilogue, publisher, b_kn=False):
+    """The :class:`TileBuild` of gemm_tile.cu built with MK_EPILOGUE=epilogue,
+    MK_PUBLISHER=publisher and MK_B_KN=b_kn (sm_90a). The library runs (2, 0) and, in the fused
+    ops, (2, 1), each also with b_kn; ``benchmarks/probe_gemm_tile.py`` registers the others
+    (:func:`register_tile`)."""
+    return TileBuild(*sm90_tile_functions(epilogue, publisher, b_kn), SM90_TILE,
+                     sm90_threads(publisher), sm90_smem_bytes(epilogue), True, epilogue == 1,
+                     b_kn)
+
+
 def tile_build(name):
     """The tile build called ``name``: ``"simt"``, ``"sm90"`` (the library's Hopper tile),
-    ``"sm90:e<E>p<P>"`` (gemm_tile.cu built with MK_EPILOGUE=E and MK_PUBLISHER=P, made on first
-    use), or one added with :func:`register_tile`; any of the first three with ``":kn"``
-    appended (:func:`kn_kind`): the same tile reading B as [k, n]. Raises MkValueError for
-    anything else."""
+    ``SM90_FUSED_TILE`` (made on first use), or one added with :func:`register_tile`; any of
+    the first three with ``":kn"`` appended (:func:`kn_kind`): the same tile reading B as
+    [k, n]. Raises MkValueError for anything else."""
+    if name not in _BUILDS and not SIMULATOR:
+        lazy = {"sm90:kn": (SM90_EPILOGUE, False, True), SM90_FUSED_TILE: (SM90_EPILOGUE, True,
+                False), f"{SM90_FUSED_TILE}:kn": (SM90_EPILOGUE, True, True)}
+        if name in lazy:
+            _BUILDS[name] = sm90_build(*lazy[name])
     if name not in _BUILDS:
-        spec = re.fullmatch(r"sm90(?::e(\d)p([01]))?(:kn)?", str(name))
-        if spec is None or SIMULATOR or (spec[1] and int(spec[1]) not in SM90_STAGING):
-            raise MkValueError(f"no tile build {name!r} here (known: {sorted(_BUILDS)}, and "
-                               "'sm90[:e<0|1|2>p<0|1>][:kn]' on a GPU)")
-        epilogue = int(spec[1]) if spec[1] else SM90_EPILOGUE
-        publisher, b_kn = spec[2] == "1", spec[3] is not None
-        _BUILDS[name] = TileBuild(*sm90_tile_functions(epilogue, publisher, b_kn), SM90_TILE,
-                                  sm90_threads(publisher), sm90_smem_bytes(epilogue), True,
-                                  epilogue == 1, b_kn)
+        raise MkValueError(f"no tile build {name!r} here (known: {sorted(_BUILDS)}"
+                           f"{'' if SIMULATOR else ', ' + repr(SM90_FUSED_TILE)}, each of "
+                           "the library's also with ':kn')")
     return _BUILDS[name]
 
 
@@ -447,7 +454,8 @@ def kn_kind(kind, op="mknumba"):
 
 def register_tile(name, build):
     """Add a :class:`TileBuild` under ``name`` (probes that time variants of a tile, e.g.
-    ``benchmarks/probe_gemm_tile.py``); the kernels then take ``tile=name``."""
+    ``benchmarks/probe_gemm_tile.py`` with :func:`sm90_build`); the kernels then take
+    ``tile=name``."""
     if name in _BUILDS:
         raise MkValueError(f"tile build {name!r} exists already")
     _BUILDS[name] = build
@@ -455,7 +463,7 @@ def register_tile(name, build):
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
            "SIMT_TILE", "SIMT_THREADS",
-           "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions",
+           "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions", "sm90_build",
            "gemm_init_simt", "gemm_tile_simt", "gemm_tile_simt_kn", "bf16_to_f32",
            "bf16_hi_to_f32", "f32_to_bf16", "make_compute_role", "make_compute_tile",
            "own_tile", "to_owner", "TileBuild", "tile_build", "kn_kind", "threads_of",

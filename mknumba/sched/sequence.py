@@ -3,7 +3,7 @@
 ``contiguous``: rank r holds positions [r * s, (r + 1) * s) of the global sequence (s: the
 local length). ``zigzag``: the sequence is cut into 2W chunks of s/2 and rank r holds chunks r
 and 2W - 1 - r, so under a causal mask every rank has the same work: its early chunk sees few
-keys and its late chunk many (DESIGN.md §9).
+keys and its late chunk many (docs/design.md).
 """
 import numpy as np
 from numba import cuda
@@ -11,7 +11,6 @@ from numba import cuda
 from ..errors import MkValueError
 
 LAYOUTS = ("contiguous", "zigzag")
-CONTIGUOUS, ZIGZAG = 0, 1
 
 
 @cuda.jit(device=True, inline=True)

@@ -37,7 +37,9 @@ RECORDED = {
 }
 
 #: Network chunk size per topology kind (paper: 256 KiB for GEMM+AllReduce; the emulated
-#: network's host proxy spends a few microseconds per command, so larger chunks there).
+#: network's host proxy spends a few microseconds per command, so larger chunks there). The
+#: 2x1 sweep with 1 MiB reached 97-100% of the network floor (benchmarks/NOTES.md, fused);
+#: other sizes were not swept.
 CHUNK_BYTES = {"network": 1 << 20}
 
 

@@ -4,7 +4,7 @@ A persistent kernel launches exactly as many blocks as can be resident at once (
 and never more: a block that waits on another block's flag must not wait on one that was never
 scheduled. The first ``compute_blocks`` blocks take the compute role; the remaining blocks (the
 SMs "held back") are free for communication roles in fused kernels. Blocks of lower index produce,
-higher ones consume (the simulator runs blocks in index order; DESIGN.md §3).
+higher ones consume (the simulator runs blocks in index order; docs/design.md §3).
 
 Compute block ``b`` visits entries ``b, b + compute_blocks, b + 2 * compute_blocks, ...`` of an
 order table of tile ids (``grouped_order`` for a plain GEMM, ``sched.reduce`` for the fused
@@ -48,7 +48,9 @@ def grouped_order(tiles_m, tiles_n, group_m):
 
 
 def default_group_m(tiles_m, tiles_n, blocks):
-    """Band height that makes the tiles in flight (about ``blocks``) roughly square."""
+    """Band height that makes the tiles in flight (about ``blocks``) roughly square. A
+    group_m sweep on one H200 was not conclusive (benchmarks/NOTES.md: machine-to-machine
+    spread exceeded the effect), so this rule stays."""
     g = 1
     while g * g < blocks and g < tiles_m:
         g *= 2

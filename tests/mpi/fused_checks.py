@@ -1,11 +1,11 @@
 """Multi-rank checks of GemmReduceScatter and GemmAllReduce, run under mpiexec.
 
     mpiexec -n N python tests/mpi/fused_checks.py KERNEL M N K [ITERATIONS] [ARRAYS] [CHUNK_TILES]
-        [SPLIT] [JOIN] [DELIVER] [SHARED] [FOLD] [COMM_SMS] [START_AT]
+        [JOIN] [DELIVER] [SHARED] [FOLD] [COMM_SMS] [START_AT]
 
 KERNEL: rs | ar | both. ARRAYS: numba (bf16 bits in uint16 device arrays) or torch (GPU only).
 CHUNK_TILES: tiles per network chunk (default: the op's; small values exercise the counters).
-SPLIT, JOIN, DELIVER: the ops' options (0 / "auto": the op's choice). SHARED=on: AllReduce
+JOIN, DELIVER: the ops' options ("auto": the op's choice). SHARED=on: AllReduce
 into its shared output (``shared_out``, ``out=None``), copied after each call on the stream:
 the next call's peers write into it, and must not before that copy is done; SHARED=mixed:
 rank 0 so, the others into arrays of their own (copied out of their shared outputs). FOLD=on:
@@ -45,7 +45,7 @@ def bits_f64(b):
     return (np.asarray(b).astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, deliver,
+def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, join, deliver,
         shared=False, fold=None, comm_sms=None, start_at=0):
     from mknumba.kernels.gemm import kind_for
     from mknumba.roles.compute import tile_build
@@ -57,7 +57,7 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split, join, de
     shared = shared and Op is GemmAllReduce
     into_shared = shared and (shared != "mixed" or comm.rank == 0)   # else: our own arrays
     fold = fold if Op is GemmReduceScatter else None
-    op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced, split=split or None, join=join,
+    op = Op(comm, m, n, k, chunk_bytes=chunk, trace=traced, join=join,
             deliver=deliver, shared_out=bool(shared), fold=fold, comm_sms=comm_sms)
     if start_at:
         op._start_at(start_at)
@@ -168,19 +168,19 @@ def check_trace(op):
     assert (ev["block_end"][:grid] >= ev["block_start"][:grid]).all()
     p = op.plan
     net = op.comm.nodes > 1
-    for before, after, n in (("reduce_ready", "reduce_done", len(p.red_tiles) * op.split),
+    for before, after, n in (("reduce_ready", "reduce_done", len(p.red_tiles)),
                              ("send_ready", "send_enqueued", p.n_cmds if net else 0),
                              ("recv_arrived", "recv_done", p.n_final if net else 0),
-                             ("block_start", "pull_done", len(p.pull_tiles) * op.split)):
+                             ("block_start", "pull_done", len(p.pull_tiles))):
         b, a = ev[before][:n], ev[after][:n]
         if before == "block_start":       # pull items have one stamp: after the block began
             b = np.full(n, ev["block_start"][:grid].min())
         assert (b > 0).all() and (a >= b).all(), f"{op.name}: {before} -> {after} stamps wrong"
     if doc is not None:                # rank 0: this rank's events, one per item
         x = [e for e in doc["traceEvents"] if e["ph"] == "X" and e["pid"] == op.comm.rank]
-        for role, n in (("compute", len(p.order)), ("reduce", len(p.red_tiles) * op.split),
+        for role, n in (("compute", len(p.order)), ("reduce", len(p.red_tiles)),
                         ("send", p.n_cmds if net else 0), ("recv", p.n_final if net else 0),
-                        ("pull", len(p.pull_tiles) * op.split)):
+                        ("pull", len(p.pull_tiles))):
             assert sum(e["cat"] == role for e in x) == n, (role, n)
     if op.adaptive:                    # the controller logged each flexible block's start
         flex = op.role_blocks["compute"] + op.role_blocks["reduce"]
@@ -192,17 +192,16 @@ def main():
     iterations = int(sys.argv[5]) if len(sys.argv) > 5 else 3
     arrays = sys.argv[6] if len(sys.argv) > 6 else "numba"
     chunk_tiles = int(sys.argv[7]) if len(sys.argv) > 7 else 0
-    split = int(sys.argv[8]) if len(sys.argv) > 8 else 0          # 0: the op's choice
     onoff = {"on": True, "off": False}                         # else: the op's choice
-    join = onoff.get(sys.argv[9] if len(sys.argv) > 9 else "")
-    deliver = onoff.get(sys.argv[10] if len(sys.argv) > 10 else "")
-    shared = {"on": True, "mixed": "mixed"}.get(sys.argv[11] if len(sys.argv) > 11 else "",
+    join = onoff.get(sys.argv[8] if len(sys.argv) > 8 else "")
+    deliver = onoff.get(sys.argv[9] if len(sys.argv) > 9 else "")
+    shared = {"on": True, "mixed": "mixed"}.get(sys.argv[10] if len(sys.argv) > 10 else "",
                                                  False)
-    fold = onoff.get(sys.argv[12] if len(sys.argv) > 12 else "")
-    comm_sms = sys.argv[13] if len(sys.argv) > 13 else ""
+    fold = onoff.get(sys.argv[11] if len(sys.argv) > 11 else "")
+    comm_sms = sys.argv[12] if len(sys.argv) > 12 else ""
     comm_sms = None if comm_sms in ("", "0") else comm_sms if comm_sms == "adaptive" \
         else int(comm_sms)
-    start_at = int(sys.argv[14]) if len(sys.argv) > 14 else 0
+    start_at = int(sys.argv[13]) if len(sys.argv) > 13 else 0
     ops = {"rs": [GemmReduceScatter], "ar": [GemmAllReduce],
            "both": [GemmReduceScatter, GemmAllReduce]}[kernel]
     with mk.init() as comm:
@@ -211,10 +210,10 @@ def main():
             torch.cuda.set_device(comm.device_id)
         rng = np.random.default_rng(1000 + comm.rank)
         for Op in ops:
-            worst, op = run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, split,
-                            join, deliver, shared, fold, comm_sms, start_at)
+            worst, op = run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, join,
+                            deliver, shared, fold, comm_sms, start_at)
             print(f"PASS {Op.kernel_name} rank {comm.rank} topology {comm.nodes}x"
-                  f"{comm.local_size} m={m} n={n} k={k} calls={iterations} split={op.split} "
+                  f"{comm.local_size} m={m} n={n} k={k} calls={iterations} "
                   f"join={int(op.join)} deliver={int(op.deliver)} solo={int(op.solo)} "
                   f"direct={int(op.direct)} fold={int(op.fold)} adaptive={int(op.adaptive)} "
                   f"calls_seen={op.calls_seen} "

@@ -3,7 +3,7 @@
 Run: mpiexec -n N python proxy_stress.py TRANSPORT TOTAL_COMMANDS   (simulator, N in 2..4)
 Each rank is its own (emulated) node. Two rounds reuse the same flags with epochs 1 and 2:
 round 1 is produced by a simulated kernel through roles.send.enqueue and consumed by a kernel
-through roles.recv.wait_chunk; round 2 by a host producer through the same encoder.
+through primitives.wait_flag; round 2 by a host producer through the same encoder.
 Environment set by the test: MKNUMBA_GPUS_PER_NODE=1, MKNUMBA_PROXY_SLOTS=16 (backpressure).
 """
 import os
@@ -13,9 +13,9 @@ import time
 import numpy as np
 
 import mknumba
-from mknumba.primitives import globaltimer
+from mknumba.errors import ROLE_RECV
+from mknumba.primitives import globaltimer, wait_flag
 from mknumba.proxy.ring import host_enqueue
-from mknumba.roles.recv import wait_chunk
 from mknumba.roles.send import enqueue
 from numba import cuda
 
@@ -51,7 +51,7 @@ def send_kernel(ring, head, tail, peers, src_off, dst_off, nbytes, slots, epoch,
 def recv_kernel(flags, slots, epoch, timeout_ns, err, rank, ok):
     deadline = globaltimer() + timeout_ns
     for j in range(cuda.threadIdx.x, slots.shape[0], cuda.blockDim.x):
-        if wait_chunk(flags, slots[j], epoch, deadline, err, rank):
+        if wait_flag(flags, slots[j], epoch, deadline, err, rank, ROLE_RECV):
             cuda.atomic.add(ok, 0, 1)
 
 

@@ -11,7 +11,7 @@ below) and ``op`` (the host op: buffers, the prepared launch, calls).
 Each GPU holds a symmetric gathered A, [m, k] per call parity (``slot = call & 1``), and one
 epoch flag per part of every rank's shard (``flags[r * parts + p]``, a part is ``part_rows``
 rows). Blocks take roles by index; a role waits only on other ranks, the proxy or
-lower-numbered blocks of its own GPU (DESIGN.md §3):
+lower-numbered blocks of its own GPU (docs/design.md §3):
 
   send     [0, S)       for each part p of this rank's shard (blocks share the parts):
                           gathered[slot][my rows of p] <- a            (local stores)

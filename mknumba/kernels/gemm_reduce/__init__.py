@@ -7,7 +7,7 @@ agreement), ``kernel`` (the roles and the kernel that hands blocks to them, as b
 Every rank computes a partial product ``A_r @ B_r`` (A_r: [m, k_local], B_r: [k_local, n]); the
 result is the sum over all ranks, scattered by row blocks (ReduceScatter) or everywhere
 (AllReduce). Blocks take roles by index; a role waits only on lower-numbered blocks of its own
-GPU or on other ranks (DESIGN.md §3), so the stages below are in block order (the joiners, last
+GPU or on other ranks (docs/design.md §3), so the stages below are in block order (the joiners, last
 paragraph, are the one exception, and only where the whole grid is resident):
 
   compute  [0, C)       for t in order[blk::C]:  part[slot][tile t] <- A @ B (bf16)

@@ -4,8 +4,6 @@ hands blocks to them in block order (the role table is in :mod:`mknumba.kernels.
 Every role takes ``ctx = (epoch, call, deadline, err, rank, trace)`` and returns False when one
 of its waits timed out (the error record says which), so the block can end.
 """
-import threading
-
 import numpy as np
 from numba import cuda, types
 
@@ -13,11 +11,10 @@ from ... import _compat  # noqa: F401  (numpy alias before numba compiles)
 from ... import primitives as prim
 from ..._compat import SIMULATOR
 from ...errors import ROLE_INTRA, ROLE_RECV, ROLE_SEND
-from ...roles import bulk, compute
+from ...roles import compute
 from ...roles import controller as ctl_
-from ...roles.blocks import (begin, poll, publish, publish_peers, record, stamp, take,
-                             take_band, wait)
-from ...roles.reduce import chunk_arrive, sum_local, reduce_peers
+from ...roles.blocks import begin, poll, publish, publish_peers, record, stamp, take, wait
+from ...roles.reduce import chunk_arrive, copy_tile_2d, sum_local, reduce_peers
 from ...roles.send import enqueue
 from ..launch import array_type
 
@@ -30,13 +27,13 @@ Cfg, Record, Trace = array_type(np.int64, 1), array_type(np.int64, 1), array_typ
 CFG_FIELDS = ("m", "n", "tiles_n", "me", "g", "nodes", "out_row0", "compute", "reduce_end",
               "send_end", "recv_end", "allreduce", "stage_slots", "recv_slots", "nfinal",
               "recv_chunks", "chunk", "ncmds", "win_stage", "win_recv", "win_arrive", "nred",
-              "npull", "words", "trace", "split", "join", "deliver", "direct", "fold",
-              "out_shared", "adaptive", "flex_pull", "init_comm")
+              "npull", "words", "trace", "join", "deliver", "direct", "fold", "out_shared",
+              "adaptive", "flex_pull", "init_comm")
 (C_M, C_N, C_TILES_N, C_ME, C_G, C_NODES, C_OUT_ROW0, C_COMPUTE, C_REDUCE_END, C_SEND_END,
  C_RECV_END, C_ALLREDUCE, C_STAGE_SLOTS, C_RECV_SLOTS, C_NFINAL, C_RECV_CHUNKS, C_CHUNK,
  C_NCMDS, C_WIN_STAGE, C_WIN_RECV, C_WIN_ARRIVE, C_NRED, C_NPULL, C_WORDS, C_TRACE,
- C_SPLIT, C_JOIN, C_DELIVER, C_DIRECT, C_FOLD, C_OUT_SHARED, C_ADAPTIVE, C_FLEX_PULL,
- C_INIT_COMM) = range(34)
+ C_JOIN, C_DELIVER, C_DIRECT, C_FOLD, C_OUT_SHARED, C_ADAPTIVE, C_FLEX_PULL,
+ C_INIT_COMM) = range(33)
 Q_REDUCE, Q_PULL, Q_COMPUTE = 0, 1, 2      # the work queues (roles.blocks.take)
 QUEUES = 3
 
@@ -56,15 +53,13 @@ _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 _MASK32 = 0xFFFFFFFF
 
 
-def make_kernel(build, threads, moves="threads", adaptive=False):
-    """The persistent kernel around one tile build (``roles.compute.TileBuild``) and one way to
-    move tiles within the node (``roles.bulk``: TMA bulk copies on sm_90a, plain loads and
-    stores elsewhere), with the static split or (``adaptive``) the controller's. Each role is a
-    device function below; the kernel at the end hands blocks to them in block order."""
+def make_kernel(build, threads, adaptive=False):
+    """The persistent kernel around one tile build (``roles.compute.TileBuild``), with the
+    static split or (``adaptive``) the controller's. Each role is a device function below; the
+    kernel at the end hands blocks to them in block order."""
     bm, bn = build.shape
     tile_init = build.init
     compute_tile = compute.make_compute_tile(build, compute.TO_OWNER)
-    move_init, move_reduce, move_copy, move_drain = bulk.move_functions(moves)
     bw = bn // 4                      # words (4 bf16) per tile row
     tile_words = bm * bw
     tile_bytes = tile_words * 8
@@ -76,10 +71,10 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
     # shared arrays of roles.blocks.wait and take again, and the link refuses the duplicates.
 
     @cuda.jit(device=True, inline=True)
-    def origin(t, tiles_n, band, sub):
-        """First row (elements) and column (words) of row band ``band`` of tile ``t``."""
+    def origin(t, tiles_n):
+        """First row (elements) and column (words) of tile ``t``."""
         tm = prim.udiv32(t, tiles_n)
-        return tm * bm + band * sub, (t - tm * tiles_n) * bw
+        return tm * bm, (t - tm * tiles_n) * bw
 
     @cuda.jit(device=True, inline=True)
     def push_target(cfg, out_ptrs, out, out_off, part_ptrs, part, part_off):
@@ -124,13 +119,12 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
         return True
 
     @cuda.jit(device=True, inline=True)
-    def reduce_work(smem, cfg, tables, node, net, out, out_ptrs, i, it, band, seq, ctx):
-        """One reduce item whose partials are all there (:func:`reduce_wait`): row band
-        ``band`` of the ``it``-th tile this GPU owns, summed (fp32) and written: 1 node, to
-        ``out`` (AllReduce: also into every local peer's partials, or with a shared output
-        and delivery straight into its ``out``, then their final flags); nodes > 1, to a
-        stage slot for the network, counting it into its chunk. Returns this block's tile
-        moves so far (``roles.bulk``)."""
+    def reduce_work(cfg, tables, node, net, out, out_ptrs, it, ctx):
+        """One reduce item whose partials are all there (:func:`reduce_wait`): the ``it``-th
+        tile this GPU owns, summed (fp32) and written: 1 node, to ``out`` (AllReduce: also into
+        every local peer's partials, or with a shared output and delivery straight into its
+        ``out``, then their final flags); nodes > 1, to a stage slot for the network, counting
+        it into its chunk."""
         order, red_tiles, red_slots, red_chunks, chunk_tiles = tables
         part, part_ptrs, tile_flags, tile_flag_ptrs, final_flags, final_flag_ptrs = node
         stage, red_flags, chunk_count, chunk_ready = net
@@ -140,12 +134,10 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
         nodes, allreduce, deliver = cfg[C_NODES], cfg[C_ALLREDUCE] != 0, cfg[C_DELIVER] != 0
         part_base = (call & 1) * cfg[C_WORDS]
         plane = m * wn                # words per plane of partials
-        split = cfg[C_SPLIT]          # items per tile: bands of bm / split rows (1 node only)
-        sub = prim.udiv32(bm, split)
         t = red_tiles[it]
-        stamp(tr, trace, T_RED_READY, i)
-        r0, c0 = origin(t, cfg[C_TILES_N], band, sub)
-        rows = min(sub, m - r0)       # <= 0 past a ragged edge: no words, flag still set
+        stamp(tr, trace, T_RED_READY, it)
+        r0, c0 = origin(t, cfg[C_TILES_N])
+        rows = min(bm, m - r0)
         wcols = min(bw, wn - c0)
         src = part_base + r0 * wn + c0
         if nodes == 1:
@@ -156,12 +148,10 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
                 sum_local(part, src, part, src + plane, plane, G - 1, out, dst, wn,
                           to_ptrs, to, G, me, to_off, wn, allreduce, rows, wcols, wn)
             else:
-                seq = move_reduce(smem, seq, part_ptrs, part, G, me, src, wn, out, dst,
-                                  wn, allreduce, rows, wcols)
+                reduce_peers(part_ptrs, part, G, me, src, wn, out, dst, wn, allreduce,
+                             rows, wcols)
             if allreduce:
-                move_drain(smem)                # the pushed tile is written, then its flag
-                publish_peers(final_flag_ptrs, final_flags, G, me, t * split + band,
-                              epoch)
+                publish_peers(final_flag_ptrs, final_flags, G, me, t, epoch)
         else:
             stage_base = (call & 1) * cfg[C_STAGE_SLOTS] * tile_words
             s = red_slots[it]
@@ -172,28 +162,20 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
             if q >= 0:
                 chunk_arrive(chunk_count, chunk_ready, q,
                              (np.int64(call) * chunk_tiles[q]) & _MASK32, epoch)
-        stamp(tr, trace, T_RED_DONE, i)
-        return seq
+        stamp(tr, trace, T_RED_DONE, it)
 
     @cuda.jit(device=True, inline=True)
-    def reduce_role(smem, cfg, tables, node, net, out, out_ptrs, queue, workers, ctx):
-        """Intra-node reduce: for each tile (row band) this GPU owns, taken from the reduce
-        queue, wait until every local GPU's partial is there, then :func:`reduce_work`."""
+    def reduce_role(cfg, tables, node, net, out, out_ptrs, queue, workers, ctx):
+        """Intra-node reduce: for each tile this GPU owns, taken from the reduce queue, wait
+        until every local GPU's partial is there, then :func:`reduce_work`."""
         tiles = tables[0].shape[0]
-        seq = 0                       # this block's tile moves so far (roles.bulk)
-        if cfg[C_NODES] == 1:
-            move_init(smem)
         while True:
-            i, it, band = take_band(queue, Q_REDUCE, ctx[1], cfg[C_NRED], cfg[C_SPLIT],
-                                    workers)
+            it = take(queue, Q_REDUCE, ctx[1], cfg[C_NRED], workers)
             if it >= cfg[C_NRED]:
                 break
             if not reduce_wait(cfg, node, tables[1][it], tiles, ctx):
                 return False
-            seq = reduce_work(smem, cfg, tables, node, net, out, out_ptrs, i, it, band, seq,
-                              ctx)
-        if cfg[C_NODES] == 1:
-            move_drain(smem)          # no bulk store outlives the block
+            reduce_work(cfg, tables, node, net, out, out_ptrs, it, ctx)
         return True
 
     @cuda.jit(device=True, inline=True)
@@ -250,7 +232,7 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
             if not wait(red_flags, fs, epoch, deadline, err, rank, ROLE_RECV, False):
                 return False
             t = final_tiles[i]
-            r0, c0 = origin(t, cfg[C_TILES_N], 0, bm)
+            r0, c0 = origin(t, cfg[C_TILES_N])
             dst = (r0 - cfg[C_OUT_ROW0]) * wn + c0
             to_ptrs, to, to_off = push_target(cfg, out_ptrs, out, dst, part_ptrs, part,
                                               part_base + r0 * wn + c0)
@@ -263,45 +245,37 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
         return True
 
     @cuda.jit(device=True, inline=True)
-    def pull_work(smem, cfg, pull_tiles, part, out, out_ptrs, i, it, band, seq, ctx):
-        """One pull item whose final flag is set: copy row band ``band`` of the ``it``-th
-        pulled tile to ``out`` (the owner pushed the sum into this GPU's partials, or with
-        ``C_DIRECT`` into its shared output); when ``out`` is that shared output
-        (``C_OUT_SHARED``) nothing to copy. Returns this block's tile moves so far."""
+    def pull_work(cfg, pull_tiles, part, out, out_ptrs, it, ctx):
+        """One pull item whose final flag is set: copy the ``it``-th pulled tile to ``out``
+        (the owner pushed the sum into this GPU's partials, or with ``C_DIRECT`` into its
+        shared output); when ``out`` is that shared output (``C_OUT_SHARED``) nothing to
+        copy."""
         epoch, call, deadline, err, rank, trace = ctx
         tr = cfg[C_TRACE] != 0
-        stamp(tr, trace, T_PULL_READY, i)
+        stamp(tr, trace, T_PULL_READY, it)
         if cfg[C_OUT_SHARED] == 0:
             m, wn = cfg[C_M], cfg[C_N] // 4
-            sub = prim.udiv32(bm, cfg[C_SPLIT])
-            r0, c0 = origin(pull_tiles[it], cfg[C_TILES_N], band, sub)
+            r0, c0 = origin(pull_tiles[it], cfg[C_TILES_N])
             src, src_off = part, (call & 1) * cfg[C_WORDS] + r0 * wn + c0
             if cfg[C_DIRECT] != 0:            # the owner wrote it into my shared output
                 src, src_off = prim.peer_view(out_ptrs, cfg[C_ME], out), r0 * wn + c0
-            seq = move_copy(smem, seq, src, src_off, wn, out, r0 * wn + c0, wn,
-                            min(sub, m - r0), min(bw, wn - c0))
-        stamp(tr, trace, T_PULL_DONE, i)
-        return seq
+            copy_tile_2d(src, src_off, wn, out, r0 * wn + c0, wn, min(bm, m - r0),
+                         min(bw, wn - c0))
+        stamp(tr, trace, T_PULL_DONE, it)
 
     @cuda.jit(device=True, inline=True)
-    def pull_role(smem, cfg, pull_tiles, part, final_flags, out, out_ptrs, queue, workers,
-                  ctx):
-        """AllReduce, G > 1: for each tile (row band) another local GPU owns, taken from the
-        pull queue, wait for its final flag, then :func:`pull_work`, so that the call ends
-        with its output complete."""
+    def pull_role(cfg, pull_tiles, part, final_flags, out, out_ptrs, queue, workers, ctx):
+        """AllReduce, G > 1: for each tile another local GPU owns, taken from the pull queue,
+        wait for its final flag, then :func:`pull_work`, so that the call ends with its output
+        complete."""
         epoch, call, deadline, err, rank, trace = ctx
-        split = cfg[C_SPLIT]
-        seq = 0
-        move_init(smem)
         while True:
-            i, it, band = take_band(queue, Q_PULL, call, cfg[C_NPULL], split, workers)
+            it = take(queue, Q_PULL, call, cfg[C_NPULL], workers)
             if it >= cfg[C_NPULL]:
                 break
-            if not wait(final_flags, pull_tiles[it] * split + band, epoch, deadline, err, rank,
-                        ROLE_INTRA):
+            if not wait(final_flags, pull_tiles[it], epoch, deadline, err, rank, ROLE_INTRA):
                 return False
-            seq = pull_work(smem, cfg, pull_tiles, part, out, out_ptrs, i, it, band, seq, ctx)
-        move_drain(smem)
+            pull_work(cfg, pull_tiles, part, out, out_ptrs, it, ctx)
         return True
 
     @cuda.jit(device=True, inline=True)
@@ -347,43 +321,39 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
         end (``take`` counts each worker once past the end)."""
         epoch, call, deadline, err, rank, trace = ctx
         tr = cfg[C_TRACE] != 0
-        flex, split = cfg[C_REDUCE_END], cfg[C_SPLIT]
+        flex = cfg[C_REDUCE_END]
         tiles = order.shape[0]
         nred, npull = cfg[C_NRED], cfg[C_NPULL]
         tile_init(smem, tmaps)
         cuda.syncthreads()
-        move_init(smem)
         role = ctl_.COMM if blk >= cfg[C_COMPUTE] else ctl_.COMPUTE
         ctl_.enter(ctl, role)
-        seq_c, seq_m, nlog = 0, 0, 0
+        seq, nlog = 0, 0
         comp_open, red_open = True, True
         pull_open = cfg[C_FLEX_PULL] != 0 and npull > 0
         held = 0                      # the item this block holds: 0 none, 1 reduce, 2 pull
-        i, it, band = np.int64(0), np.int64(0), np.int64(0)
+        it = np.int64(0)
         ok = True
         while True:
             # one call site of the tile (flex_compute, below): the tile is inlined where it
             # is called, and each copy would repeat the whole GEMM tile in the kernel
             if held != 0:
                 t = tables[1][it] if held == 1 else pull_tiles[it]
-                f = t * split + band
                 ready = (reduce_ready(cfg, node, t, tiles, epoch) if held == 1 else
-                         poll(node[4], f, epoch, True))
+                         poll(node[4], t, epoch, True))
                 if ready or not comp_open:    # else compute a tile meanwhile, below
                     if held == 1:
                         if not reduce_wait(cfg, node, t, tiles, ctx):
                             ok = False
                             break
                         start = prim.globaltimer()
-                        seq_m = reduce_work(smem, cfg, tables, node, net, out, out_ptrs, i, it,
-                                            band, seq_m, ctx)
+                        reduce_work(cfg, tables, node, net, out, out_ptrs, it, ctx)
                     else:
-                        if not wait(node[4], f, epoch, deadline, err, rank, ROLE_INTRA):
+                        if not wait(node[4], t, epoch, deadline, err, rank, ROLE_INTRA):
                             ok = False
                             break
                         start = prim.globaltimer()
-                        seq_m = pull_work(smem, cfg, pull_tiles, node[0], out, out_ptrs, i, it,
-                                          band, seq_m, ctx)
+                        pull_work(cfg, pull_tiles, node[0], out, out_ptrs, it, ctx)
                     cuda.syncthreads()
                     ctl_.account(ctl, ctl_.COMM, start)
                     held = 0
@@ -392,9 +362,9 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
                 if not (comp_open or red_open or pull_open):
                     break
                 left_p = ctl_.left(queue, Q_COMPUTE, call, tiles, flex)
-                left_s = ctl_.left(queue, Q_REDUCE, call, nred * split, flex)
+                left_s = ctl_.left(queue, Q_REDUCE, call, nred, flex)
                 if pull_open:
-                    left_s += ctl_.left(queue, Q_PULL, call, npull * split, flex)
+                    left_s += ctl_.left(queue, Q_PULL, call, npull, flex)
                 new, want = ctl_.decide(ctl, role, comp_open, red_open or pull_open, left_p,
                                         left_s, flex, cfg[C_INIT_COMM])
                 if new != role or nlog == 0:
@@ -403,22 +373,21 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
                 role = new
                 if role == ctl_.COMM:
                     if red_open:
-                        i, it, band = take_band(queue, Q_REDUCE, call, nred, split, flex)
+                        it = take(queue, Q_REDUCE, call, nred, flex)
                         if it >= nred:
                             red_open = False
                         else:
                             held = 1
                     else:
-                        i, it, band = take_band(queue, Q_PULL, call, npull, split, flex)
+                        it = take(queue, Q_PULL, call, npull, flex)
                         if it >= npull:
                             pull_open = False
                         else:
                             held = 2
                     continue
-            comp_open, seq_c = flex_compute(smem, tmaps, a, b, order, cfg, where, queue, ctl,
-                                            flex, blk, seq_c, ctx)
+            comp_open, seq = flex_compute(smem, tmaps, a, b, order, cfg, where, queue, ctl,
+                                          flex, blk, seq, ctx)
         ctl_.leave(ctl, role)
-        move_drain(smem)
         return ok
 
     # One copy of the GEMM tile per kernel (it is inlined where it is called: two copies
@@ -497,7 +466,7 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
         pull_workers = cuda.gridDim.x - recv_end + (reduce_end if join else 0)
         ok = True
         if blk < reduce_end:
-            ok = reduce_role(smem, cfg, (order, red_tiles, red_slots, red_chunks, chunk_tiles),
+            ok = reduce_role(cfg, (order, red_tiles, red_slots, red_chunks, chunk_tiles),
                              node, (stage, red_flags, chunk_count, chunk_ready), out, out_ptrs,
                              queue, red_workers, ctx)
         elif blk < send_end:
@@ -511,7 +480,7 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
                               (stage, recv, arrive, red_flags), out, out_ptrs, blk - send_end,
                               recv_end - send_end, ctx)
         if ok and pulls and cfg[C_NPULL] > 0:
-            ok = pull_role(smem, cfg, pull_tiles, part, final_flags, out, out_ptrs, queue,
+            ok = pull_role(cfg, pull_tiles, part, final_flags, out, out_ptrs, queue,
                            pull_workers, ctx)
         if ok:
             stamp(tr, trace, T_BLOCK_END, blk)
@@ -519,17 +488,12 @@ def make_kernel(build, threads, moves="threads", adaptive=False):
     return gemm_reduce_kernel
 
 
-_KERNELS = {}     # (tile build name, moves, adaptive) -> (threads per block, persistent kernel)
-_LOCK = threading.Lock()
+_BUILDS = {adaptive: compute.KernelBuilds(
+    lambda b, threads, adaptive=adaptive: make_kernel(b, threads, adaptive))
+    for adaptive in (False, True)}
 
 
-def build(kind, moves, adaptive=False):
-    """(roles.compute.TileBuild, threads per block, kernel) of a tile build name, a way to
-    move tiles (roles.bulk.MOVES) and the static or adaptive split."""
-    b = compute.tile_build(kind)
-    key = (kind, moves, bool(adaptive))
-    with _LOCK:
-        if key not in _KERNELS:
-            threads = compute.threads_of(b)
-            _KERNELS[key] = (threads, make_kernel(b, threads, moves, bool(adaptive)))
-    return (b, *_KERNELS[key])
+def build(kind, adaptive=False):
+    """(roles.compute.TileBuild, threads per block, kernel) of a tile build name with the
+    static or the adaptive split."""
+    return _BUILDS[bool(adaptive)](kind)

@@ -30,15 +30,11 @@ class GemmReduce(GemmReducePlan, OpLifetime):
     whole tiles);
     tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else "simt") | "sm90" | "simt"
     (or another build, ``roles.compute.tile_build``);
-    split: row bands per tile in the 1-node reduce and pull roles (default 1, see
-    :meth:`_split`); join: idle compute blocks help the reduce and pull roles (default: on
+    join: idle compute blocks help the reduce and pull roles (default: on
     one node on the GPU, see :meth:`_join`); deliver: compute blocks write tiles other local
     GPUs own straight into those GPUs' memory (one node; default per shape from the recorded
     sweep, see :meth:`_deliver`); fold (ReduceScatter, with deliver): each GPU computes its
     own tiles last and adds the delivered partials in their epilogue (:meth:`_fold`);
-    moves: how the reduce and pull roles move tiles over NVLink: "threads" (plain loads and
-    stores, ``roles.reduce``; the default), or on sm_90a "bulk" / "bulk:w1" (TMA bulk copies,
-    ``roles.bulk``: correct, but slower per block on an H200, benchmarks/NOTES.md);
     shared_out (AllReduce): the op owns a symmetric [m, n] output (:meth:`output`) that each
     tile's owner writes on every local GPU, with no copy at the end (with delivery or
     between nodes; other outputs still work, through the copy); a call with ``out=None``
@@ -51,10 +47,10 @@ class GemmReduce(GemmReducePlan, OpLifetime):
     """
 
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, comm_sms=None, chunk_bytes=None,
-                 tile="auto", group_m=None, trace=False, moves=None, split=None, join=None,
-                 deliver=None, shared_out=False, fold=None):
-        self._plan(comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, moves,
-                   split, join, deliver, shared_out, fold)
+                 tile="auto", group_m=None, trace=False, join=None, deliver=None,
+                 shared_out=False, fold=None):
+        self._plan(comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, join,
+                   deliver, shared_out, fold)
         self.streams = StreamOrder(self.name)
         self._views = {}      # the shared output as the caller's array type
         self._buffers = []
@@ -75,7 +71,7 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         self.planes = G if self.deliver else 1     # own partials, then an inbox per local peer
         self.part = comm.alloc_symmetric((2 * self.planes * self.words,), np.uint64)
         self.tile_flags = comm.alloc_flags(self.planes * plan.tiles_m * plan.tiles_n)
-        self.final_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n * self.split
+        self.final_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n
                                             if self.allreduce else 1)
         self._buffers = [self.part, self.tile_flags, self.final_flags]
         self.shared = None
@@ -127,7 +123,7 @@ class GemmReduce(GemmReducePlan, OpLifetime):
                    chunk=plan.chunk_tiles_max, ncmds=plan.n_cmds, win_stage=wins[0],
                    win_recv=wins[1], win_arrive=wins[2], nred=len(plan.red_tiles),
                    npull=len(plan.pull_tiles), words=self.planes * self.words,  # per slot
-                   trace=self.tracing, split=self.split, join=self.join, deliver=self.deliver,
+                   trace=self.tracing, join=self.join, deliver=self.deliver,
                    direct=self.direct, fold=self.fold, adaptive=self.adaptive,
                    flex_pull=self.flex_pull, init_comm=rb["reduce"])
         # calls into the shared output need no copy at the end (out_shared)
@@ -138,8 +134,8 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
         # the controller's measurements: they grow across calls (roles.controller)
         self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
-        items = max(self.grid, len(plan.red_tiles) * self.split, plan.n_cmds, plan.n_final,
-                    len(plan.pull_tiles) * self.split, len(plan.order)) if self.tracing else 1
+        items = max(self.grid, len(plan.red_tiles), plan.n_cmds, plan.n_final,
+                    len(plan.pull_tiles), len(plan.order)) if self.tracing else 1
         self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
         tables = {name: cuda.to_device(nonempty(np.ascontiguousarray(getattr(plan, name))))
                   for name in ("order", "owner_of_row", "red_tiles", "red_slots", "red_chunks",
@@ -160,7 +156,7 @@ class GemmReduce(GemmReducePlan, OpLifetime):
             frame=self.frame.words, timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank,
             trace=self._trace, queue=self.queue, ctl=self.ctl)
         self.launches = LayoutLaunches(      # planned for b [k, n], as in a @ b
-            lambda kind: build(kind, self.moves, self.adaptive), self.kind, values, "b",
+            lambda kind: build(kind, self.adaptive), self.kind, values, "b",
             {False: (n, self.k), True: (self.k, n)}, self.grid, True, self.name)
 
     # -- calls ------------------------------------------------------------------------------------
@@ -283,13 +279,13 @@ class GemmReduce(GemmReducePlan, OpLifetime):
 
     def timeline(self):
         """The last traced call as a :class:`mknumba.timeline.Timeline` (this rank): an item
-        per tile computed, tile (row band) reduced, chunk sent, tile finished from the
+        per tile computed, tile reduced, chunk sent, tile finished from the
         network, tile pulled; each block's role over time (the static layout by block index,
         joined compute blocks counted as reduce from their last tile on; adaptive: the
         controller's log, its communication role named ``reduce``). After
         :meth:`synchronize`."""
         ev = self.trace_events()
-        p, rb, sp = self.plan, self.role_blocks, self.split
+        p, rb = self.plan, self.role_blocks
         net = self.comm.nodes > 1
 
         def span(a, b, n, item, block=lambda i: -1):
@@ -301,14 +297,14 @@ class GemmReduce(GemmReducePlan, OpLifetime):
             compute=span("tile_start", "tile_done", len(order), lambda i: order[i],
                          (lambda i: ev["tile_block"][i]) if self.adaptive
                          else (lambda i: i % n_compute)),
-            reduce=span("reduce_ready", "reduce_done", len(p.red_tiles) * sp,
-                        lambda i: p.red_tiles[i // sp]),
+            reduce=span("reduce_ready", "reduce_done", len(p.red_tiles),
+                        lambda i: p.red_tiles[i]),
             send=span("send_ready", "send_enqueued", p.n_cmds if net else 0,
                       lambda i: p.cmds[i, 0]),
             recv=span("recv_arrived", "recv_done", p.n_final if net else 0,
                       lambda i: p.final_tiles[i]),
-            pull=span("pull_ready", "pull_done", len(p.pull_tiles) * sp,
-                      lambda i: p.pull_tiles[i // sp]))
+            pull=span("pull_ready", "pull_done", len(p.pull_tiles),
+                      lambda i: p.pull_tiles[i]))
         start, end = ev["block_start"], ev["block_end"]
         bounds = [n_compute + rb["reduce"]]
         for role in ("send", "recv", "pull"):
@@ -368,8 +364,8 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         pull_workers = (reduce_end if self.flex_pull else
                         self.grid - recv_end + (reduce_end if self.join else 0))
         q = np.zeros(QUEUES, np.uint64)
-        q[Q_REDUCE] = calls * (len(p.red_tiles) * self.split + red_workers)
-        q[Q_PULL] = calls * (len(p.pull_tiles) * self.split + pull_workers)
+        q[Q_REDUCE] = calls * (len(p.red_tiles) + red_workers)
+        q[Q_PULL] = calls * (len(p.pull_tiles) + pull_workers)
         q[Q_COMPUTE] = calls * (len(p.order) + reduce_end)      # adaptive: flexible blocks
         self.queue.copy_to_device((q & 0xFFFFFFFF).astype(np.uint32))
         if self.comm.nodes > 1:

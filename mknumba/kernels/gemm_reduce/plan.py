@@ -6,7 +6,7 @@ from numba import cuda
 
 from ..._compat import SIMULATOR
 from ...errors import MkValueError
-from ...roles import bulk, compute
+from ...roles import compute
 from ...sched import split as sm_split
 from ...sched.reduce import ReducePlan
 from ...sched.tiles import cdiv, default_group_m
@@ -22,8 +22,8 @@ class GemmReducePlan:
     name = "GemmReduce"
     kernel_name = "gemm_reduce"
 
-    def _plan(self, comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, moves,
-              split, join, deliver, shared_out, fold):
+    def _plan(self, comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, join,
+              deliver, shared_out, fold):
         """Resolve every option and the role split (sets the attributes the op reads)."""
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
@@ -38,15 +38,6 @@ class GemmReducePlan:
             raise MkValueError(f"{self.name}: tile build {tile!r} leaves the output unwritten "
                                "(timing only)")
         self.bm, self.bn = self.build.shape
-        self.moves = moves or "threads"
-        is_bulk = self.moves.startswith("bulk")
-        if self.moves not in bulk.MOVES or (is_bulk and not self.build.tma):
-            raise MkValueError(f"{self.name}: moves={moves!r}: 'threads', or 'bulk' / "
-                               "'bulk:w1' with an sm_90a tile build")
-        if is_bulk and self.build.smem_bytes < bulk.SMEM_BYTES:
-            raise MkValueError(f"{self.name}: tile build {self.kind!r} launches with "
-                               f"{self.build.smem_bytes} bytes of shared memory; bulk moves "
-                               f"need {bulk.SMEM_BYTES}")
         if n % 4:
             raise MkValueError(f"{self.name}: n={n} must be a multiple of 4")
         G, nodes = comm.local_size, comm.nodes
@@ -67,7 +58,6 @@ class GemmReducePlan:
         self.chunk_tiles = max(1, int(chunk_bytes) // tile_bytes)
         self.group_m = int(group_m or default_group_m(tiles_m, tiles_n, 128 if not SIMULATOR
                                                       else 2))
-        self.split = self._split(split, nodes)
         self._check_adaptive(join, fold)
         self.join = self._join(join, nodes)
         self.deliver = self._deliver(deliver, nodes, G, recorded.deliver)
@@ -136,31 +126,13 @@ class GemmReducePlan:
         """comm_sms='adaptive' moves blocks between compute and reduce between items
         (``kernels.gemm_reduce.kernel.flexible_role``): joining is what it does already, and
         folding waits inside a compute tile, which a block that may be the only one left to
-        reduce must not; tile moves must be plain loads and stores (bulk moves keep their
-        barriers in the shared memory the GEMM tile uses)."""
+        reduce must not."""
         if not self.adaptive:
             return
         for name, value in (("join", join), ("fold", fold)):
             if value:
                 raise MkValueError(f"{self.name}: {name}=True does not go with "
                                    "comm_sms='adaptive'")
-        if self.moves != "threads":
-            raise MkValueError(f"{self.name}: comm_sms='adaptive' needs moves='threads'")
-
-    def _split(self, split, nodes):
-        """Row bands per tile for the 1-node reduce and pull roles (default 1). Meant for the
-        tail of small shapes, where a few last tiles keep a few reduce blocks busy while the
-        rest idle; measured on 2xH200 (benchmarks/NOTES.md), 4 bands made the 2048-point calls
-        slower (more flags, each behind a system fence), so it is opt-in."""
-        if split in (None, 1):
-            return 1
-        if nodes > 1:     # stage slots and network chunks count whole tiles
-            raise MkValueError(f"{self.name}: split={split} needs one node")
-        split = int(split)
-        if split < 1 or self.bm % split:
-            raise MkValueError(f"{self.name}: split={split} must divide the tile height "
-                               f"{self.bm}")
-        return split
 
     def _join(self, join, nodes):
         """Whether compute blocks, once their tiles are done, join the reduce queue, and (for
@@ -169,23 +141,20 @@ class GemmReducePlan:
 
         A joined block waits on tiles of higher-numbered blocks, which needs the whole grid
         resident (one block per SM, as launched); the simulator runs blocks one at a time, so
-        there it is off. Bulk moves keep their own barriers in shared memory: off with them."""
-        return self._option(join, nodes == 1 and not SIMULATOR and self.moves == "threads"
-                            and not self.adaptive,
-                            True, "join=True needs one node, a GPU (not the simulator) and "
-                                  "moves='threads'")
+        there it is off. On by default: measured faster on 1x2 (benchmarks/NOTES.md, join).
+        Not with comm_sms='adaptive', whose pool does what joining does."""
+        return self._option(join, nodes == 1 and not SIMULATOR and not self.adaptive, True,
+                            "join=True needs one node and a GPU (not the simulator)")
 
     def _deliver(self, deliver, nodes, G, recorded):
         """Whether compute blocks write each tile another local GPU owns straight into that
         GPU's inbox (NVLink stores from the GEMM's epilogue), so the owner's reduce reads only
         local memory, instead of leaving it in their own memory for the owner to load over
-        NVLink (a block loads over NVLink at about half the rate it stores). One node, plain
-        tile moves; costs (G - 1) more planes of m x n partials per slot. Default: what the
+        NVLink (a block loads over NVLink at about half the rate it stores). One node; costs (G - 1) more planes of m x n partials per slot. Default: what the
         recorded sweep chose for the nearest shape (``sched.split``: on 2xH200 it was faster
         at every 1x2 point but RS at m = 2048)."""
-        return self._option(deliver, nodes == 1 and G > 1 and self.moves == "threads",
-                            recorded, "deliver=True needs one node of several GPUs and "
-                                      "moves='threads'")
+        return self._option(deliver, nodes == 1 and G > 1, recorded,
+                            "deliver=True needs one node of several GPUs")
 
     def _check_agreement(self, comm):
         """Collective: every rank must plan the same exchange (the flags and buffers it writes
@@ -193,19 +162,18 @@ class GemmReducePlan:
         joining are each rank's own."""
         comm.agree(self.name, dict(op=self.name, m=self.m, n=self.n, dtype="bfloat16",
                                    tile=(self.bm, self.bn), chunk_tiles=self.chunk_tiles,
-                                   split=self.split, deliver=self.deliver, fold=self.fold,
+                                   deliver=self.deliver, fold=self.fold,
                                    shared_out=self.shared_out))
 
     def _fold(self, fold, recorded):
         """Whether the owner of a ReduceScatter tile adds the other local GPUs' delivered
         partials in its own GEMM epilogue and writes the sum to ``out`` (it computes its own
         row block last, ``sched.reduce``), instead of a reduce pass over three planes. Needs
-        ``deliver`` (one node of several GPUs) and row bands of whole tiles (``split`` 1).
-        Default: the recorded sweep's choice for the nearest shape."""
-        return self._option(fold, not self.allreduce and self.deliver and self.split == 1
-                            and not self.adaptive,
+        ``deliver`` (one node of several GPUs), and not comm_sms='adaptive'. Default: the
+        recorded sweep's choice for the nearest shape."""
+        return self._option(fold, not self.allreduce and self.deliver and not self.adaptive,
                             recorded, "fold=True needs ReduceScatter with deliver=True (one "
-                                      "node of several GPUs) and split=1")
+                                      "node of several GPUs)")
 
     def _option(self, value, possible, default, needs):
         """An on/off option: None takes ``default`` where ``possible`` (else off); True where

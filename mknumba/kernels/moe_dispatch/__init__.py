@@ -26,7 +26,7 @@ are pulled (paper Table 3): a receiver reads the rows it needs over NVLink from 
 region that holds them; between nodes each GPU's regions are copied once to its rail peer in
 every other node through the proxy, from the launch on, and that node pulls them from there
 like its own. Blocks take roles by index; a role waits only on other ranks, the proxy or
-lower-numbered blocks of its own GPU (DESIGN.md §3):
+lower-numbered blocks of its own GPU (docs/design.md §3):
 
   route    [0, 1)       count this call's pairs per expert (an expert id out of range: left
                           out and recorded, ``errors.KIND_EXPERT``); list them expert by

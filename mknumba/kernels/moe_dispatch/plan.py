@@ -23,8 +23,9 @@ UNIT_TOKENS = 16
 #: host proxy spends microseconds per command). A unit never splits a token: no row waits
 #: for two chunks.
 NETWORK_CHUNK_BYTES = 512 << 10
-#: pack and pull blocks on the GPU when ``comm_sms`` is not given; not measured yet (issue 20,
-#: item 4): a block stores about 21 GB/s over NVLink (benchmarks/NOTES.md).
+#: pack and pull blocks on the GPU when ``comm_sms`` is not given; not swept yet
+#: (``benchmarks/bench_moe_dispatch_gemm.py``): a block stores about 21 GB/s over NVLink
+#: (benchmarks/NOTES.md).
 DEFAULT_COMM_SMS = 16
 #: expert weight layouts a call takes: "ehf" = [experts / world, hidden, ffn] (B as [k, n], a
 #: ":kn" tile build), "efh" = [experts / world, ffn, hidden] (B as [n, k]); both read as they are

@@ -1,7 +1,7 @@
 """Transports behind one interface (:class:`.base.Transport`), and the choice among them.
 
 ``spec`` is ``name[:mode]``: name ``sim`` | ``dma`` | ``verbs``; mode ``ordered`` (alias ``rc``)
-or ``completion`` (alias ``srd``). Default mode: ordered, except ``verbs`` on an EFA device.
+or ``completion`` (alias ``srd``; ``sim`` and ``dma`` only). Default mode: ordered.
 """
 import os
 import socket

@@ -1,6 +1,6 @@
 """The CUDA driver entry points the dma transport calls, and its compiled submission loop.
 
-Why compiled: from Python one driver call costs about 5 µs (DESIGN.md §6), too slow for 200,000
+Why compiled: from Python one driver call costs about 5 µs (docs/design.md §6), too slow for 200,000
 commands/s. :func:`dma_issue` and :func:`dma_progress` run inside the proxy's compiled loop
 (:mod:`..engine`) and call the driver through ctypes function pointers from ``libcuda.so.1``: per
 batch, one ``cuMemcpyDtoDAsync`` per run of adjacent commands (:func:`coalesce`; or one
@@ -103,16 +103,15 @@ def batch_attrs():
 
 
 # knobs: uint64 settings of a DmaCtx
-(N_FLAG_STREAM, N_COPY_MODE, N_COMPLETION, N_ME, N_DEPTH, N_TIMEOUT_NS, N_WRITE_STREAM, N_EVENT,
- N_EVENT_BYTES) = range(9)
-NKNOBS = 9
+(N_STREAM, N_FLAG_STREAM, N_COPY_MODE, N_COMPLETION, N_ME, N_DEPTH, N_TIMEOUT_NS, N_WRITE_STREAM,
+ N_EVENT, N_EVENT_BYTES) = range(10)
+NKNOBS = 10
 MEMOP_MAX = 128          # cuStreamBatchMemOp takes fewer than 256 operations per call
 ERR_COPY, ERR_MEMOPS, ERR_CQ_FULL, ERR_EVENT = 1_000_000, 2_000_000, 3_000_000, 4_000_000
 
 #: Everything the compiled issue/progress use, rebuilt by DmaTransport.compiled().
 DmaCtx = namedtuple("DmaCtx", [
     "fn_copy", "fn_memops", "fn_copy_batch", "fn_record", "fn_wait", "clock", "knobs",
-    "streams", "turn",                                     # batches go round-robin over streams
     "copies",                                              # copies issued so far (stats)
     "src_base", "dst_base",                                # window addresses (this rank; all)
     "dsts", "srcs", "sizes", "keys", "order",              # copies; coalesce's sort scratch
@@ -148,11 +147,7 @@ def dma_issue(ctx, peer, batch):
             c = batch[i]
             ctx.write_addr[i] = ctx.dst_base[c.flag_win, peer] + np.uint64(4) * np.uint64(c.flag_slot)
             ctx.write_val[i] = c.epoch
-    # Each batch is whole on one stream (copies, then their completion writes); batches take
-    # the streams in turn, so several copy engines work at once.
-    t = ctx.turn[0]
-    ctx.turn[0] = t + 1
-    stream = ctx.streams[t % ctx.streams.shape[0]]
+    stream = kn[N_STREAM]             # the copies, then (small batches) their completion writes
     k, overlap = coalesce(ctx, peer, batch)
     ctx.copies[0] += k
     # cuMemcpyBatchAsync runs a batch's copies in no set order: writes that overlap go one by one
@@ -173,7 +168,7 @@ def dma_issue(ctx, peer, batch):
     nbytes = np.uint64(0)
     for i in range(k):
         nbytes += ctx.sizes[i]
-    if kn[N_EVENT] != 0 and nbytes >= kn[N_EVENT_BYTES]:
+    if nbytes >= kn[N_EVENT_BYTES]:
         rc = ctx.fn_record(kn[N_EVENT], stream)
         if rc == 0:
             rc = ctx.fn_wait(kn[N_WRITE_STREAM], kn[N_EVENT], 0)

@@ -8,13 +8,13 @@ Peer buffers are reached through CUDA IPC. Modes:
   receiving proxy polls it and publishes the flag on its own stream.
 Submission and flag publishing run compiled (:mod:`._cudrv`) inside the proxy's compiled loop,
 so the driver calls never wait for the interpreter.
-Environment: ``MKNUMBA_DMA_COPY`` = ``batch`` (one cuMemcpyBatchAsync per batch; the default
-where the driver has it, CUDA 12.8+: ~9x the commands per second of ``each`` on an H200,
-benchmarks/NOTES.md) or ``each`` (one cuMemcpyDtoDAsync per command); ``MKNUMBA_DMA_STREAMS``
-streams the batches take in turn (default 1; more did not help in our runs);
-``MKNUMBA_DMA_FLAGS`` = ``event`` (a batch moving at least ``MKNUMBA_DMA_EVENT_BYTES``, default
-256 KiB, writes its completions on a second stream behind an event, so its copy stream does not
-wait for them; default) or ``inline`` (every batch writes them on its copy stream).
+One copy stream: several streams taken in turn did not help (benchmarks/NOTES.md, proxy). A
+batch moving at least ``MKNUMBA_DMA_EVENT_BYTES`` (default 256 KiB) writes its completions on a
+second stream behind an event, so its copy stream does not wait for them (1 MiB chunks: 66% ->
+87% of the copy engine, benchmarks/NOTES.md); smaller batches write them on the copy stream.
+``MKNUMBA_DMA_COPY`` = ``batch`` (one cuMemcpyBatchAsync per batch; the default where the
+driver has it, CUDA 12.8+: ~9x the commands per second of ``each`` on an H200,
+benchmarks/NOTES.md) or ``each`` (one cuMemcpyDtoDAsync per command; also the fallback).
 """
 import os
 
@@ -26,7 +26,9 @@ from ..ring import MAX_WINDOWS
 from . import _cudrv as drv_mod
 from .base import COMPLETION, Transport
 
-EVENT_BYTES = 256 << 10   # below this a batch's copies take < 1 µs: no bubble worth two calls
+#: below this a batch's copies take < 1 µs at the copy engine's rate, so the bubble its
+#: completion writes leave is smaller than the two extra driver calls the event path costs
+EVENT_BYTES = 256 << 10
 
 
 def _address(arr):
@@ -42,7 +44,7 @@ class DmaTransport(Transport):
     name = "dma"
 
     def __init__(self, comm, completion="ordered", copy=None, cq_depth=4096, driver=None,
-                 streams=None, flags=None, event_bytes=None):
+                 event_bytes=None):
         super().__init__(comm, completion)
         self.drv = driver or drv_mod.Driver()
         copy = (copy or os.environ.get("MKNUMBA_DMA_COPY", "batch")).lower()
@@ -51,26 +53,16 @@ class DmaTransport(Transport):
         if copy == "batch" and self.drv.copy_batch is None:
             copy = "each"     # the driver predates cuMemcpyBatchAsync
         self.copy = copy
-        flags = (flags or os.environ.get("MKNUMBA_DMA_FLAGS", "event")).lower()
-        if flags not in ("event", "inline"):
-            raise MkValueError(f"MKNUMBA_DMA_FLAGS must be 'event' or 'inline', not {flags!r}")
-        self.flags = flags
         event_bytes = int(event_bytes if event_bytes is not None
                           else os.environ.get("MKNUMBA_DMA_EVENT_BYTES", EVENT_BYTES))
         if event_bytes < 0:
             raise MkValueError(f"MKNUMBA_DMA_EVENT_BYTES must be >= 0, not {event_bytes}")
         # Comm bound this thread to the GPU's primary context; the proxy thread adopts it.
         self.ctx = self.drv.out("ctx_get")
-        nstreams = int(streams or os.environ.get("MKNUMBA_DMA_STREAMS", 1))
-        if not 1 <= nstreams <= 64:
-            raise MkValueError(f"MKNUMBA_DMA_STREAMS must be in 1..64, not {nstreams}")
-        self.streams = np.array([self.drv.out("stream_create", drv_mod.CU_STREAM_NON_BLOCKING)
-                                 for _ in range(nstreams)], np.uint64)
-        self.stream = int(self.streams[0])
+        self.stream = self.drv.out("stream_create", drv_mod.CU_STREAM_NON_BLOCKING)
         self.flag_stream = self.drv.out("stream_create", drv_mod.CU_STREAM_NON_BLOCKING)
         self.write_stream = self.drv.out("stream_create", drv_mod.CU_STREAM_NON_BLOCKING)
-        self.event = (self.drv.out("event_create", drv_mod.CU_EVENT_DISABLE_TIMING)
-                      if flags == "event" else 0)
+        self.event = self.drv.out("event_create", drv_mod.CU_EVENT_DISABLE_TIMING)
         size = comm.size
         self.src_base = np.zeros(MAX_WINDOWS, np.uint64)
         self.dst_base = np.zeros((MAX_WINDOWS, size), np.uint64)
@@ -86,7 +78,7 @@ class DmaTransport(Transport):
             flag_addr=np.zeros(m, np.uint64), flag_val=np.zeros(m, np.uint64),
             fparams=np.zeros(m * drv_mod.MEMOP_WORDS, np.uint64),
             cq_dev=np.zeros(size, np.uint64), cq_sent=np.zeros(size, np.int64),
-            streams=self.streams, turn=np.zeros(1, np.int64), copies=np.zeros(1, np.int64))
+            copies=np.zeros(1, np.int64))
         self.cq = None
         if completion == COMPLETION:
             from ..cq import CompletionQueues
@@ -100,10 +92,10 @@ class DmaTransport(Transport):
                 self._registered_host.append(host)
                 self._scratch["cq_dev"][r] = self.drv.out("host_devptr", host, 0)
         self.knobs = np.zeros(drv_mod.NKNOBS, np.uint64)
-        self.knobs[[drv_mod.N_FLAG_STREAM, drv_mod.N_COPY_MODE, drv_mod.N_COMPLETION,
+        self.knobs[[drv_mod.N_STREAM, drv_mod.N_FLAG_STREAM, drv_mod.N_COPY_MODE, drv_mod.N_COMPLETION,
                     drv_mod.N_ME, drv_mod.N_DEPTH, drv_mod.N_TIMEOUT_NS, drv_mod.N_WRITE_STREAM,
                     drv_mod.N_EVENT, drv_mod.N_EVENT_BYTES]] = [
-            self.flag_stream,
+            self.stream, self.flag_stream,
             drv_mod.COPY_BATCH if copy == "batch" else drv_mod.COPY_EACH,
             self.cq is not None, comm.rank, cq_depth, comm.timeout_ns, self.write_stream,
             self.event, event_bytes]
@@ -140,7 +132,7 @@ class DmaTransport(Transport):
 
     def _send_streams(self):
         """Streams carrying this rank's sends: copies and their completion writes."""
-        return [*(int(st) for st in self.streams), self.write_stream]
+        return [self.stream, self.write_stream]
 
     def _all_streams(self):
         return self._send_streams() + [self.flag_stream]

@@ -1,10 +1,10 @@
-"""Real nodes over RDMA through pyverbs: InfiniBand RC (ordered) and AWS EFA SRD (completion).
+"""Real nodes over RDMA through pyverbs: InfiniBand RC (ordered mode only).
 
-- RC: one reliable connection per peer, set up over MPI; per command a data RDMA write, then a
-  4-byte flag write on the same queue pair (RC delivers in order; receive blocks poll the flag,
-  no receiving proxy).
-- SRD (EFA): unordered, so one RDMA write with immediate per command; the receiving proxy polls
-  its completion queue and publishes the flag named by the immediate (:mod:`..imm`).
+One reliable connection per peer, set up over MPI; per command a data RDMA write, then a 4-byte
+flag write on the same queue pair (RC delivers in order; receive blocks poll the flag, no
+receiving proxy). EFA SRD (unordered: completion mode, a write with immediate whose receiving
+proxy sets the flag, as the ``dma`` and ``sim`` transports' completion mode do) is not written:
+an EFA device or ``verbs:completion`` is refused at construction.
 GPU memory is registered through dma-buf (cuMemGetHandleForAddressRange), so the NIC reads and
 writes it directly. pyverbs is imported lazily: without it (or without an RDMA device; with no
 kernel support ``get_device_list()`` raises) :func:`rdma_available` says why.
@@ -19,9 +19,8 @@ import numpy as np
 
 from ...errors import MkError
 from ..ring import MAX_WINDOWS
-from .base import COMPLETION, ORDERED, Transport
-from .verbs_plan import (IBV_WR_RDMA_WRITE_WITH_IMM, FlagSource, pack_conn_info,
-                         unpack_conn_info, work_requests)
+from .base import ORDERED, Transport
+from .verbs_plan import FlagSource, pack_conn_info, unpack_conn_info, work_requests
 
 CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1
 
@@ -47,21 +46,22 @@ def rdma_available():
 
 class VerbsTransport(Transport):
     name = "verbs"
+    completions = (ORDERED,)
 
     def __init__(self, comm, completion=None, cq_depth=4096, max_outstanding=1024):
         ok, dev = rdma_available()
         if not ok:
             raise MkError(f"verbs transport unavailable: {dev}")
+        if "efa" in dev:
+            raise MkError(f"verbs transport: {dev} is an EFA device; EFA SRD is not implemented "
+                          "(only InfiniBand RC)")
+        super().__init__(comm, completion or ORDERED)
         from pyverbs import enums as e
         from pyverbs.cq import CQ
         from pyverbs.device import Context
         from pyverbs.pd import PD
         self.e = e
         self.ctx = Context(name=dev)
-        self.efa = "efa" in dev
-        super().__init__(comm, completion or (COMPLETION if self.efa else ORDERED))
-        if self.efa and self.completion == ORDERED:
-            raise MkError("EFA SRD does not order writes: use completion mode")
         self.pd = PD(self.ctx)
         self.cq = CQ(self.ctx, cq_depth)
         self.port = 1
@@ -118,7 +118,7 @@ class VerbsTransport(Transport):
 
     # -- connections -------------------------------------------------------------------------------
     def _connect(self):
-        """Exchange connection info over MPI and bring one QP per peer (RC) or one SRD QP up."""
+        """Exchange connection info over MPI and bring one RC queue pair per peer up."""
         from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
         from pyverbs.addr import AHAttr, GlobalRoute
         e, comm = self.e, self.comm
@@ -129,10 +129,6 @@ class VerbsTransport(Transport):
             self.remote[p] = np.zeros((MAX_WINDOWS, 2), np.uint64)
         cap = QPCap(max_send_wr=self.max_outstanding * 2, max_recv_wr=self.max_outstanding,
                     max_send_sge=1, max_recv_sge=1)
-        if self.efa:
-            from pyverbs.providers.efa.efadv import SRDQPEx  # noqa: F401  (EFA provider)
-            raise MkError("EFA SRD setup through efadv is written against rdma-core's "
-                          "pyverbs.providers.efa and needs an EFA device to validate")
         qps = {p: QP(self.pd, QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq,
                                          cap=cap)) for p in peers}
         blobs = [pack_conn_info(lid, self.port, qps[p].qp_num if p in qps else 0, 0, 0,
@@ -158,8 +154,7 @@ class VerbsTransport(Transport):
         self.check_command(peer, batch)
         while self.outstanding >= self.max_outstanding:
             self.progress()
-        wrs = work_requests(batch, self.local, self.remote[peer], self.completion,
-                            self.flag_source)
+        wrs = work_requests(batch, self.local, self.remote[peer], self.flag_source)
         head = None
         for w in reversed(wrs):      # one chain, one doorbell
             flags = self.e.IBV_SEND_SIGNALED if w.signaled else 0
@@ -167,8 +162,6 @@ class VerbsTransport(Transport):
                         sg=[SGE(w.local_addr, w.length, w.lkey)], send_flags=flags,
                         next_wr=head)
             wr.set_wr_rdma(w.rkey, w.remote_addr)
-            if w.opcode == IBV_WR_RDMA_WRITE_WITH_IMM:
-                wr.imm_data = w.imm
             head = wr
         self.qps[peer].post_send(head)
         self.outstanding += 1
@@ -179,15 +172,9 @@ class VerbsTransport(Transport):
         for wc in wcs[:n]:
             if wc.status != self.e.IBV_WC_SUCCESS:
                 raise MkError(f"verbs completion error {wc.status} for command {wc.wr_id}")
-            if wc.opcode == self.e.IBV_WC_RECV_RDMA_WITH_IMM:
-                self._publish(wc.imm_data)
-            else:
-                self.outstanding -= 1
+            self.outstanding -= 1
             done += 1
         return done
-
-    def _publish(self, imm):
-        raise MkError("SRD receive completions need the EFA path (see _connect)")
 
     def flush(self, deadline_ns):
         self._until_sent(deadline_ns, self.progress)

@@ -6,51 +6,40 @@ from collections import namedtuple
 
 import numpy as np
 
-from ..imm import encode_imm
+# ibv_wr_opcode value (verbs.h)
+IBV_WR_RDMA_WRITE = 0
 
-# ibv_wr_opcode values (verbs.h)
-IBV_WR_RDMA_WRITE, IBV_WR_RDMA_WRITE_WITH_IMM = 0, 1
-
-#: One RDMA write: local source (addr, length, lkey) -> remote (addr, rkey); imm for SRD;
-#: ``signaled`` asks for a send completion (the last request of a batch).
+#: One RDMA write: local source (addr, length, lkey) -> remote (addr, rkey); ``signaled`` asks
+#: for a send completion (the last request of a batch).
 WorkRequest = namedtuple("WorkRequest", "wr_id opcode local_addr length lkey remote_addr rkey "
-                                        "imm signaled")
+                                        "signaled")
 
 
-def work_requests(batch, local, remote, mode, flag_source):
+def work_requests(batch, local, remote, flag_source):
     """Translate one batch (COMMAND_DTYPE[n], one peer) into a chain of work requests.
 
     local: uint64[windows, 2] (address, lkey) of this rank's windows; remote: uint64[windows, 2]
-    (address, rkey) of the peer's windows; mode "ordered" (RC: data write, then a 4-byte flag
-    write on the same queue pair, which RC delivers in order) or "completion" (SRD: one write
-    with immediate per command, the receiver sets the flag); flag_source(epoch) -> (addr, lkey)
+    (address, rkey) of the peer's windows. Per command a data write, then a 4-byte flag write on
+    the same queue pair, which RC delivers in order; flag_source(epoch) -> (addr, lkey)
     of registered host memory holding the epoch value (RC's flag payload).
     wr_id = the command's ring sequence number, so completions name their command.
     """
     out = []
     last = len(batch) - 1
-    imms = encode_imm(batch["flag_win"], batch["flag_slot"], batch["epoch"]) \
-        if mode == "completion" else None
     for i, c in enumerate(batch):
         sw, dw, fw = int(c["src_win"]), int(c["dst_win"]), int(c["flag_win"])
         src = int(local[sw, 0]) + int(c["src_off"])
         dst = int(remote[dw, 0]) + int(c["dst_off"])
-        if mode == "completion":
-            out.append(WorkRequest(int(c["seq"]), IBV_WR_RDMA_WRITE_WITH_IMM, src,
-                                   int(c["nbytes"]), int(local[sw, 1]), dst, int(remote[dw, 1]),
-                                   int(imms[i]), i == last))
-        else:
-            out.append(WorkRequest(int(c["seq"]), IBV_WR_RDMA_WRITE, src, int(c["nbytes"]),
-                                   int(local[sw, 1]), dst, int(remote[dw, 1]), 0, False))
-            faddr, fkey = flag_source(int(c["epoch"]))
-            out.append(WorkRequest(int(c["seq"]), IBV_WR_RDMA_WRITE, faddr, 4, fkey,
-                                   int(remote[fw, 0]) + 4 * int(c["flag_slot"]),
-                                   int(remote[fw, 1]), 0, i == last))
+        out.append(WorkRequest(int(c["seq"]), IBV_WR_RDMA_WRITE, src, int(c["nbytes"]),
+                               int(local[sw, 1]), dst, int(remote[dw, 1]), False))
+        faddr, fkey = flag_source(int(c["epoch"]))
+        out.append(WorkRequest(int(c["seq"]), IBV_WR_RDMA_WRITE, faddr, 4, fkey,
+                               int(remote[fw, 0]) + 4 * int(c["flag_slot"]),
+                               int(remote[fw, 1]), i == last))
     return out
 
 
-#: What a rank tells each peer to connect (RC: one QP per peer; SRD: one QP, address handle
-#: from the GID). Windows follow as (address, rkey) pairs.
+#: What a rank tells each peer to connect (RC: one QP per peer). Windows follow as (address, rkey) pairs.
 CONN_DTYPE = np.dtype([("lid", "<u2"), ("port", "u1"), ("_pad", "u1"), ("qpn", "<u4"),
                        ("psn", "<u4"), ("qkey", "<u4"), ("gid", "u1", 16), ("nwin", "<u4")])
 WIN_DTYPE = np.dtype([("addr", "<u8"), ("rkey", "<u4"), ("_pad", "<u4")])

@@ -1,4 +1,6 @@
-"""Tile moves through the TMA engine (sm_90a): an opt-in alternative for the reduce and pull roles.
+"""Tile moves through the TMA engine (sm_90a), for ``probe_tile_moves.py``: an alternative to the
+reduce and pull roles' plain loads that lost (kept here, out of the library, as the base for a
+double-buffered version).
 
 Same contract as :mod:`.reduce` (uint64 word buffers, tiles addressed as ``(array, offset,
 row_stride)`` in words, called by every thread of the block), but the bytes travel as bulk
@@ -6,7 +8,7 @@ copies (``cuda/tile_moves.cu``): one warp hands all rows of a tile to the copy e
 the block sums them in shared memory, the warp hands the result rows back. The idea: a whole
 tile in flight per block instead of 18 KB. Measured on an H200 it is slower per block than the
 plain loads (pull + sum 5.4 vs 11.2 GB/s, ``benchmarks/probe_tile_moves.py``; loads, sum and
-stores of a tile run one after the other), so the fused ops default to ``"threads"``.
+stores of a tile run one after the other), so the fused ops move tiles with plain loads.
 
 The bulk path takes two local GPUs and tiles whose rows are whole 16-byte units at 16-byte
 aligned addresses (n % 8 == 0), at most 128 x 512 bytes; anything else goes to the plain-load
@@ -19,11 +21,14 @@ import os
 import numpy as np
 from numba import cuda, types
 
-from .._compat import SIMULATOR
-from ..primitives import data_ptr, peer_view
-from .reduce import copy_tile_2d, reduce_peers
+import mknumba
+from mknumba._compat import SIMULATOR
+from mknumba.primitives import data_ptr, peer_view
+from mknumba.roles.compute import linked_source
+from mknumba.roles.reduce import copy_tile_2d, reduce_peers
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "tile_moves.cu")
+SM90_CUH = os.path.join(os.path.dirname(mknumba.__file__), "roles", "cuda", "sm90.cuh")
 ROWS_MAX, ROW_BYTES_MAX = 128, 512        # must match tile_moves.cu
 SMEM_BYTES = 2 * ROWS_MAX * ROW_BYTES_MAX + 8 + 128
 
@@ -36,8 +41,9 @@ def bulk_functions(wait=0):
     flag). Returns ``(init, reduce_peers, copy_tile_2d, drain)``; sm_90a only."""
     if wait in _BULK:
         return _BULK[wait]
-    from .compute import linked_source
-    helper = linked_source(HELPER, f"#define MK_BULK_WAIT {wait}\n" if wait else "")
+    with open(SM90_CUH) as f:      # the library's sm_90a helpers, pasted before this file
+        sm90 = f.read()
+    helper = linked_source(HELPER, (f"#define MK_BULK_WAIT {wait}\n" if wait else "") + sm90)
     u64, i32, i64 = types.uint64, types.int32, types.int64
     init_fn = cuda.declare_device("mk_bulk_init", i32(u64), link=[helper], abi="c")
     drain_fn = cuda.declare_device("mk_bulk_drain", i32(u64), link=[helper], abi="c")

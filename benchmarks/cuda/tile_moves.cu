@@ -5,16 +5,16 @@
 // (benchmarks/NOTES.md), so a 64 KB tile costs ~6 us of round trips. Here one warp hands every
 // row of the tile to the TMA engine at once (cp.async.bulk: up to 128 KB in flight per block), the
 // block sums the rows in shared memory, and the warp hands the result rows back to the engine
-// (bulk stores, to local memory or a peer's over NVLink). Measured on an H200 this is slower than
-// the plain loads (pull + sum 5.4 vs 11.2 GB/s per block): a tile's loads, sum and stores run one
-// after the other. It stays opt-in (moves="bulk") as the base for a double-buffered version.
+// (bulk stores, to local memory or a peer's over NVLink). Slower than the plain loads per block
+// (benchmarks/NOTES.md: a tile's loads, sum and stores run one after the other), so only the
+// probe benchmarks/probe_tile_moves.py uses it, as the base for a double-buffered version.
 //
 //   dst_j[rows x row_bytes] <- src_0 (+ src_1)      for j < ndst (1 or 2), nsrc (1 or 2)
 //
 // Linked into the numba kernels with cuda.declare_device(..., link=[this file]); every thread of
 // the block calls each entry point. Shared memory (the block's dynamic shared memory, which a
 // communication block does not otherwise use): one 64 KB buffer per source and an mbarrier.
-// Requirements, checked by the Python caller (roles/bulk.py): row_bytes a multiple of 16 and at
+// Requirements, checked by the Python caller (bulk_moves.py): row_bytes a multiple of 16 and at
 // most ROW_BYTES_MAX, rows at most ROWS_MAX, every address and stride a multiple of 16.
 //
 // Memory order. The caller acquired the sources' flags (thread 0, then a block barrier); each
@@ -26,7 +26,7 @@
 // may publish a flag with its usual fence + release, and may start the next move on this buffer
 // (with MK_BULK_WAIT 1 only read; mk_bulk_drain then does the rest before a flag).
 
-#include "sm90.cuh"
+// sm90.cuh (mknumba/roles/cuda/) is pasted before this file by bulk_moves.py.
 
 #ifndef MK_BULK_WAIT
 // 0: a move returns once its stores are written (the caller may publish a flag at once);

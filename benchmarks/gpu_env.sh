@@ -1,0 +1,11 @@
+# Sourced by the GPU scripts (run_gpu.sh, gpu_tests_parallel.sh): the repository root as the
+# working directory, $OUT made, never NVLink multicast on the shared hosts (docs/design.md §3),
+# the repository on PYTHONPATH, and with one GPU the ranks of a multi-rank test share it
+# (correctness only). Sets NGPU.
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+OUT=${OUT:-/tmp/mknumba-gpu}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+NGPU=$(nvidia-smi -L | wc -l)
+if [ "$NGPU" -lt 2 ]; then export MKNUMBA_ALLOW_SHARED_GPU=1; fi
