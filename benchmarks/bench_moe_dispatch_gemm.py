@@ -5,8 +5,8 @@
 
 Two ranks, one per GPU (issue 20, item 4); ``--topology`` 1x2 (one node, NVLink), 2x1 (two
 emulated nodes: the dma transport, paced to ``--pace-gbps`` per GPU) or both (the default).
-MoeDispatchGemm runs on one node for now: at 2x1 planning it is refused, and the records keep
-the baselines with ``ours_ms: null`` and the reason (``"unavailable"``).
+Where the op cannot be planned, the records keep the baselines with ``ours_ms: null`` and the
+reason (``"unavailable"``).
 
 Shapes: DeepSeek-V3-like (hidden 7168, ffn 2048, 256 experts, top-8) and Mixtral-like (hidden
 4096, ffn 14336, 8 experts, top-2), ``--tokens`` in all (over the ranks; default 4K, 16K,
