@@ -1,19 +1,26 @@
 #!/usr/bin/env bash
-# Run groups of GPU tests side by side (each group a pytest -k expression), one log per group
-# under $OUT, then print each group's summary line. Compiling dominates a multi-rank GPU test,
-# and the machine's CPU cores compile the groups in parallel.
-#   OUT=/some/dir bash benchmarks/gpu_tests_parallel.sh "expr one" "expr two" ...
+# Run groups of GPU tests side by side, one log per group under $OUT, then print each group's
+# summary line; exits 1 if a group failed. Compiling dominates a multi-rank GPU test, and the
+# machine's CPU cores compile the groups in parallel. A group is test files ("tests/a.py
+# tests/b.py") or a pytest -k expression.
+#   OUT=/some/dir bash benchmarks/gpu_tests_parallel.sh "tests/test_fused.py" "moe and 1x2" ...
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
 i=0
-for expr in "$@"; do
+for group in "$@"; do
   i=$((i + 1))
+  if [[ $group == tests/* ]]; then args=($group); else args=(-k "$group" tests); fi
   timeout "${GROUP_TIMEOUT_S:-450}" ${PYTHON:-python3} -m pytest -v -m gpu -rs --durations=5 \
-    -k "$expr" tests > "$OUT/group$i.log" 2>&1 &
+    "${args[@]}" > "$OUT/group$i.log" 2>&1 &
 done
 wait
 i=0
-for expr in "$@"; do
-  i=$((i + 1)); echo "== group $i ($expr): $(grep -E 'passed|failed|error' "$OUT/group$i.log" | tail -1)"
-  grep -E "FAILED|ERROR" "$OUT/group$i.log" | head -5
+rc=0
+for group in "$@"; do
+  i=$((i + 1))
+  summary=$(grep -E '(passed|failed|error|skipped|no tests ran).* in ' "$OUT/group$i.log" | tail -1)
+  echo "== group $i ($group): ${summary:-no summary (timed out?)}"
+  grep -E "^(FAILED|ERROR)" "$OUT/group$i.log" | head -5
+  [[ $summary == *failed* || $summary == *error* || -z $summary ]] && rc=1
 done
+exit $rc

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one call: GPU tests, compute-sanitizer, every benchmark, a short table.
 #   OUT=/some/dir bash benchmarks/run_gpu.sh [pytest -k expression] [benchmark name pattern]
-# SANITIZE=0 leaves out compute-sanitizer; a pytest expression "none" runs no tests.
+# SANITIZE=0 leaves out compute-sanitizer; a pytest expression "none" runs no tests, none runs
+# every GPU test, in groups side by side (gpu_tests_parallel.sh: a log per group).
 # Writes under $OUT: env.txt, tests.log, bench.log and one JSON per benchmark
 # (docs/design.md §8 records); copy the JSON into benchmarks/results/ to commit it.
 set -uo pipefail
@@ -11,8 +12,17 @@ PY=${PYTHON:-python3}
   $PY -c "import numba, numba_cuda, numpy; print('numba', numba.__version__, 'numba-cuda', numba_cuda.__version__, 'numpy', numpy.__version__)"; } > "$OUT/env.txt" 2>&1
 
 tests_rc=0
-if [ "${1:-}" != none ]; then
-  $PY -m pytest -q -m gpu -rs ${1:+-k "$1"} tests 2>&1 | tee "$OUT/tests.log" | tail -25
+if [ -n "${1:-}" ] && [ "$1" != none ]; then
+  $PY -m pytest -q -m gpu -rs -k "$1" tests 2>&1 | tee "$OUT/tests.log" | tail -25
+  tests_rc=${PIPESTATUS[0]}
+elif [ "${1:-}" != none ]; then
+  # the whole suite as groups side by side (one after another it outlasts a 10-minute call)
+  bash benchmarks/gpu_tests_parallel.sh \
+    "tests/test_gemm.py tests/test_reduce_roles.py tests/test_proxy_gpu.py" \
+    "tests/test_frame.py" "tests/test_fused.py" \
+    "tests/test_allgather_gemm.py tests/test_moe_dispatch.py" \
+    "tests/test_ring_attention.py tests/test_examples.py" \
+    "tests/test_runtime.py tests/test_tutorials.py" 2>&1 | tee "$OUT/tests.log"
   tests_rc=${PIPESTATUS[0]}
 fi
 
