@@ -191,10 +191,6 @@ def main():
     ap.add_argument("--transport", default=os.environ.get("MKNUMBA_TRANSPORT", "dma:ordered"))
     ap.add_argument("--copy", default=None, help="dma copy mode: each | batch")
     ap.add_argument("--batch", type=int, default=None, help="commands per submission (8)")
-    ap.add_argument("--streams", type=int, default=None, help="dma streams (1)")
-    ap.add_argument("--flags", default=None, choices=("event", "inline"),
-                    help="dma completion writes: behind an event on a second stream for large "
-                         "batches (event, default) or on the copy stream (inline)")
     ap.add_argument("--senders", type=int, default=256, choices=(1, 256),
                     help="threads enqueueing: 256 in parallel, or 1 in chunk order (as a send "
                          "role does; adjacent chunks then reach the proxy together and merge)")
@@ -210,16 +206,11 @@ def main():
         os.environ["MKNUMBA_DMA_COPY"] = args.copy
     if args.batch:
         os.environ["MKNUMBA_PROXY_BATCH"] = str(args.batch)
-    if args.streams:
-        os.environ["MKNUMBA_DMA_STREAMS"] = str(args.streams)
-    if args.flags:
-        os.environ["MKNUMBA_DMA_FLAGS"] = args.flags
     b = Bench(args)
     comm, proxy = b.comm, b.proxy
     tname = f"{proxy.transport.name}:{proxy.transport.completion}"
     if hasattr(proxy.transport, "copy"):
-        tname += f":{proxy.transport.copy}:streams{len(proxy.transport.streams)}"
-        tname += f":flags-{proxy.transport.flags}"
+        tname += f":{proxy.transport.copy}"
     if proxy.max_batch != 8:
         tname += f":batch{proxy.max_batch}"
     if args.senders == 1:
