@@ -103,3 +103,16 @@ def test_gpu_2x1_dma_numba():
     out = run_mpi("allgather_gemm_checks.py", 2, "calls", *GPU_SHAPE, "calls=10",
                   simulator=False, env=env)
     _passes(out, "calls", 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arrays", ["torch", "numba"])
+def test_gpu_1x2_graph(arrays):
+    """Captured in a CUDA graph on every rank (torch.cuda.graph / a numba stream through
+    cuda.bindings): a capture that would allocate out is refused; one graph of two calls (b
+    row-major with the gathered A collected, b as w.T), 20 replays with fresh a and b in the
+    captured inputs, each checked; an ordinary call between them."""
+    out = run_mpi("allgather_gemm_checks.py", 2, "graph", *GPU_SHAPE, "calls=20",
+                  f"arrays={arrays}", simulator=False,
+                  env=dict(GPU_ENV, MKNUMBA_ALLOW_SHARED_GPU="1"))
+    _passes(out, "graph", 2)

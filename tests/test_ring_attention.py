@@ -88,13 +88,25 @@ ONE_GPU = textwrap.dedent("""
         else:
             raise AssertionError(f"no MkValueError for {words}")
     print("refused")
+    from frame_checks import capturing     # every stream reads as being captured
+    with capturing():
+        for kw, words in [({}, ("RingAttention", "capture", "out= and lse=")),
+                          (dict(out=out), ("without lse=",)),
+                          (dict(out=out, lse=lse, scale=0.5), ("attention", "first call"))]:
+            try:
+                mk.attention(*x, causal=True, **kw)
+            except mk.MkError as e:
+                assert all(w in str(e) for w in words), (str(e), words)
+            else:
+                raise AssertionError(f"no MkError inside a capture for {words}")
+    print("refused in a capture")
 """)
 
 
 def test_sim_one_gpu_attention_and_bad_input():
     pytest.importorskip("ml_dtypes")
     out = run_python(ONE_GPU)
-    assert out.count("ok") == 2 and "refused" in out, out
+    assert out.count("ok") == 2 and "refused in a capture" in out, out
 
 
 def _passes(out, n):
@@ -138,3 +150,15 @@ def test_gpu_ring_2x1_dma_numba():
                   env={"NCCL_NVLS_ENABLE": "0", "MKNUMBA_GPUS_PER_NODE": "1",
                        "MKNUMBA_TRANSPORT": "dma:ordered"})
     _passes(out, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arrays", ["torch", "numba"])
+def test_gpu_ring_1x2_graph(arrays):
+    """Captured in a CUDA graph on every rank (torch.cuda.graph / a numba stream through
+    cuda.bindings), both layouts, causal and not: a capture that would allocate lse is refused;
+    20 replays with a fresh sequence in the captured q, k, v, each checked; an ordinary call
+    between them."""
+    out = run_mpi("ring_checks.py", 2, 2, 256, 4, 2, 64, 20, arrays, "graph", simulator=False,
+                  env={"NCCL_NVLS_ENABLE": "0", "MKNUMBA_ALLOW_SHARED_GPU": "1"})
+    assert out.count("PASS graph ring") == 4 * 2, out[-4000:]

@@ -37,7 +37,8 @@ from ..errors import MkError, MkValueError
 from ..primitives import FRAME_WORDS, epoch_of_host
 
 __all__ = ["array_type", "params", "signature", "compile_kernel", "pack", "Slot", "param",
-           "Launch", "Frame", "stream_handle", "StreamOrder", "is_capturing", "OpLifetime"]
+           "Launch", "Frame", "stream_handle", "StreamOrder", "is_capturing", "outputs_in_capture",
+           "OpLifetime"]
 
 
 def array_type(dtype, ndim):
@@ -317,6 +318,18 @@ def is_capturing(stream):
     if err != drv.CUresult.CUDA_SUCCESS:
         raise MkError(f"cuStreamIsCapturing failed: {err}")
     return status != drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+
+
+def outputs_in_capture(op, stream, **outputs):
+    """Refuse (MkError) a call on a capturing ``stream`` that leaves out one of ``outputs``
+    (name -> the array given, or None): the call would allocate it there, and every replay
+    would write into it after the caller dropped it (numba then frees it for reuse)."""
+    if all(x is not None for x in outputs.values()) or not is_capturing(stream):
+        return
+    names = " and ".join(f"{name}=" for name in outputs)
+    missing = ", ".join(f"{name}=" for name, x in outputs.items() if x is None)
+    raise MkError(f"{op}: a call inside a CUDA graph capture must pass {names} (the arrays the "
+                  f"graph's replays write); without {missing} it would allocate here")
 
 
 class StreamOrder:

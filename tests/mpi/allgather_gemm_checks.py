@@ -21,7 +21,9 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
   bad       arguments refused with MkValueError before anything is launched, naming the op
             and the argument: a's shape, a float32 a, b's shape, out's shape, a strided b,
             gathered= on an op planned without it, gathered's shape; and at planning: m not
-            divisible by the world, n not a multiple of 8.
+            divisible by the world, n not a multiple of 8. Inside a CUDA graph capture
+            (``frame_checks.capturing``: every stream reads as captured), MkError for a call
+            without out= and for the first call with b as a view ``w.T``.
   disagree  ranks planning different k (then n): MkValueError on every rank naming the field
             and both values.
   wrap      ``_start_at(2**32 - 2)``, then 2 calls back to back across the wrap of the call
@@ -29,6 +31,15 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
             counter and every part's flag read back.
   alternate an AllGatherGemm and an AllGather on one comm called in turn, back to back, for
             2 rounds, every result checked.
+  graph     (GPU) one op planned with gathered=True, every rank capturing and replaying
+            (torch.cuda.graph for arrays=torch, cuStreamBeginCapture on a numba stream for
+            numba; ``GraphCapture`` in frame_checks): a call without out= is refused inside
+            the capture with MkError naming out=; then one graph of two calls, the first with
+            b row-major [k, n] into out and the gathered A into a buffer of the caller's, the
+            second with b as the view ``w.T`` into out2 (with torch the hot path), and
+            ``calls`` replays, each with fresh a and b copied into the captured inputs and
+            out, out2 and the gathered A poisoned, each checked; an ordinary call half-way;
+            the call counter counts every launch.
   timeout   (2+ ranks) only rank 0 calls, with a 3 s bound: its compute role's wait for the
             other ranks' rows expires, and synchronize() raises MkTimeoutError naming the op,
             the rank, the role and the flag within the bound (plus the simulator's slack);
@@ -38,9 +49,9 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
 import numpy as np
 
 import mknumba as mk
-from frame_checks import (ag_out, ag_ref, bits_f64, check_close, check_peer_never_calls,
-                          expected_after, rand_bits, rand_f32, run_checks, same_bits, say,
-                          _refused)
+from frame_checks import (GraphCapture, ag_out, ag_ref, bits_f64, capturing, check_close,
+                          check_peer_never_calls, expected_after, rand_bits, rand_f32,
+                          run_checks, same_bits, say, _refused)
 
 
 def shard_rows(comm, opts):
@@ -153,6 +164,11 @@ def check_bad(comm, opts, A):
     wide = A.dev(rand_bits(opts, (k, 2 * n), 3))
     _refused(lambda: op(a, wide[:, :n]), [name, "b", "strides"])
     _refused(lambda: op(a, b, gathered=A.poisoned((m, k))), [name, "gathered=True"])
+    with capturing():
+        _refused(lambda: op(a, b), [name, "capture", "out="], mk.MkError)
+        _refused(lambda: op(a, A.col_view(A.dev(np.ascontiguousarray(b_bits.T))),
+                            out=A.poisoned((m, n))), [name, "capture", "first call with b"],
+                 mk.MkError)
     op.free()
     op = make_op(comm, opts, gathered=True)
     _refused(lambda: op(a, b, gathered=A.poisoned((s, k))), [name, "gathered", "shape"])
@@ -236,6 +252,66 @@ def check_alternate(comm, opts, A, rounds=2):
     say("alternate", comm, f"rounds={rounds} max_rel_err={worst:.2e}")
 
 
+def check_graph(comm, opts, A):
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    op = make_op(comm, opts, gathered=True)
+    a_bits, b_bits = inputs(comm, opts, comm.rank, 7, 0)
+    a = A.dev(a_bits)                                  # the captured inputs and outputs
+    db, b = b_arg(A, b_bits, "row")
+    dw, w_t = b_arg(A, b_bits, "col")
+    out, out2, g = A.poisoned((m, n)), A.poisoned((m, n)), A.poisoned((m, k))
+
+    def calls():
+        op(a, b, out=out, gathered=g, **cap.kw)
+        op(a, w_t, out=out2, **cap.kw)
+
+    def check(key, what, outs=(out, out2)):
+        ref = reference(comm, opts, *key)
+        worst = max(check_close(A.host(o), ref, f"{what} out{i or ''}")
+                    for i, o in enumerate(outs))
+        if len(outs) == 2:
+            got, want = A.host(g), gathered_ref(comm, opts, *key)
+            assert np.array_equal(got, want), \
+                f"{what}: gathered A differs in {np.sum(got != want)} of {got.size}"
+        return worst
+    cap = GraphCapture(A)
+    cap.warm(calls)                                    # both layouts' kernels
+    worst = check((7, 0), "warm-up")
+    try:
+        cap.capture(lambda: op(a, b, **cap.kw))
+    except mk.MkError as e:
+        assert all(w in str(e) for w in ("AllGatherGemm", "capture", "out=")), str(e)
+    else:
+        raise AssertionError("a call that allocates out inside a capture was not refused")
+    comm.barrier()
+    replay = cap.capture(calls)
+    launches = 2
+    for i in range(1, opts["calls"] + 1):
+        key = (7, i)
+        a_bits, b_bits = inputs(comm, opts, comm.rank, *key)
+        A.put(a, a_bits)
+        A.put(db, b_bits)
+        A.put(dw, np.ascontiguousarray(b_bits.T))
+        for o in (out, out2, g):
+            A.poison(o)
+        replay()
+        launches += 2
+        worst = max(worst, check(key, f"replay {i}"))
+        if i == opts["calls"] // 2:                    # an ordinary call, other arrays
+            key = (7, 1000)
+            a_bits, b_bits = inputs(comm, opts, comm.rank, *key)
+            o3 = A.poisoned((m, n))
+            op(A.dev(a_bits), A.dev(b_bits), out=o3)
+            launches += 1
+            worst = max(worst, check(key, "ordinary call between replays", (o3,)))
+    op.synchronize()
+    assert op.frame.read() == (launches, launches), f"frame {op.frame.read()}, {launches} launches"
+    comm.barrier()
+    op.free()
+    say("graph", comm, f"m={m} n={n} k={k} replays={opts['calls']} arrays={A.kind} "
+                       f"max_rel_err={worst:.2e}")
+
+
 def check_timeout(comm, opts, A, bound_s=3.0):
     m, n = opts["m"], opts["n"]
     a_bits, b_bits = inputs(comm, opts, 0, 6)
@@ -247,7 +323,8 @@ def check_timeout(comm, opts, A, bound_s=3.0):
 
 
 CHECKS = dict(calls=check_calls, inplace=check_inplace, bad=check_bad, disagree=check_disagree,
-              wrap=check_wrap, alternate=check_alternate, timeout=check_timeout)
+              wrap=check_wrap, alternate=check_alternate, graph=check_graph,
+              timeout=check_timeout)
 
 
 def main():

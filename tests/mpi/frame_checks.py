@@ -43,6 +43,7 @@ GPU only (arrays=torch unless said):
   streams    each op called alternately on two torch streams, back to back: right results.
   wrongdev   (2 GPUs) an array on another GPU than the op's is refused with MkValueError.
 """
+import contextlib
 import sys
 import time
 import warnings
@@ -173,6 +174,64 @@ class Arrays:
                 d.fill_(float("nan"))
         else:
             d.copy_to_device(_nan(d.shape, np.dtype(d.dtype)))
+
+
+class GraphCapture:
+    """CUDA graphs of an op's calls (GPU), for arrays of ``A``'s kind: torch.cuda.graph (the
+    calls run on PyTorch's current stream; ``kw`` is empty), or cuStreamBeginCapture on a numba
+    stream (the calls pass ``**kw``: ``stream=`` that stream). ``warm(fn)``: ``fn``'s calls
+    before any capture (torch: on a side stream, as torch.cuda.graph asks); ``capture(fn)``:
+    a graph of what ``fn`` launches, returned as a function that replays it (numba: and waits
+    for it; torch: on the current stream). Graphs live as long as this object."""
+
+    def __init__(self, A):
+        self.torch = A.torch if A.kind == "torch" else None
+        self.graphs = []
+        self.kw = {}
+        if self.torch is None:
+            from cuda.bindings import driver as drv
+            from mknumba.kernels.launch import stream_handle
+            self.drv, self.stream = drv, cuda.stream()
+            self.handle = drv.CUstream(stream_handle(self.stream))
+            self.kw = dict(stream=self.stream)
+
+    def warm(self, fn):
+        if self.torch is None:
+            fn()
+            self.stream.synchronize()
+            return
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+
+    def capture(self, fn):
+        if self.torch is not None:
+            self.graphs.append(self.torch.cuda.CUDAGraph())
+            with self.torch.cuda.graph(self.graphs[-1]):
+                fn()
+            return self.graphs[-1].replay
+        drv, h = self.drv, self.handle
+
+        def ok(res, what):
+            err = res[0]
+            assert err == drv.CUresult.CUDA_SUCCESS, f"{what}: {err}"
+            return res[1] if len(res) > 1 else None
+        ok(drv.cuStreamBeginCapture(h, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL),
+           "cuStreamBeginCapture")
+        try:
+            fn()
+        finally:
+            graph = ok(drv.cuStreamEndCapture(h), "cuStreamEndCapture")
+        gexec = ok(drv.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        self.graphs.append((graph, gexec))
+
+        def replay():
+            ok(drv.cuGraphLaunch(gexec, h), "cuGraphLaunch")
+            self.stream.synchronize()
+        return replay
 
 
 class _ColumnMajor:
@@ -577,14 +636,32 @@ def check_dtypes(comm, opts, A):
     say("dtypes", comm, " ".join(spellings) + " float32-refused")
 
 
-def _refused(fn, words):
+def _refused(fn, words, error=mk.MkValueError):
     try:
         fn()
-    except mk.MkValueError as e:
+    except error as e:
         for w in words:
             assert w in str(e), f"{w!r} not in: {e}"
     else:
-        raise AssertionError(f"not refused (expected MkValueError naming {words})")
+        raise AssertionError(f"not refused (expected {error.__name__} naming {words})")
+
+
+@contextlib.contextmanager
+def capturing():
+    """Every stream reads as being captured into a CUDA graph (``launch.is_capturing``, as
+    every mknumba module imported it), so that what an op refuses inside a capture can be
+    checked in the simulator, which has no graphs. Only for calls refused before a launch."""
+    from mknumba.kernels import launch
+    real = launch.is_capturing
+    mods = [m for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith(
+        "mknumba") and getattr(m, "is_capturing", None) is real]
+    for m in mods:
+        m.is_capturing = lambda stream: True
+    try:
+        yield
+    finally:
+        for m in mods:
+            m.is_capturing = real
 
 
 # ---- GPU: CUDA graphs, streams, devices -------------------------------------------------------

@@ -61,11 +61,10 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
 import sys
 
 import numpy as np
-from numba import cuda
 
 import mknumba as mk
-from frame_checks import (bits_f64, check_close, check_peer_never_calls, expected_after,
-                          rand_bits, run_checks, say, _refused)
+from frame_checks import (GraphCapture, bits_f64, check_close, check_peer_never_calls,
+                          expected_after, rand_bits, run_checks, say, _refused)
 from mknumba._compat import SIMULATOR
 
 PATTERNS = ("uniform", "zipf", "one", "silent", "cold")
@@ -353,47 +352,10 @@ def check_graph(comm, opts, A):
     w_bits = weights_of(opts, W, comm.rank, key0)
     dx, di, dg, dw = A.dev(x), A.dev(idx), A.dev(wts), A.dev(w_bits)   # captured inputs
     out, lay = poisoned(op, A)
-    if A.kind == "torch":
-        torch = A.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):         # warm-up: the cfg of T, the transposer
-            op(dx, di, dw, dg, out=out, layout=lay)
-        torch.cuda.current_stream().wait_stream(side)
-        call = lambda **kw: op(dx, di, dw, dg, **kw)   # noqa: E731
-        graphs = []                           # kept while their replays may run
-
-        def capture(fn):
-            graphs.append(torch.cuda.CUDAGraph())
-            with torch.cuda.graph(graphs[-1]):
-                fn()
-            return graphs[-1].replay
-    else:
-        from cuda.bindings import driver as drv
-        from mknumba.kernels.launch import stream_handle
-        s = cuda.stream()
-        h = drv.CUstream(stream_handle(s))
-        op(dx, di, dw, dg, out=out, layout=lay, stream=s)
-        s.synchronize()
-        call = lambda **kw: op(dx, di, dw, dg, stream=s, **kw)   # noqa: E731
-
-        def capture(fn):
-            (err,) = drv.cuStreamBeginCapture(
-                h, drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)[:1]
-            assert err == drv.CUresult.CUDA_SUCCESS, err
-            try:
-                fn()
-            finally:
-                err, g = drv.cuStreamEndCapture(h)
-            assert err == drv.CUresult.CUDA_SUCCESS, err
-            err, gexec = drv.cuGraphInstantiate(g, 0)
-            assert err == drv.CUresult.CUDA_SUCCESS, err
-
-            def replay():
-                (e,) = drv.cuGraphLaunch(gexec, h)
-                assert e == drv.CUresult.CUDA_SUCCESS, e
-                s.synchronize()
-            return replay
+    cap = GraphCapture(A)    # warm-up: the cfg of T, the transposer
+    cap.warm(lambda: op(dx, di, dw, dg, out=out, layout=lay, **cap.kw))
+    call = lambda **kw: op(dx, di, dw, dg, **cap.kw, **kw)   # noqa: E731
+    capture = cap.capture
     worst = verify(comm, opts, A, op, key0, "uniform", out, lay, w_bits, True, "warm-up")
     try:
         capture(lambda: call())

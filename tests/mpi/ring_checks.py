@@ -1,7 +1,7 @@
 """Multi-rank checks of RingAttention, run under mpiexec.
 
     mpiexec -n N python tests/mpi/ring_checks.py BATCH SEQ_LOCAL HEADS KV_HEADS HEAD_DIM CALLS
-        [ARRAYS]
+        [ARRAYS [graph]]
 
 For each layout (contiguous, zigzag) and mask (full, causal): CALLS calls back to back with
 fresh random inputs (the same global sequence on every rank, from one seed, sharded by the
@@ -9,6 +9,14 @@ layout) and poisoned outputs (NaN), then each rank's out and lse are compared wi
 NumPy reference of the whole sequence, restricted to this rank's rows (relative Frobenius error
 of out <= 1e-2, lse within 1e-3). ARRAYS: numba (bf16 bits) or torch (GPU only). Prints
 ``PASS ring <layout> causal=<0|1> rank <r> ...``.
+
+graph (GPU): instead, for each layout and mask, a CUDA graph capture of a call
+(torch.cuda.graph for torch, cuStreamBeginCapture on a numba stream for numba; ``GraphCapture``
+in frame_checks), every rank capturing and replaying: a call that would allocate out and lse
+is refused inside the capture with MkError naming out= and lse=; then one capture with out=
+and lse= and CALLS replays, each with a fresh global sequence copied into the captured q, k, v
+and out and lse poisoned, each checked as above; an ordinary call half-way; the call counter
+counts every launch. Prints ``PASS graph ring <layout> causal=<0|1> rank <r> ...``.
 """
 import sys
 
@@ -90,18 +98,81 @@ def run(comm, dims, calls, arrays, layout, causal):
     return worst
 
 
+def graph(comm, dims, replays, arrays, layout, causal):
+    from frame_checks import Arrays, GraphCapture
+    b, s, h, hk, d = dims
+    W, r = comm.size, comm.rank
+    rows = positions(r, s, W, layout)
+    A = Arrays(arrays)
+    op = mk.RingAttention(comm, b, s, h, hk, d, causal=causal, layout=layout)
+
+    def sequence(i):               # the global q, k, v of call i, the same on every rank
+        rng = np.random.default_rng([77, i])
+        return [to_bf16_bits(rng.standard_normal((b, W * s, n, d))) for n in (h, hk, hk)]
+
+    def outputs():
+        return A.poisoned((b, s, h, d)), A.poisoned((b, h, s), np.float32)
+
+    def check(full, out, lse, what):
+        ro, rl = reference(*(from_bf16_bits(x).astype(np.float64) for x in full), causal)
+        o = from_bf16_bits(A.host(out)).astype(np.float64)
+        L = A.host(lse).astype(np.float64)
+        assert np.isfinite(o).all() and np.isfinite(L).all(), f"{what}: unwritten outputs"
+        err = np.linalg.norm(o - ro[:, rows]) / np.linalg.norm(ro[:, rows])
+        lerr = np.abs(L - rl[:, :, rows]).max()
+        assert err <= 1e-2 and lerr <= 1e-3, f"{what}: out rel err {err:.3g}, lse {lerr:.3g}"
+        return err
+
+    full = sequence(0)
+    q, k, v = (A.dev(shard(x, r, W, layout)) for x in full)    # the captured inputs
+    out, lse = outputs()
+    cap = GraphCapture(A)
+    cap.warm(lambda: op(q, k, v, out=out, lse=lse, **cap.kw))
+    worst = check(full, out, lse, "warm-up")
+    try:
+        cap.capture(lambda: op(q, k, v, out=out, **cap.kw))
+    except mk.MkError as e:
+        assert all(w in str(e) for w in ("RingAttention", "capture", "out=", "lse=")), str(e)
+    else:
+        raise AssertionError("a call that allocates lse inside a capture was not refused")
+    comm.barrier()
+    replay = cap.capture(lambda: op(q, k, v, out=out, lse=lse, **cap.kw))
+    launches = 1
+    for i in range(1, replays + 1):
+        full = sequence(i)
+        for dst, x in zip((q, k, v), full):
+            A.put(dst, shard(x, r, W, layout))
+        A.poison(out)
+        A.poison(lse)
+        replay()
+        launches += 1
+        worst = max(worst, check(full, out, lse, f"replay {i}"))
+        if i == replays // 2:      # an ordinary call, other arrays
+            full = sequence(1000)
+            o2, l2 = outputs()
+            op(*(A.dev(shard(x, r, W, layout)) for x in full), out=o2, lse=l2)
+            launches += 1
+            worst = max(worst, check(full, o2, l2, "ordinary call between replays"))
+    op.synchronize()
+    assert op.frame.read()[0] == launches, f"frame {op.frame.read()}, {launches} launches made"
+    comm.barrier()
+    op.free()
+    return worst
+
+
 def main():
     dims = tuple(int(x) for x in sys.argv[1:6])
     calls = int(sys.argv[6])
     arrays = sys.argv[7] if len(sys.argv) > 7 else "numba"
+    check, tag = (graph, "graph ring") if sys.argv[8:] == ["graph"] else (run, "ring")
     with mk.init() as comm:
         if arrays == "torch":
             import torch
             torch.cuda.set_device(comm.device_id)
         for layout in ("contiguous", "zigzag"):
             for causal in (False, True):
-                worst = run(comm, dims, calls, arrays, layout, causal)
-                print(f"PASS ring {layout} causal={int(causal)} rank {comm.rank} topology "
+                worst = check(comm, dims, calls, arrays, layout, causal)
+                print(f"PASS {tag} {layout} causal={int(causal)} rank {comm.rank} topology "
                       f"{comm.nodes}x{comm.local_size} dims={dims} calls={calls} "
                       f"max_rel_err={worst:.2e}", flush=True)
         comm.barrier()

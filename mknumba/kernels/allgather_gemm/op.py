@@ -7,7 +7,8 @@ from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
 from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
-from ..launch import Frame, OpLifetime, Slot, StreamOrder, pack, param, stream_handle
+from ..launch import (Frame, OpLifetime, Slot, StreamOrder, outputs_in_capture, pack, param,
+                      stream_handle)
 from .kernel import CFG_FIELDS, build
 from .plan import AllGatherGemmPlan
 
@@ -31,6 +32,9 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
 
     Calls are asynchronous on the stream of the inputs (the current PyTorch stream for
     tensors, else ``stream``); :meth:`synchronize` waits and raises any device-side timeout.
+    A call inside a CUDA graph capture works as any other (the epoch lives on the GPU) when it
+    passes ``out=`` and b is row-major [k, n] or a layout met in an ordinary call before (else
+    it is refused: it would allocate, or compile that layout's kernel).
     """
 
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, gathered=False, comm_sms=None,
@@ -133,6 +137,8 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
         if A.torch != B.torch:
             raise MkValueError(f"{self.name}: a and b must both be PyTorch tensors or both be "
                                "device arrays")
+        st = stream_handle(stream, dev if A.torch else None)
+        outputs_in_capture(self.name, st, out=out)
         if out is None:
             out = new_output(a, A.torch, (m, n))
         O = operand(out, self.name, "out", shape=(m, n), device_id=dev)
@@ -152,8 +158,7 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
         mode = b_mode(B, "kn", n, k, self.name)
         self._run(A.as_param(np.uint64, (self.shard * k // 4,)),
                   B.as_param(np.uint16, b_shape(mode, n, k)), mode,
-                  O.as_param(np.uint16, (m, n)), g,
-                  stream_handle(stream, dev if A.torch else None))
+                  O.as_param(np.uint16, (m, n)), g, st)
         return out
 
     def _run(self, a, b, mode, out, gathered, stream):

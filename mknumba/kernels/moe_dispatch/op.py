@@ -11,7 +11,8 @@ from ...errors import MkError, MkValueError
 from ...roles.compute import kn_kind
 from ..gemm_inputs import b_map
 from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
-                      is_capturing, pack, param, stream_handle)
+                      is_capturing, outputs_in_capture, pack, param,
+                      stream_handle)
 from ..tensor_maps import MapTable, tensor_map
 from .kernel import CFG_FIELDS, build, flag_words, lay_words, meta_words
 from .plan import MoeDispatchGemmPlan
@@ -171,10 +172,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                 raise MkValueError(f"{self.name}: topk_weights must be a PyTorch tensor "
                                    "exactly when x is")
         stream = stream_handle(stream, dev if X.torch else None)
-        if (out is None or layout is None) and is_capturing(stream):
-            raise MkError(f"{self.name}: a call inside a CUDA graph capture must pass out= "
-                          "and layout= (arrays of capacity rows the graph's replays write); "
-                          "allocating them here would break the capture")
+        outputs_in_capture(self.name, stream, out=out, layout=layout)
         if out is None:
             out = new_output(x, X.torch, (self.capacity, F))
         O = operand(out, self.name, "out", shape=(self.capacity, F), device_id=dev)

@@ -6,14 +6,14 @@ import numpy as np
 from numba import cuda
 
 from ..._compat import SIMULATOR
-from ...arrays import new_output, operand
+from ...arrays import is_torch, new_output, operand
 from ...errors import ERR_WORDS, MkError, MkValueError, raise_if_timed_out
 from ...roles.attention import (HEAD_DIM_MAX, SM90_HEAD_DIMS, SM90_ROWS, SM90_SMEM_BYTES,
                                 SM90_THREADS)
 from ...sched.sequence import check_layout, runs
 from ...sched.tiles import arrival_order
-from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, pack, param,
-                      stream_handle)
+from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, is_capturing,
+                      outputs_in_capture, pack, param, stream_handle)
 from ..tensor_maps import MAP_WORDS, MapTable, tensor_map
 from .kernel import CFG_FIELDS, make_kernel
 
@@ -30,7 +30,10 @@ class RingAttention:
     "simt"; threads (the SIMT twin's rows per block), send_blocks and compute_blocks (blocks
     per role) are tuning knobs.
     Every rank must pass the same values (checked). Calls are asynchronous on the stream of
-    the inputs; :meth:`synchronize` waits and raises any device-side timeout.
+    the inputs; :meth:`synchronize` waits and raises any device-side timeout. A call inside a
+    CUDA graph capture works as any other (the epoch lives on the GPU; a tensor map row first
+    written there is written again by the next ordinary call) when it passes ``out=`` and
+    ``lse=`` (a call that would allocate is refused there).
     """
 
     name = "RingAttention"
@@ -212,6 +215,8 @@ class RingAttention:
         if not Q.torch == K.torch == V.torch:
             raise MkValueError(f"{self.name}: q, k and v must all be PyTorch tensors or all "
                                "device arrays")
+        st = stream_handle(stream, dev if Q.torch else None)
+        outputs_in_capture(self.name, st, out=out, lse=lse)
         if out is None:
             out = new_output(q, Q.torch, (b, s, h, d))
         if lse is None:
@@ -219,7 +224,6 @@ class RingAttention:
         O = operand(out, self.name, "out", shape=(b, s, h, d), device_id=dev, align=8)
         L_ = operand(lse, self.name, "lse", dtypes=("float32",), shape=(b, h, s),
                      device_id=dev, align=4)
-        st = stream_handle(stream, dev if Q.torch else None)
         L = self.launch
         u16 = np.uint16
         with L.lock:                      # one call at a time binds and launches
@@ -276,19 +280,25 @@ def attention(q, k, v, causal=False, scale=None, out=None, lse=None, stream=None
     -> ``(out, lse)``, out like q (bf16) and lse [batch, heads, seq] (fp32, natural log);
     causal masks keys after each query; tile: as for :class:`RingAttention`. The compute role
     of :class:`RingAttention` on a world of one (planned once per shape; ``attention.op(...)``
-    returns that plan, e.g. to see which tile it runs)."""
+    returns that plan, e.g. to see which tile it runs). Inside a CUDA graph capture: a shape
+    called before, ``out=`` and ``lse=`` given."""
     if not hasattr(q, "shape") or len(q.shape) != 4 or not hasattr(k, "shape") or \
             len(k.shape) != 4:
         raise MkValueError("mknumba.attention: q, k and v must be 4-d [batch, seq, heads, d]")
-    op = _single(tuple(int(x) for x in q.shape), int(k.shape[2]), causal, scale, tile)
-    return op(q, k, v, out=out, lse=lse, stream=stream)
+    st = stream_handle(stream, q.device.index if is_torch(q) else None)
+    op = _single(tuple(int(x) for x in q.shape), int(k.shape[2]), causal, scale, tile, st)
+    return op(q, k, v, out=out, lse=lse, stream=st)
 
 
-def _single(q_shape, kv_heads, causal=False, scale=None, tile="auto"):
+def _single(q_shape, kv_heads, causal=False, scale=None, tile="auto", stream=None):
     b, s, h, d = q_shape
     key = (b, s, h, kv_heads, d, bool(causal), scale, tile,
            None if SIMULATOR else cuda.get_current_device().id)
     if key not in _SINGLE:
+        if stream is not None and is_capturing(stream):   # planning allocates and compiles
+            raise MkError("mknumba.attention: the first call with these shapes and options is "
+                          "inside a CUDA graph capture; call once with them before capturing "
+                          "(it plans the op)")
         _SINGLE[key] = RingAttention(None, b, s, h, kv_heads, d, causal=causal, scale=scale,
                                      tile=tile)
     return _SINGLE[key]
