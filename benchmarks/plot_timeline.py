@@ -5,7 +5,8 @@ split it started from as a dotted line.
 
     python benchmarks/plot_timeline.py TRACE.json [--png OUT.png] [--ranks 0,1]
 
-The trace comes from e.g. ``benchmarks/trace_fused.py --save-trace TRACE.json`` (see
+The trace comes from e.g. ``benchmarks/trace_fused.py --save-trace TRACE.json`` or any op
+built with ``trace=True`` (``AllGatherGemm`` too) and its ``save_trace`` (see
 benchmarks/NOTES.md, "How to: timelines"); open the same file in https://ui.perfetto.dev for
 the per-item tracks.
 """
@@ -19,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mknumba.timeline import ROLES, SMS_COUNTER, TARGET_COUNTER  # noqa: E402
 
 COLORS = dict(compute="tab:blue", reduce="tab:orange", send="tab:green", recv="tab:red",
-              pull="tab:purple")
+              pull="tab:purple", forward="tab:brown", collect="tab:olive")
 
 
 def series(doc, pid):

@@ -7,8 +7,9 @@ Trace Event Format that ``chrome://tracing`` and https://ui.perfetto.dev open:
 
 - one process per rank (``pid`` = world rank);
 - per role one group of threads named after the role (``compute``, ``reduce``, ``send``,
-  ``recv``, ``pull``), an ``X`` event per item (a tile computed, a tile reduced, a chunk
-  sent, a chunk received and finished, a tile pulled). Items of one role overlap in time
+  ``recv``, ``pull``, ``forward``, ``collect``), an ``X`` event per item (a tile computed, a
+  tile reduced, a chunk sent, a chunk received and finished, a tile pulled; AllGather + GEMM:
+  a part of A stored here, pushed to the node's GPUs, forwarded, collected). Items of one role overlap in time
   (many blocks), and a trace viewer wants the events of one thread nested, so a role's items
   are laid out on lanes: ``reduce``, ``reduce 2``, ... (as few as the overlap needs);
 - a counter ``SMs per role``: how many blocks each role held over time (from the blocks'
@@ -23,8 +24,12 @@ clock closely enough for a picture; across hosts, read each rank on its own).
 import json
 from typing import NamedTuple
 
+import numpy as np
+
+from .errors import MkValueError
+
 #: roles in the order their tracks appear
-ROLES = ("compute", "reduce", "send", "recv", "pull")
+ROLES = ("compute", "reduce", "send", "recv", "pull", "forward", "collect")
 SMS_COUNTER = "SMs per role"
 TARGET_COUNTER = "controller target"
 
@@ -32,7 +37,9 @@ TARGET_COUNTER = "controller target"
 class Timeline(NamedTuple):
     """One rank's traced call, times in ns of the GPU clock.
 
-    items: role -> [(start, end, item, block)] (block -1 where not recorded);
+    items: role -> [(start, end, item, block)] (block -1 where not recorded), or
+    [(start, end, item, block, name)] to name the event ``name item`` rather than after the
+    role (two kinds of item on one role's tracks);
     segments: [(block, role, start, end)]: which role each block held when;
     decisions: [(time, block, role, target)]: the controller's (adaptive split);
     meta: anything JSON-able (op name, shape, split, ...)."""
@@ -113,8 +120,10 @@ def chrome_trace(timelines, meta=None):
                                 args=dict(name=role if j == 0 else f"{role} {j + 1}")))
                 out.append(dict(ph="M", name="thread_sort_index", pid=pid, tid=tid,
                                 args=dict(sort_index=tid)))
-            for (s, e, item, block), j in sorted(zip(ev, lane), key=lambda x: x[0][0]):
-                out.append(dict(ph="X", name=f"{role} {item}", cat=role, pid=pid,
+            for x, j in sorted(zip(ev, lane), key=lambda x: x[0][0]):
+                s, e, item, block = x[:4]
+                out.append(dict(ph="X", name=f"{x[4] if len(x) > 4 else role} {item}",
+                                cat=role, pid=pid,
                                 tid=1 + r * 1000 + j, ts=us(s), dur=max(0.0, (e - s) / 1e3),
                                 args=dict(item=int(item), block=int(block))))
         for t, count in sms_over_time(tl.segments):
@@ -126,6 +135,50 @@ def chrome_trace(timelines, meta=None):
     ranks = {str(tl.rank): tl.meta for tl in timelines}
     return dict(traceEvents=out, displayTimeUnit="ns",
                 otherData=dict(meta or {}, ranks=ranks, t0_ns=int(t0)))
+
+
+def spans(ev, first, last, n, item, block=lambda i: -1, name=None):
+    """Items ``[(start, end, item, block)]`` (``name``: with it, see :class:`Timeline`) of the
+    stamp rows ``ev[first]`` and ``ev[last]`` over i < n, leaving out those not stamped (0)."""
+    tail = () if name is None else (name,)
+    return [(int(ev[first][i]), int(ev[last][i]), int(item(i)), int(block(i))) + tail
+            for i in range(n) if ev[first][i] > 0 and ev[last][i] > 0]
+
+
+def role_of(b, layout):
+    """The role of block ``b`` in a static layout ``[(role, blocks), ...]`` in block order
+    (None past its end)."""
+    for role, count in layout:
+        if b < count:
+            return role
+        b -= count
+    return None
+
+
+class Traced:
+    """The host side of an op built with ``trace=True`` (mixin): ``self.tracing``,
+    ``self._trace`` (the int64 [rows, items] array the kernel stamps), ``self.comm``,
+    ``self.name`` and ``timeline()`` come from the op."""
+
+    def clear_trace(self):
+        """Zero the stamps (so a later read shows only what the next call reached)."""
+        if self.tracing:
+            self._trace.copy_to_device(np.zeros(self._trace.shape, np.int64))
+
+    def _stamps(self, events):
+        """The stamp rows of the last traced call: ({event: row}, every row)."""
+        if not self.tracing:
+            raise MkValueError(f"{self.name}: built without trace=True")
+        rows = self._trace.copy_to_host()
+        return dict(zip(events, rows)), rows
+
+    def save_trace(self, path):
+        """Collective (every rank calls it, after :meth:`synchronize`): rank 0 writes the last
+        traced call of every rank to ``path`` as a Chrome / Perfetto trace
+        (:mod:`mknumba.timeline`: one process per rank, tracks per role, an event per item,
+        SMs per role, with the adaptive split the controller's target, as counters). Returns
+        ``path`` on rank 0, None on the others."""
+        return save(self.comm, self.timeline(), path)
 
 
 def save(comm, timeline, path, meta=None):

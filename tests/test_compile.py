@@ -211,6 +211,7 @@ def test_allgather_gemm_kernel_compiles_for_sm90a(fake_sm90):
     from mknumba.kernels.launch import signature
     ptx, log = _link_sm90a(*_hopper_kernel("allgather_gemm"), fake_sm90)
     assert "serialized" not in log, log
+    assert not re.search(r"\b(div|rem)\.[su]64\b", ptx), "a 64-bit divide"
     assert ptx.count("wgmma.mma_async") >= 4, "wgmma missing"
     for instr in ("cp.async.bulk.tensor.2d", "fence.proxy.async.global", "ld.acquire.sys",
                   "st.release.sys", "fence.acq_rel.sys", "atom.add.relaxed.gpu.u64"):

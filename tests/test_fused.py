@@ -241,9 +241,10 @@ def test_timeline_layout():
     assert max(lane) + 1 == 3                    # (5,15), (10,20), (12,13) overlap at 12
     segs = [(0, "compute", 0, 10), (1, "reduce", 0, 20), (0, "reduce", 10, 20)]
     counts = T.sms_over_time(segs)
-    assert counts[0] == (0, dict(compute=1, reduce=1, send=0, recv=0, pull=0))
+    idle = {r: 0 for r in T.ROLES}
+    assert counts[0] == (0, dict(idle, compute=1, reduce=1))
     assert counts[1][0] == 10 and counts[1][1]["reduce"] == 2 and counts[1][1]["compute"] == 0
-    assert counts[-1] == (20, dict(compute=0, reduce=0, send=0, recv=0, pull=0))
+    assert counts[-1] == (20, idle)
     assert T.segments_from_log(5, 40, [(5, 0, 1), (20, 1, 2), (20, 1, 2)],
                                ("compute", "reduce")) == [("compute", 5, 20),
                                                           ("reduce", 20, 40)]
@@ -252,6 +253,9 @@ def test_timeline_layout():
     x = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert x == [dict(ph="X", name="compute 7", cat="compute", pid=0, tid=1, ts=0.0,
                       dur=0.1, args=dict(item=7, block=0))]
+    doc = T.chrome_trace([T.Timeline(0, dict(send=[(0, 5, 3, 1), (5, 9, 3, 1, "push")]),
+                                     [], [], {})])               # a named item
+    assert [e["name"] for e in doc["traceEvents"] if e["ph"] == "X"] == ["send 3", "push 3"]
 
 
 def test_sim_1x4_both_kernels():

@@ -38,6 +38,7 @@ from numba import cuda, types
 from .._compat import SIMULATOR
 from ..errors import ROLE_COMPUTE, MkValueError
 from ..primitives import data_ptr, peer_view, release, udiv32, wait_flag
+from .blocks import no_stamp, stamp
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
 
@@ -231,7 +232,7 @@ gemm_tile_simt = _simt_tile(False)
 gemm_tile_simt_kn = _simt_tile(True)
 
 
-def make_compute_role(build, destination, grouped=None):
+def make_compute_role(build, destination, grouped=None, stamps=None):
     """The compute role around one tile build (:class:`TileBuild`: the plain GEMM and the
     fused kernels); ``b`` is [n, k], or [k, n] when ``build.b_kn``.
 
@@ -256,22 +257,44 @@ def make_compute_role(build, destination, grouped=None):
     ``operands(where, tm, a, b, tmaps) -> (a, b, tmaps)`` the tile row's A (whose rows end
     where the tile's stores stop), B and tensor maps (one expert's). Default: every entry of
     ``order``, the role's own operands.
+
+    ``stamps = (start, done)``: trace rows (``roles.blocks.stamp``); the role then takes
+    ``tr, trace`` after ``where`` and, when ``tr``, stamps entry i of ``order`` in
+    ``trace[start, i]`` before its tile and ``trace[done, i]`` after (thread 0's view).
     """
     work = grouped[0] if grouped is not None else all_tiles
     tile_init = build.init
     compute_tile = make_compute_tile(build, destination, grouped)
+    mark = stamp if stamps is not None else no_stamp
+    start, done = stamps if stamps is not None else (0, 0)
 
-    @cuda.jit(device=True)
-    def compute_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where):
+    @cuda.jit(device=True, inline=True)
+    def tiles_loop(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where, tr, trace):
         tile_init(smem, tmaps)
         cuda.syncthreads()
         seq = 0
         tiles = work(where, epoch, order.shape[0])
         i = blk         # no range() with a run-time step, no 64-bit divide: see udiv32
         while i < tiles:
+            mark(tr, trace, start, i)
             compute_tile(smem, tmaps, a, b, order[i], tiles_n, seq, epoch, where)
+            mark(tr, trace, done, i)
             i += blocks
             seq += 1
+
+    if stamps is not None:
+        @cuda.jit(device=True)
+        def traced_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where, tr,
+                        trace):
+            tiles_loop(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where, tr,
+                       trace)
+        return traced_role
+
+    @cuda.jit(device=True)
+    def compute_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where):
+        # no stamps: no_stamp ignores its trace argument, any array will do
+        tiles_loop(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where, False,
+                   order)
     return compute_role
 
 

@@ -9,12 +9,16 @@ reference without communicating.
 
 Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exits non-zero):
 
-  calls     one op planned with gathered=True: ``calls`` calls back to back, each with fresh
-            random a and b and a poisoned (NaN) out; b alternately row-major [k, n] and the
-            column-major view ``w.T`` of a row-major [n, k] w; every other call also into a
-            poisoned gathered A of the caller's. After one synchronisation: every out against
-            a float64 reference of AllGather(a) @ b (relative Frobenius error <= 1e-2, every
-            element written) and every gathered A bit for bit.
+  calls     one op planned with gathered=True and trace=True: ``calls`` calls back to back,
+            each with fresh random a and b and a poisoned (NaN) out; b alternately row-major
+            [k, n] and the column-major view ``w.T`` of a row-major [n, k] w; every other call
+            and the last also into a poisoned gathered A of the caller's. After one
+            synchronisation: every out against a float64 reference of AllGather(a) @ b
+            (relative Frobenius error <= 1e-2, every element written) and every gathered A bit
+            for bit. The last call's role trace: every block, part and tile stamped, in order
+            (a tile done after the start of the own parts it reads); ``op.save_trace`` read
+            back on rank 0 (``trace_checks``): an event per part sent (and pushed to the
+            node's other GPUs, forwarded, collected) and per tile, on its role's tracks.
   inplace   one a and one b (row-major, then a column-major view) updated in place with fresh
             data between 2 calls, the first with out=, the second without: each result follows
             the update.
@@ -52,6 +56,7 @@ import mknumba as mk
 from frame_checks import (GraphCapture, ag_out, ag_ref, bits_f64, capturing, check_close,
                           check_peer_never_calls, expected_after, rand_bits, rand_f32,
                           run_checks, same_bits, say, _refused)
+from trace_checks import check_saved_trace
 
 
 def shard_rows(comm, opts):
@@ -93,7 +98,7 @@ def b_arg(A, b_bits, layout):
 # ---- calls --------------------------------------------------------------------------------------
 def check_calls(comm, opts, A):
     m, n, k = opts["m"], opts["n"], opts["k"]
-    op = make_op(comm, opts, gathered=True)
+    op = make_op(comm, opts, gathered=True, trace=True)
     results = []
     keep = []                       # inputs stay alive until the calls are done
     for call in range(opts["calls"]):
@@ -102,7 +107,7 @@ def check_calls(comm, opts, A):
         a = A.dev(a_bits)
         db, b = b_arg(A, b_bits, "row" if call % 2 == 0 else "col")
         out = A.poisoned((m, n))
-        g = A.poisoned((m, k)) if call % 2 == 1 else None
+        g = A.poisoned((m, k)) if call % 2 == 1 or call == opts["calls"] - 1 else None
         res = op(a, b, out=out, gathered=g)
         assert res is out, "out= given, another array returned"
         results.append((key, out, g))
@@ -118,10 +123,38 @@ def check_calls(comm, opts, A):
             assert np.array_equal(got, want), \
                 f"call {key[1]}: gathered A differs in {np.sum(got != want)} of {got.size}"
     assert op.frame.read() == (opts["calls"], opts["calls"]), op.frame.read()
+    check_trace(comm, op)
     op.free()
     say("calls", comm, f"m={m} n={n} k={k} calls={opts['calls']} parts={op.parts} "
                        f"part_rows={op.part_rows} roles={op.role_blocks} arrays={A.kind} "
                        f"max_rel_err={worst:.2e}")
+
+
+def check_trace(comm, op):
+    """The last call's stamps (this rank), then its saved trace (rank 0)."""
+    ev = op.trace_events()
+    P, rb, me = op.parts, op.role_blocks, comm.rank
+    assert (ev["block_start"][:op.grid] > 0).all(), "a block has no start stamp"
+    assert (ev["block_end"][:op.grid] >= ev["block_start"][:op.grid]).all()
+    pairs = [("send_start", "send_staged", P), ("push_start", "push_done", P),
+             ("collect_ready", "collect_done", op.world * P),
+             ("tile_start", "tile_done", len(op.order))]
+    if rb["forward"]:
+        pairs.append(("forward_ready", "forward_done", len(comm.rail_peers) * P))
+    for first, last, n in pairs:
+        b, a = ev[first][:n], ev[last][:n]
+        assert (b > 0).all() and (a >= b).all(), f"{first} -> {last} stamps wrong"
+    for i, t in enumerate(op.order):          # a tile ends after its own rows began to move
+        r0 = max(t // op.tiles_n * op.bm - me * op.shard, 0)       # in my shard
+        r1 = min(t // op.tiles_n * op.bm + op.bm - me * op.shard, op.shard)
+        if r0 < r1:
+            began = ev["send_start"][r0 // op.part_rows:(r1 - 1) // op.part_rows + 1]
+            assert ev["tile_done"][i] >= began.max(), (i, t)
+    g = comm.local_size
+    check_saved_trace(op, lambda r, meta: dict(
+        compute=meta["tiles"], collect=comm.size * meta["parts"],
+        send=meta["parts"] * (2 if g > 1 else 1),
+        forward=(comm.nodes - 1) * meta["parts"] if meta["role_blocks"]["forward"] else 0))
 
 
 # ---- inplace ------------------------------------------------------------------------------------

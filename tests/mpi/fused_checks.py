@@ -22,10 +22,7 @@ has a track for every role with items, an event per item, times monotone per tra
 per role counter (and with the controller, its target).
 Prints ``PASS <kernel> rank <r> ...`` per op; any failure exits non-zero.
 """
-import json
-import os
 import sys
-import tempfile
 
 import numpy as np
 
@@ -34,6 +31,7 @@ from mknumba._compat import SIMULATOR
 from mknumba.kernels.gemm_ar import GemmAllReduce
 from mknumba.kernels.gemm_rs import GemmReduceScatter
 from numba import cuda
+from trace_checks import check_saved_trace as saved_trace
 
 
 def bf16_bits(x):
@@ -114,46 +112,15 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, join, deliver,
 
 
 def check_saved_trace(op):
-    """op.save_trace (collective): rank 0 reads the file back and checks it."""
-    path = os.path.join(tempfile.gettempdir(), f"mk-trace-{os.getpid()}-{op.kernel_name}.json")
-    path = op.comm.mpi.bcast(path, root=0)
-    wrote = op.save_trace(path)
-    if op.comm.rank != 0:
-        assert wrote is None
-        return
-    with open(path) as f:
-        doc = json.load(f)
-    os.unlink(path)
-    ev = doc["traceEvents"]
-    world = op.comm.size
-    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in ev
-             if e["ph"] == "M" and e["name"] == "thread_name"}
-    assert {e["pid"] for e in ev if e["ph"] == "X"} == set(range(world))
-    for r in range(world):
-        meta = doc["otherData"]["ranks"][str(r)]
-        rb = meta["role_blocks"]
-        for role in ("compute", "reduce", "send", "recv", "pull"):
-            got = [e for e in ev if e["ph"] == "X" and e["pid"] == r and e["cat"] == role]
-            if role == "compute":
-                assert len(got) == meta["tiles"], (r, role, len(got))
-            if rb[role] > 0 or role == "compute" or (role == "reduce" and meta["adaptive"]):
-                tracks = {names[r, e["tid"]] for e in got}
-                assert not got or role in tracks, (r, role, tracks)
-            for e in got:
-                assert names[r, e["tid"]].split()[0] == role
-        counters = [e for e in ev if e["ph"] == "C" and e["pid"] == r]
-        sms = [e for e in counters if e["name"] == "SMs per role"]
-        assert sms and max(sum(e["args"].values()) for e in sms) <= sum(rb.values())
-        assert sms[-1]["args"] == {k: 0 for k in sms[-1]["args"]}   # every block ended
-        if meta["adaptive"]:
-            assert any(e["name"] == "controller target" for e in counters)
-    tracks = {}
-    for e in ev:
-        if e["ph"] == "X":
-            tracks.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
-    for key, spans in tracks.items():          # in time order, none overlapping the next
-        for (s0, e0), (s1, e1) in zip(spans, spans[1:]):
-            assert s0 <= s1 and e0 <= s1 + 1e-6, (key, (s0, e0), (s1, e1))
+    """op.save_trace (collective): rank 0 reads the file back and checks it
+    (``trace_checks``): an event per computed tile, every role's events on its tracks, the
+    controller's target counter with the adaptive split."""
+    doc = saved_trace(op, lambda r, meta: dict(compute=meta["tiles"], reduce=None, send=None,
+                                                recv=None, pull=None))
+    for r in range(op.comm.size) if doc is not None else ():
+        if doc["otherData"]["ranks"][str(r)]["adaptive"]:
+            assert any(e["ph"] == "C" and e["pid"] == r and e["name"] == "controller target"
+                       for e in doc["traceEvents"])
     return doc
 
 

@@ -7,13 +7,17 @@ from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
 from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
+from ...timeline import Timeline, Traced, role_of, spans
 from ..launch import (Frame, OpLifetime, Slot, StreamOrder, outputs_in_capture, pack, param,
                       stream_handle)
-from .kernel import CFG_FIELDS, build
+from .kernel import CFG_FIELDS, TRACE_EVENTS, build
 from .plan import AllGatherGemmPlan
 
+#: the roles in block order (``plan._roles``)
+ROLE_ORDER = ("send", "forward", "collect", "compute")
 
-class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
+
+class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
     """``out = AllGather(a) @ b`` in one persistent launch (a column-parallel linear layer).
 
     comm: the :class:`mknumba.Comm`; m: rows of the gathered A (every rank holds ``m / world``
@@ -28,7 +32,11 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
     (default: one tile row, 128 on Hopper; between nodes whole tile rows of about 1 MiB, one
     proxy command each); tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else
     "simt") | "sm90" | "simt" | another build (``roles.compute.tile_build``); group_m: tile
-    rows per band of the tile order.
+    rows per band of the tile order; trace: stamp every role's steps with the GPU clock (a
+    part of this rank's shard stored here and pushed to the node's GPUs, a part forwarded, a
+    part collected, a tile computed): :meth:`trace_events`, :meth:`timeline` and
+    :meth:`save_trace` read the last call after :meth:`synchronize` (off: one branch per
+    stamp).
 
     Calls are asynchronous on the stream of the inputs (the current PyTorch stream for
     tensors, else ``stream``); :meth:`synchronize` waits and raises any device-side timeout.
@@ -38,11 +46,12 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
     """
 
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, gathered=False, comm_sms=None,
-                 collect_sms=None, part_rows=None, tile="auto", group_m=None):
+                 collect_sms=None, part_rows=None, tile="auto", group_m=None, trace=False):
         self._plan(comm, m, n, k, dtype, gathered, comm_sms, collect_sms, part_rows, tile,
-                   group_m)
+                   group_m, trace)
         self.streams = StreamOrder(self.name)
         self.freed = False
+        self._collected = False
         self._buffers = []
         self.err = comm.new_error_record()
         self.frame = Frame(self.grid)
@@ -79,11 +88,14 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
                    me=comm.rank, local=comm.local_rank, g=comm.local_size, nodes=comm.nodes,
                    world=W, tiles_n=self.tiles_n, send_end=send_end, forward_end=forward_end,
                    collect_end=forward_end + rb["collect"], win_gathered=wins[0],
-                   win_flags=wins[1])
+                   win_flags=wins[1], trace=self.tracing)
         # a call that fills the caller's gathered A (collect) or not
         self._cfg = {c: cuda.to_device(pack(CFG_FIELDS, **cfg, collect=c)) for c in (0, 1)}
         self._cfg_ptr = {c: param(x) for c, x in self._cfg.items()}
         self._no_gathered = cuda.to_device(np.zeros(1, np.uint64))    # never read
+        items = max(self.grid, P * max(1, len(comm.rail_peers) if comm.nodes > 1 else 1),
+                    W * P, len(self.order)) if self.tracing else 1
+        self._trace = cuda.to_device(np.zeros((len(TRACE_EVENTS), items), np.int64))
         local = self.gathered_buf.local
         values = dict(
             a=Slot((self.shard * k // 4,)), tmaps=Slot((TensorMaps.ROW,)),
@@ -94,7 +106,7 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
             tile_flags=self.tile_flags, cfg=Slot((len(CFG_FIELDS),)),
             order=cuda.to_device(self.order), shards=cuda.to_device(self.arrival), rail=rail,
             ring=ring, head=head, tail=tail, frame=self.frame.words,
-            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank)
+            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, trace=self._trace)
         self.launches = LayoutLaunches(build, self.kind, values, "b",   # planned for b [k, n]
                                        {False: (n, k), True: (k, n)}, self.grid, True, self.name)
 
@@ -175,9 +187,59 @@ class AllGatherGemm(AllGatherGemmPlan, OpLifetime):
             L.bind("tmaps_odd", self.tmaps(self._slot_ptr[1], b, stream, kn))
             L.bind("out", out)
             collect = gathered is not None
+            self._collected = collect     # the trace's collect stamps are this call's
             L.bind("gathered_out", gathered if collect else param(self._no_gathered))
             L.bind("cfg", self._cfg_ptr[int(collect)])
             L(stream)
+
+    # -- traces -----------------------------------------------------------------------------------
+    def trace_events(self):
+        """The last traced call's stamps (after :meth:`synchronize`): {event: int64 ns array by
+        item (0: not reached)} plus ``role_blocks``. ``block_*`` index blocks (in role order:
+        send, forward, collect, compute); ``send_*`` and ``push_*`` the parts of this rank's
+        shard (stored here and handed to the proxy; stored into the node's other GPUs);
+        ``forward_*`` rail peer i's part p at i * parts + p; ``collect_*`` the collect items
+        (shard in arrival order, then part); ``tile_*`` positions in the tile order."""
+        stamps, _ = self._stamps(TRACE_EVENTS)
+        return dict(stamps, role_blocks=dict(self.role_blocks))
+
+    def timeline(self):
+        """The last traced call as a :class:`mknumba.timeline.Timeline` (this rank): per part
+        of this rank's shard a ``send`` item (stored here, between nodes handed to the proxy)
+        and, with other GPUs in the node, a ``push`` item on the send tracks (stored into
+        them); a ``forward`` item per rail peer's part, a ``collect`` item per part of the
+        gathered A when the call filled one (items name the part by its flag, ``shard *
+        parts + part``); a
+        ``compute`` item per tile; each block's role from its start to its end stamp. After
+        :meth:`synchronize`."""
+        ev = self.trace_events()
+        rb, P, comm = self.role_blocks, self.parts, self.comm
+        me, order, n_send = comm.rank, self.order, rb["send"]
+        rail = list(comm.rail_peers) if comm.nodes > 1 else []
+        compute0 = self.grid - rb["compute"]
+        items = dict(
+            send=spans(ev, "send_start", "send_staged", P, lambda p: me * P + p,
+                       lambda p: p % n_send) + (
+                spans(ev, "push_start", "push_done", P, lambda p: me * P + p,
+                      lambda p: p % n_send, "push") if comm.local_size > 1 else []),
+            forward=spans(ev, "forward_ready", "forward_done",
+                          len(rail) * P if rb["forward"] else 0,
+                          lambda i: rail[i // P] * P + i % P,
+                          lambda i: n_send + i % P % max(1, rb["forward"])),
+            collect=spans(ev, "collect_ready", "collect_done",
+                          self.world * P if self._collected else 0,
+                          lambda i: self.arrival[i // P] * P + i % P,
+                          lambda i: n_send + rb["forward"] + i % max(1, rb["collect"])),
+            compute=spans(ev, "tile_start", "tile_done", len(order), lambda i: order[i],
+                          lambda i: compute0 + i % rb["compute"]))
+        layout = [(role, rb[role]) for role in ROLE_ORDER]
+        start, end = ev["block_start"], ev["block_end"]
+        segments = [(b, role_of(b, layout), int(start[b]), int(end[b]))
+                    for b in range(self.grid) if start[b] > 0 and end[b] > 0]
+        meta = dict(op=self.name, m=self.m, n=self.n, k=self.k, topology=self.topology,
+                    parts=P, part_rows=self.part_rows, role_blocks=dict(rb),
+                    tiles=len(order), adaptive=False)
+        return Timeline(comm.rank, items, segments, [], meta)
 
 
 def _address(arr):

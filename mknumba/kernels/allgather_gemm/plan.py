@@ -27,7 +27,7 @@ class AllGatherGemmPlan:
     kernel_name = "allgather_gemm"
 
     def _plan(self, comm, m, n, k, dtype, gathered, comm_sms, collect_sms, part_rows, tile,
-              group_m):
+              group_m, trace=False):
         """Resolve every option and the role split (sets the attributes the op reads)."""
         # first, before any check that could fail on some ranks only and leave the others
         # waiting in a collective: every rank must ask for the same exchange
@@ -63,6 +63,7 @@ class AllGatherGemmPlan:
         self.part_rows = min(part_rows, self.shard)
         self.parts = cdiv(self.shard, self.part_rows)
         self.gathered = bool(gathered)
+        self.tracing = bool(trace)
         self.tiles_m, self.tiles_n = cdiv(m, self.bm), cdiv(n, self.bn)
         self._roles(comm_sms, collect_sms, G, nodes)
         self.group_m = int(group_m or default_group_m(self.tiles_m, self.tiles_n,

@@ -9,8 +9,7 @@ from ...errors import ERR_SET, MkError, MkValueError
 from ...sched.reduce import nonempty
 from ..gemm import Gemm
 from ...roles.controller import CTL_WORDS
-from ...timeline import Timeline, segments_from_log
-from ...timeline import save as timeline_save
+from ...timeline import Timeline, Traced, role_of, segments_from_log, spans
 from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
 from ..launch import Frame, OpLifetime, Slot, StreamOrder, pack, param, stream_handle
 from .kernel import (CFG_FIELDS, CTL_LOG, Q_COMPUTE, Q_PULL, Q_REDUCE, QUEUES, TRACE_EVENTS,
@@ -18,7 +17,7 @@ from .kernel import (CFG_FIELDS, CTL_LOG, Q_COMPUTE, Q_PULL, Q_REDUCE, QUEUES, T
 from .plan import GemmReducePlan
 
 
-class GemmReduce(GemmReducePlan, OpLifetime):
+class GemmReduce(GemmReducePlan, Traced, OpLifetime):
     """Plan once, call many times (base of :class:`GemmReduceScatter` and :class:`GemmAllReduce`).
 
     comm: the Comm; m, n, k: the full output [m, n] and this rank's inner dimension k (= k_local);
@@ -256,26 +255,18 @@ class GemmReduce(GemmReducePlan, OpLifetime):
             L.bind("cfg", self._cfg_ptr[self.direct and into_shared])
             L(stream)
 
-    def clear_trace(self):
-        """Zero the stamps (so a later read shows only what the next call reached)."""
-        if self.tracing:
-            self._trace.copy_to_device(np.zeros(self._trace.shape, np.int64))
-
     def trace_events(self):
         """The last traced call's stamps: {event: int64 ns array by item (0: not reached)} plus
         ``role_blocks``. Block events index blocks (in role order: compute, reduce, send,
         receive, pull); the others index each role's items (reduced tiles, send commands,
         finished tiles, pulled tiles). Call after :meth:`synchronize`."""
-        if not self.tracing:
-            raise MkValueError(f"{self.name}: built without trace=True")
-        rows = self._trace.copy_to_host()
+        stamps, rows = self._stamps(TRACE_EVENTS)
         n = len(TRACE_EVENTS)
         log = [[(int(rows[n + 2 * j, b]), int(rows[n + 2 * j + 1, b]) & 15,
                  int(rows[n + 2 * j + 1, b]) >> 4)
                 for j in range(min(int(rows[T_CTL_N, b]), CTL_LOG))]
                for b in range(self.grid)] if self.adaptive else []
-        return dict(zip(TRACE_EVENTS, rows), role_blocks=dict(self.role_blocks),
-                    controller=log)
+        return dict(stamps, role_blocks=dict(self.role_blocks), controller=log)
 
     def timeline(self):
         """The last traced call as a :class:`mknumba.timeline.Timeline` (this rank): an item
@@ -287,10 +278,7 @@ class GemmReduce(GemmReducePlan, OpLifetime):
         ev = self.trace_events()
         p, rb = self.plan, self.role_blocks
         net = self.comm.nodes > 1
-
-        def span(a, b, n, item, block=lambda i: -1):
-            return [(int(ev[a][i]), int(ev[b][i]), int(item(i)), int(block(i)))
-                    for i in range(n) if ev[a][i] > 0 and ev[b][i] > 0]
+        span = lambda *a: spans(ev, *a)    # noqa: E731
         order = p.order
         n_compute = rb["compute"]
         items = dict(
@@ -306,14 +294,12 @@ class GemmReduce(GemmReducePlan, OpLifetime):
             pull=span("pull_ready", "pull_done", len(p.pull_tiles),
                       lambda i: p.pull_tiles[i]))
         start, end = ev["block_start"], ev["block_end"]
-        bounds = [n_compute + rb["reduce"]]
-        for role in ("send", "recv", "pull"):
-            bounds.append(bounds[-1] + rb[role])
+        layout = [(role, rb[role]) for role in ("compute", "reduce", "send", "recv", "pull")]
         segments, decisions = [], []
         for b in range(self.grid):
             if start[b] <= 0 or end[b] <= 0:
                 continue
-            if self.adaptive and b < bounds[0]:
+            if self.adaptive and b < n_compute + rb["reduce"]:
                 log = ev["controller"][b]
                 segs = segments_from_log(start[b], end[b], log, ("compute", "reduce"))
                 decisions += [(t, b, role, want) for t, role, want in log]
@@ -322,9 +308,7 @@ class GemmReduce(GemmReducePlan, OpLifetime):
                 segs = [("compute", int(start[b]), int(mid))] + (
                     [("reduce", int(mid), int(end[b]))] if self.join else [])
             else:
-                role = ("reduce", "send", "recv", "pull")[
-                    sum(b >= x for x in bounds[:3])]
-                segs = [(role, int(start[b]), int(end[b]))]
+                segs = [(role_of(b, layout), int(start[b]), int(end[b]))]
             segments += [(b, role, t0, t1) for role, t0, t1 in segs]
         meta = dict(op=self.name, m=self.m, n=self.n, k=self.k, topology=self.topology,
                     comm_sms=self.comm_sms, adaptive=self.adaptive, role_blocks=dict(rb),
@@ -332,14 +316,6 @@ class GemmReduce(GemmReducePlan, OpLifetime):
                         max(0, int(ev["ctl_n"][b]) - CTL_LOG) for b in range(self.grid))
                     if self.adaptive else 0)
         return Timeline(self.comm.rank, items, segments, decisions, meta)
-
-    def save_trace(self, path):
-        """Collective (every rank calls it, after :meth:`synchronize`): rank 0 writes the last
-        traced call of every rank to ``path`` as a Chrome / Perfetto trace
-        (:mod:`mknumba.timeline`: one process per rank, tracks per role, an event per item,
-        SMs per role and the controller's target as counters). Returns ``path`` on rank 0,
-        None on the others."""
-        return timeline_save(self.comm, self.timeline(), path)
 
     def free(self):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
