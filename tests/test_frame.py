@@ -12,7 +12,7 @@ import pytest
 from mpi_util import run_mpi
 
 SIM_SHAPE = ("m=64", "n=32", "k=8", "gm=32", "gn=32", "gk=8", "ag=24")
-SIM_CHECKS = ("inplace", "wrap", "alternate", "free", "disagree", "dtypes")
+SIM_CHECKS = ("inplace", "wrap", "alternate", "free", "capture", "disagree", "dtypes")
 
 
 def _passes(out, check, n):
@@ -24,8 +24,8 @@ def _passes(out, check, n):
 def test_sim_1x2_frame_checks():
     """Every simulator check on one node of two GPUs, in one launch: fused ops with a and b
     updated in place between calls (b row-major and as a column-major view), the wrap of the
-    call counter and epoch after ``_start_at(2**32 - 3)``, ops called in turn, free, ranks
-    that disagree, the bf16 spellings."""
+    call counter and epoch after ``_start_at(2**32 - 3)``, ops called in turn, free, calls that
+    would allocate inside a capture, ranks that disagree, the bf16 spellings."""
     out = run_mpi("frame_checks.py", 2, ",".join(SIM_CHECKS), *SIM_SHAPE)
     for check in SIM_CHECKS:
         _passes(out, check, 2)

@@ -44,7 +44,8 @@ from ..arrays import is_torch, operand, torch_ptr
 from ..errors import ERR_SET, ROLE_RECV, MkError, MkValueError
 from ..roles.blocks import begin, copy_tile, publish, wait
 from ..roles.send import enqueue_rail
-from .launch import Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, stream_handle
+from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kernel,
+                     outputs_in_capture, stream_handle)
 
 Flags, Ptrs, Record = array_type(np.uint32, 1), array_type(np.uint64, 1), array_type(np.int64, 1)
 Ints = array_type(np.int32, 1)
@@ -267,6 +268,8 @@ class AllGather:
         X = operand(x, self.name, "x", dtypes=dt, shape=self.shape,
                     device_id=self.comm.device_id, align=self.word.itemsize)
         full = (self.members,) + self.shape
+        s = stream_handle(stream, X.device if X.torch else None)
+        outputs_in_capture(self.name, s, out=out)
         if out is None:
             if X.torch:
                 import torch
@@ -275,7 +278,6 @@ class AllGather:
                 out = cuda.device_array(full, self.dtype)
         O = operand(out, self.name, "out", dtypes=dt, shape=full,
                     device_id=self.comm.device_id, align=self.word.itemsize)
-        s = stream_handle(stream, X.device if X.torch else None)
         with self.launch.lock:
             self.streams.enter(s)
             self.launch.bind("shard", X.as_param(self.word, (self.words,)))

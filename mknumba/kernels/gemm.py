@@ -26,7 +26,7 @@ from ..roles.blocks import begin
 from ..sched.tiles import cdiv, default_group_m, grouped_order, plan_grid
 from .gemm_inputs import NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
 from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, is_capturing,
-                     stream_handle)
+                     outputs_in_capture, stream_handle)
 from numba import cuda, types
 
 __all__ = ["gemm", "Gemm"]
@@ -195,13 +195,14 @@ class Gemm:
         check_shapes(m, n, k)
         mode = b_mode(B, b_layout, n, k, self.name)
         given = out is not None
+        s = stream_handle(stream, A.device if A.torch else None)
+        outputs_in_capture(self.name, s, out=out)
         if out is None:
             out = new_output(a, A.torch, (m, n))
         C = operand(out, self.name, "out", shape=(m, n), device_id=A.device)
         if A.torch != C.torch:
             raise MkValueError(f"{self.name}: out must be a PyTorch tensor exactly when the "
                                "inputs are")
-        s = stream_handle(stream, A.device if A.torch else None)
         key = (m, n, k, mode, A.device)
         plan = self._plans.get(key)
         if plan is None:

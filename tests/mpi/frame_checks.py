@@ -26,6 +26,9 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
              turn for 4 rounds back to back, every result checked.
   free       a call after ``free()`` raises MkError; a second ``free()`` does what each op says
              (AllGatherGemm too; its other frame checks are in ``allgather_gemm_checks.py``).
+  capture    inside a CUDA graph capture (every stream reads as captured: ``capturing``), a call
+             of mk.Gemm, either fused op or AllGather that leaves out ``out=`` is refused
+             (MkError naming the op, "capture" and "out="); nothing is launched.
   disagree   AllGather planned with other dtypes / shapes on the ranks, AllGatherGemm with
              another k: MkValueError on every rank, naming the field and both values.
   dtypes     every spelling of bf16 (ml_dtypes.bfloat16, uint16 and int16 bits; torch.bfloat16)
@@ -562,6 +565,29 @@ def check_free(comm, opts, A):
     say("free", comm, "GemmReduceScatter GemmAllReduce AllGather AllGatherGemm")
 
 
+# ---- capture ----------------------------------------------------------------------------------
+def check_capture(comm, opts, A):
+    gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
+    ga, gb = (A.dev(rand_bits(opts, shape, comm.rank, 7, i))
+              for i, shape in enumerate(((gm, gk), (gk, gn))))
+    a, b = (A.dev(x) for x in fused_inputs(comm, opts, (7,)))
+    shape = (opts["ag"],)
+    ag = mk.AllGather(comm, shape, "float32")
+    x = A.dev(rand_f32(opts, shape, comm.rank, 7))
+    gemm = mk.Gemm()
+    gemm(ga, gb)            # planned: the capture's refusal is about out=, not the first call
+    fused = fused_ops(comm, opts)
+    with capturing():
+        _refused(lambda: gemm(ga, gb), [gemm.name, "capture", "out="], mk.MkError)
+        for op in fused:
+            _refused(lambda: op(a, b), [op.name, "capture", "out="], mk.MkError)
+        _refused(lambda: ag(x), ["AllGather", "capture", "out="], mk.MkError)
+    for op in fused + [ag]:
+        op.free()
+    comm.barrier()
+    say("capture", comm, " ".join([gemm.name] + [op.name for op in fused] + ["AllGather"]))
+
+
 # ---- disagree ---------------------------------------------------------------------------------
 def check_disagree(comm, opts, A):
     cases = [("dtype", dict(shape=(16,), dtype="float32" if comm.rank == 0 else "int32"),
@@ -852,7 +878,7 @@ def check_wrongdev(comm, opts, A):
 
 
 CHECKS = dict(inplace=check_inplace, wrap=check_wrap, alternate=check_alternate,
-              free=check_free, disagree=check_disagree, dtypes=check_dtypes, graph=check_graph,
+              free=check_free, capture=check_capture, disagree=check_disagree, dtypes=check_dtypes, graph=check_graph,
               cugraph=check_cugraph, streams=check_streams, wrongdev=check_wrongdev)
 GPU_ONLY = ("graph", "cugraph", "streams", "wrongdev")
 

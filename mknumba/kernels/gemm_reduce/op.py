@@ -11,7 +11,8 @@ from ..gemm import Gemm
 from ...roles.controller import CTL_WORDS
 from ...timeline import Timeline, Traced, role_of, segments_from_log, spans
 from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
-from ..launch import Frame, OpLifetime, Slot, StreamOrder, pack, param, stream_handle
+from ..launch import (Frame, OpLifetime, Slot, StreamOrder, outputs_in_capture, pack, param,
+                      stream_handle)
 from .kernel import (CFG_FIELDS, CTL_LOG, Q_COMPUTE, Q_PULL, Q_REDUCE, QUEUES, TRACE_EVENTS,
                      TRACE_ROWS, T_CTL_N, build)
 from .plan import GemmReducePlan
@@ -220,6 +221,9 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         if A.torch != B.torch:
             raise MkValueError(f"{self.name}: a and b must both be PyTorch tensors or both be "
                                "device arrays")
+        st = stream_handle(stream, dev if A.torch else None)
+        if not self.shared_out:       # the shared output is the op's own: nothing to allocate
+            outputs_in_capture(self.name, st, out=out)
         if out is None:
             out = self.output(torch=A.torch) if self.shared_out else \
                 new_output(a, A.torch, self.out_shape())
@@ -234,7 +238,7 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         self._run(A.as_param(np.uint16, (m, k)), B.as_param(np.uint16, b_shape(mode, n, k)),
                   mode,
                   O.as_param(np.uint64, (rows * n // 4,)), O.as_param(np.uint16, (rows, n)),
-                  O.ptr == self._shared_ptr, stream_handle(stream, dev if A.torch else None))
+                  O.ptr == self._shared_ptr, st)
         return out
 
     def _run(self, a, b, mode, out_words, out_c, into_shared, stream):
