@@ -209,8 +209,10 @@ class Comm:
         cuMemFree waits for the whole GPU while it blocks this process's other driver calls,
         the proxy thread's copies included: a kernel waiting on the proxy would then never
         finish (a deadlock until the timeout). So while the proxy runs, numba's frees (arrays,
-        and events and streams) wait for :meth:`synchronize`, which releases them once the GPU
-        is idle. Between synchronizations the arrays dropped stay allocated."""
+        and events and streams) wait for :meth:`synchronize`, which releases them once the
+        legacy stream, and with it every blocking stream, is idle (work on non-blocking
+        streams is not waited for). Between synchronizations the arrays dropped stay
+        allocated."""
         if SIMULATOR:
             return
         ctx = cuda.current_context()
