@@ -1,12 +1,18 @@
 """mknumba.gemm against cuBLAS (PyTorch) on one GPU: correctness, SASS check, timings.
 
     python benchmarks/bench_gemm.py --out benchmarks/results/gemm.json [--sass-dir DIR]
+    python benchmarks/bench_gemm.py --grid --out benchmarks/results/gemm_grid.json [--tile T]
 
 For every shape: a correctness check on fresh random inputs (poisoned output, relative Frobenius
 error against an fp32 reference), then the median time of ours (0, 8, 16, 32 SMs held back) and of
 cuBLAS (torch.matmul, same operand layout: A [M, K], B [N, K]) in the same process, and with all
 SMs ours and cuBLAS with B row-major [K, N] (records with ``b_layout`` "kn"; the others "nk").
 Writes the records of docs/design.md §8 and prints a table last.
+
+``--grid``: issue 23's grid instead (M in 512..16384, N in 1024..28672, K in 512..14336, 144
+shapes), both layouts of B, all SMs: per shape one correctness check per layout and ours beside
+cuBLAS (``torch.matmul`` on the same operands), each timed for about 10 ms a repetition.
+``benchmarks/plot_gemm_grid.py`` renders the result (geometric mean, worst points, a heat map).
 """
 import argparse
 import datetime
@@ -27,6 +33,9 @@ SQUARE = [(4096, 4096, 4096), (8192, 8192, 8192)]
 TP = [(m, 8192, k) for m in (4096, 8192, 16384) for k in (1024, 2048, 4096)]
 ODD = [(128 * 3 + 5, 256 * 2 + 8, 64 * 3 + 8), (1000, 776, 1096), (4160, 8184, 1032)]
 RESERVED = (0, 8, 16, 32)
+GRID_M = (512, 1024, 2048, 4096, 8192, 16384)
+GRID_N = (1024, 4096, 8192, 28672)
+GRID_K = (512, 1024, 2048, 4096, 8192, 14336)
 
 
 def rel_err(c, a, b_nk):
@@ -43,6 +52,11 @@ def check(op, m, n, k, layout="nk"):
     torch.cuda.synchronize()
     assert torch.isfinite(out).all().item(), "unwritten (NaN) outputs"
     return rel_err(out, a, b_nk)
+
+
+def iters_for(flops, rep_s=0.01, rate=6e14):
+    """Back-to-back calls in one timed repetition: about ``rep_s`` at ``rate`` FLOP/s."""
+    return max(3, min(500, int(rep_s * rate / flops)))
 
 
 def time_ms(fn, iters):
@@ -85,15 +99,57 @@ def sass_report(op, sass_dir):
     return out
 
 
+def grid(args, gpu, sms):
+    """Issue 23's grid: records with b_layout "nk" and "kn" per shape, all SMs."""
+    op = Gemm(tile=args.tile)
+    records, cmd = [], " ".join([os.path.basename(sys.executable)] + sys.argv)
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    for m in GRID_M:
+        for n in GRID_N:
+            for k in GRID_K:
+                a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                b_nk = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+                b_kn = b_nk.T.contiguous()
+                ref = a.float() @ b_nk.float().T
+                c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                flops, iters = 2.0 * m * n * k, iters_for(2.0 * m * n * k)
+                base = dict(kernel="gemm", shape=dict(m=m, n=n, k=k), dtype="bfloat16", world=1,
+                            topology="1x1", transport="none", baseline="cublas", gpu=gpu,
+                            date=date, command=cmd, sms=sms, sms_reserved=0, tile=args.tile)
+                for layout, b, b_arg in (("nk", b_nk, b_nk.T), ("kn", b_kn, b_kn)):
+                    c.fill_(float("nan"))
+                    op(a, b_arg, out=c)
+                    torch.cuda.synchronize()
+                    err = ((c.float() - ref).norm() / ref.norm()).item()   # NaN if unwritten
+                    t = time_ms(lambda: op(a, b_arg, out=c), iters)
+                    tb = time_ms(lambda: torch.matmul(a, b_arg, out=c), iters)
+                    records.append(dict(base, b_layout=layout, ours_ms=t, baseline_ms=tb,
+                                        speedup=tb / t, floor_ms=tb, tflops=flops / t / 1e9,
+                                        baseline_tflops=flops / tb / 1e9, rel_err=err))
+                    print(f"{m}x{n}x{k} {layout}: ours {t:.4f} ms cublas {tb:.4f} ms "
+                          f"ratio {tb / t:.3f} err {err:.1e}", flush=True)
+    return records
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="benchmarks/results/gemm.json")
     p.add_argument("--sass-dir", default=None)
     p.add_argument("--quick", action="store_true", help="only 8192^3, all reserve values")
+    p.add_argument("--grid", action="store_true", help="issue 23's grid of 144 shapes")
+    p.add_argument("--tile", default="auto", help="the Gemm build (--grid)")
     args = p.parse_args()
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if args.grid:
+        records = grid(args, gpu, sms)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+        import plot_gemm_grid
+        plot_gemm_grid.summary(records)
+        return
     ops = {s: Gemm(tile="sm90", reserved_sms=s) for s in RESERVED}
     shapes = [(8192, 8192, 8192)] if args.quick else SQUARE + TP
 

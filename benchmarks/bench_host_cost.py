@@ -83,6 +83,16 @@ def main():
     ag = mk.AllGather(comm, x.shape, np.float32)
     agg = mk.AllGatherGemm(comm, M, N, K)
     a_shard = a[:M // W]                                            # this rank's rows
+    ring = mk.RingAttention(comm, 1, 1024, 8, 8, 128)
+    q, kk, v = (torch.randn(1, 1024, 8, 128, device="cuda", dtype=torch.bfloat16)
+                for _ in range(3))
+    q_out = torch.empty_like(q)
+    lse = torch.empty(1, 8, 1024, device="cuda", dtype=torch.float32)
+    moe = mk.MoeDispatchGemm(comm, 1024, 512, 8, 2, 512)
+    x_tok = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
+    topk = torch.randint(0, 8, (512, 2), device="cuda", dtype=torch.int32)
+    w_moe = torch.randn(8 // W, 1024, 512, device="cuda", dtype=torch.bfloat16)
+    moe_out, moe_layout = moe(x_tok, topk, w_moe)
     rs_out = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
     ag_out = torch.empty((ag.members,) + tuple(x.shape), device="cuda", dtype=torch.float32)
     cases = [
@@ -94,6 +104,9 @@ def main():
         ("mk.GemmAllReduce", lambda: ar(a, w.T, out=c), False),
         ("mk.AllGather", lambda: ag(x, out=ag_out), False),
         ("mk.AllGatherGemm", lambda: agg(a_shard, w.T, out=c), False),
+        ("mk.RingAttention", lambda: ring(q, kk, v, out=q_out, lse=lse), False),
+        ("mk.MoeDispatchGemm", lambda: moe(x_tok, topk, w_moe, out=moe_out, layout=moe_layout),
+         False),
     ]
     records = []
     for name, fn, graph in cases:
@@ -103,7 +116,7 @@ def main():
                 "host_cost", {"m": M, "n": N, "k": K}, dtype="bfloat16", world=W,
                 topology=topo, transport=None, ours_ms=None, baseline=None, baseline_ms=None,
                 floor_ms=None, op=name, host_us=us, graph=in_graph))
-    for op in (rs, ar, ag, agg):
+    for op in (rs, ar, ag, agg, ring, moe):
         op.synchronize()
         op.free()
     if comm.rank == 0:

@@ -73,10 +73,17 @@ def to_float32(a):
     return from_bf16_bits(a)
 
 
+_TORCH_TENSOR = []
+
+
 def is_torch(x):
     """True for a PyTorch tensor (without importing PyTorch)."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(x, torch.Tensor)
+    if not _TORCH_TENSOR:
+        torch = sys.modules.get("torch")
+        if torch is None:
+            return False
+        _TORCH_TENSOR.append(torch.Tensor)
+    return isinstance(x, _TORCH_TENSOR[0])
 
 
 class Operand:

@@ -159,7 +159,8 @@ class Launch:
         err, fn = drv.cuKernelGetFunction(handle)   # the kernel in the current context
         if err != drv.CUresult.CUDA_SUCCESS:
             fn = drv.CUfunction(int(handle))
-        self._fn, self._drv, self._streams = fn, drv, {}
+        self._fn, self._launch = int(fn), _driver_launch()
+        self.bind = self._bind_address
 
     def _flatten(self, name, ty, value):
         """numba's kernel ABI: an array is (meminfo, parent, nitems, itemsize, data, shape...,
@@ -215,11 +216,12 @@ class Launch:
 
     def bind(self, name, x):
         """Point array argument ``name`` at ``x``: an address (GPU), or in the simulator an
-        array already shaped as the parameter is declared (``arrays.Operand.as_param``)."""
-        if SIMULATOR:
-            self.args[name] = x
-        else:
-            self._data[name].value = x
+        array already shaped as the parameter is declared (``arrays.Operand.as_param``).
+        (On the GPU the instance's ``_bind_address`` stands in: a call binds several.)"""
+        self.args[name] = x
+
+    def _bind_address(self, name, x):
+        self._data[name].value = x
 
     def __call__(self, stream=0):
         """Launch on ``stream`` (a raw stream handle, int) with the bound arguments."""
@@ -227,15 +229,36 @@ class Launch:
             self.kernel[self.grid, self.threads, 0, self.smem](
                 *[self.args[n] for n in self.names])
             return
-        cs = self._streams.get(stream)
-        if cs is None:
-            cs = self._streams[stream] = self._drv.CUstream(stream)
-        (err,) = self._drv.cuLaunchKernel(self._fn, self.grid, 1, 1, self.threads, 1, 1,
-                                          self.smem, cs, None, self._extra_addr)
+        err = self._launch(self._fn, self.grid, self.threads, self.smem, stream,
+                           self._extra_addr)
         if err:
-            raise MkError(f"kernel launch failed: {err}"
-                          + (" (is this GPU's context current?)" if int(err) in (201, 400)
-                             else ""))
+            from cuda.bindings import driver as drv
+            raise MkError(f"kernel launch failed: {drv.CUresult(err)}"
+                          + (" (is this GPU's context current?)" if err in (201, 400) else ""))
+
+
+_LAUNCH = []
+
+
+def _driver_launch():
+    """``launch(function, grid, threads, smem, stream, params) -> CUresult``: one
+    ``cuLaunchKernel`` of a 1-d grid with a packed parameter buffer, called from compiled code
+    through a ctypes pointer into libcuda. Through cuda.bindings the same call costs about a
+    microsecond more (benchmarks/probe_launch.py). ``nogil``: a launch that waits for room in
+    the launch queue must not hold up the proxy's thread, which the queued kernels wait on."""
+    if not _LAUNCH:
+        from numba import njit
+        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+        u32, u64 = ctypes.c_uint32, ctypes.c_uint64
+        f.restype = ctypes.c_int
+        f.argtypes = [u64, u32, u32, u32, u32, u32, u32, u32, u64, u64, u64]
+
+        @njit(nogil=True)
+        def launch(fn, grid, threads, smem, stream, params):
+            return f(fn, grid, 1, 1, threads, 1, 1, smem, stream, 0, params)
+
+        _LAUNCH.append(launch)
+    return _LAUNCH[0]
 
 
 class Frame:

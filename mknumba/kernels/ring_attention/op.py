@@ -1,13 +1,14 @@
 """Ring Attention on the host: plan once (validate, agree across ranks, allocate the slots and
 flags, the tensor maps, prepare the launch); each call checks its arrays, binds and launches."""
 import math
+import sys
 
 import numpy as np
 from numba import cuda
 
 from ..._compat import SIMULATOR
-from ...arrays import is_torch, new_output, operand
-from ...errors import ERR_WORDS, MkError, MkValueError, raise_if_timed_out
+from ...arrays import is_torch, new_output, operand, torch_ptr
+from ...errors import ERR_SET, ERR_WORDS, MkError, MkValueError, raise_if_timed_out
 from ...roles.attention import (HEAD_DIM_MAX, SM90_HEAD_DIMS, SM90_ROWS, SM90_SMEM_BYTES,
                                 SM90_THREADS)
 from ...sched.sequence import check_layout, runs
@@ -205,6 +206,18 @@ class RingAttention:
         ``(out, lse)``: out like q (bf16), lse [batch, heads, seq_local] fp32 (natural log).
         PyTorch tensors in -> tensors out; other arrays (bf16 as ml_dtypes.bfloat16 or bits as
         uint16/int16) -> numba arrays (out as bf16 bits, uint16)."""
+        if (out is not None and lse is not None and stream is None and not self.freed
+                and is_torch(q)):                               # the hot path: tensors
+            b, s, h, hk, d, dev = (self.batch, self.seq, self.heads, self.kv_heads, self.d,
+                                   self.device)
+            pq = torch_ptr(q, (b, s, h, d), dev, align=8)
+            pk = pq and torch_ptr(k, (b, s, hk, d), dev, align=8)
+            pv = pk and torch_ptr(v, (b, s, hk, d), dev, align=8)
+            po = pv and torch_ptr(out, (b, s, h, d), dev, align=8)
+            pl = po and torch_ptr(lse, (b, h, s), dev, dtype=sys.modules["torch"].float32, align=4)
+            if pl and not self.err[ERR_SET]:
+                self._run(pq, pk, pv, pk, pv, po, pl, (pq, pk, pv), stream_handle(None, dev))
+                return out, lse
         if self.freed:
             raise MkError(f"{self.name}: called after free()")
         self._check_error(f"{self.name} (an earlier call)")
@@ -224,21 +237,29 @@ class RingAttention:
         O = operand(out, self.name, "out", shape=(b, s, h, d), device_id=dev, align=8)
         L_ = operand(lse, self.name, "lse", dtypes=("float32",), shape=(b, h, s),
                      device_id=dev, align=4)
-        L = self.launch
         u16 = np.uint16
-        with L.lock:                      # one call at a time binds and launches
-            self.streams.enter(st)
-            L.bind("q", Q.as_param(u16, (b, s, h, d)))
-            L.bind("k", K.as_param(u16, (b, s, hk, d)))
-            L.bind("v", V.as_param(u16, (b, s, hk, d)))
-            L.bind("k_words", K.as_param(np.uint64, (self.words,)))
-            L.bind("v_words", V.as_param(np.uint64, (self.words,)))
-            L.bind("out", O.as_param(u16, (b, s, h, d)))
-            L.bind("lse", L_.as_param(np.float32, (b, h, s)))
-            if self.user_maps is not None:
-                L.bind("user_maps", self.user_maps.row((Q.ptr, K.ptr, V.ptr), st))
-            L(st)
+        self._run(Q.as_param(u16, (b, s, h, d)), K.as_param(u16, (b, s, hk, d)),
+                  V.as_param(u16, (b, s, hk, d)), K.as_param(np.uint64, (self.words,)),
+                  V.as_param(np.uint64, (self.words,)), O.as_param(u16, (b, s, h, d)),
+                  L_.as_param(np.float32, (b, h, s)), (Q.ptr, K.ptr, V.ptr), st)
         return out, lse
+
+    def _run(self, q, k, v, k_words, v_words, out, lse, qkv_ptrs, stream):
+        """Bind the parameters (``Operand.as_param``: addresses on the GPU), the tensor maps
+        of q, k and v at ``qkv_ptrs`` where the tile reads them by TMA, and launch."""
+        L = self.launch
+        with L.lock:                      # one call at a time binds and launches
+            self.streams.enter(stream)
+            L.bind("q", q)
+            L.bind("k", k)
+            L.bind("v", v)
+            L.bind("k_words", k_words)
+            L.bind("v_words", v_words)
+            L.bind("out", out)
+            L.bind("lse", lse)
+            if self.user_maps is not None:
+                L.bind("user_maps", self.user_maps.row(qkv_ptrs, stream))
+            L(stream)
 
     def _check_error(self, what):
         if self.comm is not None:
