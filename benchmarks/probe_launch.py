@@ -4,9 +4,9 @@
     python benchmarks/probe_launch.py
 
 A small kernel prepared by ``kernels.launch.Launch`` (its parameters in one packed buffer) is
-launched back to back: through cuda.bindings (the library's way), through a ctypes function
+launched back to back: by the Launch itself, through cuda.bindings, through a ctypes function
 pointer with declared argument types, and through the same pointer called from a numba
-``njit`` function (what the dma proxy does for its copies). Also times the per-tensor check of
+``njit`` function (what Launch and the dma proxy do). Also times the per-tensor check of
 the hot path (``arrays.torch_ptr``) and a few of its pieces. Prints microseconds per call.
 """
 import ctypes
@@ -47,7 +47,11 @@ def main():
     compiled, _ = compile_kernel(touch, 128, 0)
     L = Launch(touch, compiled, dict(x=x, n=nn), 132, 128, 0)
     s = torch.cuda.current_stream().cuda_stream
-    t("bindings cuLaunchKernel (Launch)", lambda: L(s))
+    t("Launch (the library's)", lambda: L(s))
+    from cuda.bindings import driver as drv
+    dfn, ds = drv.CUfunction(L._fn), drv.CUstream(s)
+    t("cuda.bindings cuLaunchKernel", lambda: drv.cuLaunchKernel(
+        dfn, 132, 1, 1, 128, 1, 1, 0, ds, None, L._extra_addr))
 
     lib = ctypes.CDLL("libcuda.so.1")
     f = lib.cuLaunchKernel
