@@ -122,19 +122,28 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False, b_kn=False):
 
 def linked_source(helper, defines=""):
     """A linked helper (``cuda/*.cu``) as NVRTC gets it: ``defines`` prepended and each
-    ``#include "*.cuh"`` of ours replaced by that file (NVRTC, as numba drives it, searches no
-    directory of ours). Written to the temp directory under a name made from its content, so
-    every process (and rank) that asks for the same build shares one file."""
+    ``#include "*.cuh"`` of ours replaced by that file, the first time it is met (a header
+    that others include too is pasted once: ``#pragma once`` means nothing in one pasted
+    file; NVRTC, as numba drives it, searches no directory of ours). Written to the temp
+    directory under a name made from its content, so every process (and rank) that asks for
+    the same build shares one file."""
     import hashlib
     import re
     import tempfile
     here = os.path.dirname(helper)
+    pasted = set()
+
+    def paste(name):
+        if name in pasted:
+            return ""
+        pasted.add(name)
+        return expand(os.path.join(here, name))
 
     def expand(path):
         with open(path) as f:
             text = f.read()
-        return re.sub(r'^#include "([\w.]+\.cuh)"$',
-                      lambda m: expand(os.path.join(here, m.group(1))), text, flags=re.M)
+        return re.sub(r'^#include "([\w.]+\.cuh)"$', lambda m: paste(m.group(1)), text,
+                      flags=re.M)
 
     text = defines + expand(helper)
     digest = hashlib.sha1(text.encode()).hexdigest()[:16]
