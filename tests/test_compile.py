@@ -100,7 +100,7 @@ def test_epoch_reached_wraps(value, epoch, ready):
 
 
 
-@pytest.mark.parametrize("helper", ["gemm_tile.cu", "gemm_pingpong.cu", "attention_tile.cu"])
+@pytest.mark.parametrize("helper", ["gemm_tile.cu", "attention_tile.cu"])
 def test_linked_tiles_assemble_for_sm90a(helper):
     """Each linked helper, as NVRTC gets it (its ``#include "sm90.cuh"`` pasted in), compiles and
     assembles for sm_90a; ptxas does not serialize its wgmma (any call in a function that

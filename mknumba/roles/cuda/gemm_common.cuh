@@ -8,6 +8,27 @@ namespace {
 // bytes of staging per warp: 16 rows x 64 bf16, one 64-column chunk of the warp's rows
 constexpr unsigned WARP_STAGING = 16 * 128;
 
+// The shared-space address of a block's dynamic shared memory, rounded up to 1024 bytes (the
+// 128B swizzle repeats every 1024 B, and the ring's slots start there).
+__device__ __forceinline__ unsigned ring_base(unsigned long long smem_generic) {
+    const unsigned base = (unsigned)__cvta_generic_to_shared((void *)smem_generic);
+    return (base + 1023u) & ~1023u;
+}
+
+// Thread 0, once per block: the ring's mbarriers (full[s]: the producer's one arrival and the
+// copies' bytes; empty[s]: empty_count arrivals per use, 8 bytes apart) and a prefetch of the
+// two tensor maps. The caller initialises its other barriers, then runs mbar_init_fence().
+template <int STAGES>
+__device__ __forceinline__ void init_ring(unsigned full, unsigned empty, unsigned empty_count,
+                                          unsigned long long tmaps) {
+    for (int s = 0; s < STAGES; ++s) {
+        mbar_init(full + 8 * s, 1);
+        mbar_init(empty + 8 * s, empty_count);
+    }
+    prefetch_tensormap(tmaps);
+    prefetch_tensormap(tmaps + 128);
+}
+
 // The producer's part of one tile (one lane calls it): k-steps g0 .. g0 + k_iters - 1 of the
 // block's ring of STAGES slots, k-step g in slot g % STAGES, whose mbarriers full and empty
 // (8 bytes apart per slot) complete once per use, so g / STAGES gives the phase. Slot s holds A

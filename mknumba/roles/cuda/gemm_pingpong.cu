@@ -57,8 +57,7 @@ struct Ring {
 };
 
 __device__ __forceinline__ Ring ring_at(unsigned long long smem_generic) {
-    unsigned base = (unsigned)__cvta_generic_to_shared((void *)smem_generic);
-    base = (base + 1023u) & ~1023u;
+    const unsigned base = ring_base(smem_generic);
     return Ring{base, base + B_OFFSET, base + STAGING_OFFSET, base + BAR_OFFSET,
                 base + BAR_OFFSET + 8 * STAGES, base + BAR_OFFSET + 16 * STAGES};
 }
@@ -70,15 +69,10 @@ __device__ __forceinline__ Ring ring_at(unsigned long long smem_generic) {
 extern "C" __device__ int mk_gemm_sm90pp_init(unsigned long long smem, unsigned long long tmaps) {
     if (threadIdx.x == 0) {
         Ring r = ring_at(smem);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(r.full + 8 * s, 1);
-            mbar_init(r.empty + 8 * s, 1);
-        }
+        init_ring<STAGES>(r.full, r.empty, 1, tmaps);  // one warpgroup consumes each slot
         mbar_init(r.order, 128);
         mbar_init(r.order + 8, 128);
         mbar_init_fence();
-        prefetch_tensormap(tmaps);
-        prefetch_tensormap(tmaps + 128);
     }
     return 0;
 }
