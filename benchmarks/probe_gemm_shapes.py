@@ -1,23 +1,28 @@
-"""mk.Gemm, with B in both layouts, beside torch.matmul at a few shapes, one process
-(diagnostic; bench_gemm.py records).
+"""mk.Gemm, with B in both layouts and one or more tile builds, beside torch.matmul at a few
+shapes, one process (diagnostic; bench_gemm.py records).
 
-    python benchmarks/probe_gemm_shapes.py [m,n,k ...]
+    python benchmarks/probe_gemm_shapes.py [--tiles auto|sm90,sm90:pp,...] [m,n,k ...]
 
 B [n, k] (the weight w, passed as ``w.T``: the tile's K-major B) and B [k, n] row-major (``wt =
 w.T.contiguous()``, read as it is by the tile's ":kn" build: TMA boxes of 64 N-columns, a
-transposed wgmma B). Prints ms per call (mean of back-to-back calls after a warm-up), the ratio
-torch / ours for each layout (torch.matmul on the same operands), and each layout's error
-against an fp32 reference.
+transposed wgmma B). ``--tiles``: the ``tile=`` options to compare (``roles.compute.tile_build``
+names, e.g. "sm90,sm90:pp": the default tile against the ping-pong one). Prints, per shape and
+layout, torch.matmul's ms per call, then for each tile ms per call (mean of back-to-back calls
+after a warm-up), TF/s, the ratio torch / ours and the error against an fp32 reference.
 """
-import sys
+import argparse
 
 import torch
 
 import mknumba as mk
 
-shapes = [tuple(int(x) for x in s.split(",")) for s in sys.argv[1:]] or [
+p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+p.add_argument("--tiles", default="auto", help="comma-separated tile= options of mk.Gemm")
+p.add_argument("shapes", nargs="*", help="m,n,k")
+args = p.parse_args()
+shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] or [
     (2048, 2048, 512), (6144, 5120, 1536), (8192, 8192, 8192)]
-op = mk.Gemm()
+ops = {tile: mk.Gemm(tile=tile) for tile in args.tiles.split(",")}
 
 
 def time_ms(fn, m, n, k):
@@ -39,15 +44,15 @@ for m, n, k in shapes:
     wt = w.T.contiguous()                                   # [k, n] row-major
     c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     ref = a.float() @ w.float().T
-    line = [f"gemm {m}x{n}x{k}:"]
     for layout, b in (("b[n,k]", w.T), ("b[k,n]", wt)):
-        c.fill_(float("nan"))
-        op(a, b, out=c)
-        torch.cuda.synchronize()
-        err = ((c.float() - ref).norm() / ref.norm()).item()
-        ours = time_ms(lambda: op(a, b, out=c), m, n, k)
         theirs = time_ms(lambda: torch.matmul(a, b, out=c), m, n, k)
-        line.append(f"{layout} ours {ours:.4f} ms ({2 * m * n * k / ours / 1e9:.0f} TF/s), "
-                    f"torch.matmul {theirs:.4f} ms, torch/ours {theirs / ours:.3f}, "
-                    f"err {err:.1e};")
-    print(" ".join(line), flush=True)
+        line = [f"gemm {m}x{n}x{k} {layout}: torch.matmul {theirs:.4f} ms;"]
+        for tile, op in ops.items():
+            c.fill_(float("nan"))
+            op(a, b, out=c)
+            torch.cuda.synchronize()
+            err = ((c.float() - ref).norm() / ref.norm()).item()
+            ours = time_ms(lambda: op(a, b, out=c), m, n, k)
+            line.append(f"{tile} {ours:.4f} ms ({2 * m * n * k / ours / 1e9:.0f} TF/s), "
+                        f"torch/ours {theirs / ours:.3f}, err {err:.1e};")
+        print(" ".join(line), flush=True)

@@ -20,6 +20,8 @@ The persistent GEMM is timed with variants of the tile beside cuBLAS (torch.matm
   staged-noflag   the same without the flag
   publisher       direct stores; a tenth warp publishes the flag (the fence stalls only it)
   staged-publisher  both changes
+  pingpong        the ping-pong tile ("sm90:pp", cuda/gemm_pingpong.cu): 128 x 128 tiles, each
+                  warpgroup a whole tile, one warpgroup's epilogue under the other's MMAs
 
 (``MK_EPILOGUE`` and ``MK_PUBLISHER`` in ``roles/cuda/gemm_tile.cu``; this probe registers
 the builds the library does not run with ``roles.compute.register_tile``, after which
@@ -45,7 +47,8 @@ from numba import cuda  # noqa: E402
 VARIANTS = {"direct": ("sm90:e0p0", True), "direct-noflag": ("sm90:e0p0", False),
             "nostore": ("sm90:e1p0", True), "nostore-noflag": ("sm90:e1p0", False),
             "staged": ("sm90", True), "staged-noflag": ("sm90", False),
-            "publisher": ("sm90:e0p1", True), "staged-publisher": ("sm90:e2p1", True)}
+            "publisher": ("sm90:e0p1", True), "staged-publisher": ("sm90:e2p1", True),
+            "pingpong": ("sm90:pp", True)}
 
 
 def _without_flag(tile):
@@ -98,6 +101,9 @@ def main():
         except Exception as e:      # noqa: BLE001 (reported, and the variant left out)
             print(f"FAILED {name}: build: {type(e).__name__}: {e}")
     names = [name for name in names if name in ops]
+    # tiles per variant: its build's shape (the ping-pong tile's are 128 x 128)
+    shapes = {name: compute.tile_build(VARIANTS[name][0]).shape for name in names}
+    tiles_of = {name: -(-m // bm) * -(-n // bn) for name, (bm, bn) in shapes.items()}
     tiles = -(-m // compute.SM90_TILE[0]) * -(-n // compute.SM90_TILE[1])
     records, table = [], {}
     for k in ks:
@@ -128,10 +134,11 @@ def main():
                 "gemm_tile_probe", {"m": m, "n": n, "k": k}, dtype="bfloat16", world=1,
                 topology="1x1", transport="none", ours_ms=t, baseline="cublas",
                 baseline_ms=t_cublas, floor_ms=None, variant=name, rel_err=err,
-                tiles=tiles, tflops=2 * m * n * k / t / 1e9))
+                tiles=tiles_of[name], tflops=2 * m * n * k / t / 1e9))
         table[("cuBLAS", k)] = t_cublas
         common.write(records, args.out)
-    print(f"m = n = {m}, {tiles} tiles; ms per call (speedup vs cuBLAS)")
+    print(f"m = n = {m}, {tiles} tiles of {compute.SM90_TILE} (fixed us/tile: per the "
+          "variant's own tiles); ms per call (speedup vs cuBLAS)")
     print(f"{'variant':16s}" + "".join(f"{'k=' + str(k):>16s}" for k in ks)
           + "   fixed us/tile  ms per 1024 k")
     for name in names + ["cuBLAS"]:
@@ -140,7 +147,8 @@ def main():
         row = [table[(name, k)] for k in ks]
         cells = "".join(f"{t:8.3f} ({table[('cuBLAS', k)] / t:4.2f})" for t, k in zip(row, ks))
         slope, fixed = np.polyfit(ks, row, 1) if len(ks) > 1 else (float("nan"), float("nan"))
-        waves = tiles / torch.cuda.get_device_properties(0).multi_processor_count
+        waves = (tiles_of.get(name, tiles)
+                 / torch.cuda.get_device_properties(0).multi_processor_count)
         print(f"{name:16s}{cells}   {fixed * 1e3 / waves:13.2f}  {slope * 1024:13.4f}")
 
 

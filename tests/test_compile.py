@@ -151,9 +151,9 @@ def _link_sm90a(kernel, threads, cc):
 
 def _hopper_kernel(name):
     from mknumba.roles.compute import SM90_FUSED_TILE
-    if name in ("gemm", "gemm_kn"):
+    if name in GEMM_BUILDS:
         from mknumba.kernels import gemm
-        build, kernel = gemm._build("sm90:kn" if name == "gemm_kn" else "sm90")
+        build, kernel = gemm._build(GEMM_BUILDS[name])
         return kernel, build.threads
     if name.startswith("gemm_reduce"):      # gemm_reduce_adaptive: the controller's build
         from mknumba.kernels.gemm_reduce import kernel as K
@@ -172,13 +172,17 @@ def _hopper_kernel(name):
     return make_kernel("sm90"), SM90_THREADS
 
 
-#: registers per thread of the plain GEMM's tile, either layout of B: ptxas's count for the
-#: [n, k] build, rounded up to its allocation unit of 8 (the [k, n] build must not need more)
-GEMM_REGISTERS = 160
+#: the plain GEMM's kernels here -> their tile builds (roles.compute.tile_build)
+GEMM_BUILDS = {"gemm": "sm90", "gemm_kn": "sm90:kn", "gemm_pp": "sm90:pp",
+               "gemm_pp_kn": "sm90:pp:kn"}
+#: registers per thread of the plain GEMM's tiles, either layout of B: ptxas's count for the
+#: [n, k] build, rounded up to its allocation unit of 8 (the [k, n] build must not need more);
+#: the ping-pong tile's [k, n] build needs a few more (its two MMAs per k16 step share B)
+GEMM_REGISTERS = {"sm90": 160, "sm90:pp": 168}
 
 
-@pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_reduce", "gemm_reduce_adaptive",
-                                  "ring_attention"])
+@pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_pp", "gemm_pp_kn", "gemm_reduce",
+                                  "gemm_reduce_adaptive", "ring_attention"])
 @pytest.mark.slow
 def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     """No wgmma of a Hopper kernel is serialized. ptxas serializes all of a kernel's wgmma when
@@ -186,18 +190,22 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     a run-time step): kernels divide with primitives.udiv32 / steps (what serialized wgmma
     cost the GEMM: benchmarks/NOTES.md).
     (allgather_gemm and moe_dispatch_gemm: checked in their own tests below, which link them
-    anyway.) The plain GEMM with B [n, k] and [k, n] (gemm_tile.cu's MK_B_KN: a transposed
-    wgmma B, tnspB = 1, from four TMA boxes per k-step): no spills, the same registers."""
+    anyway.) The plain GEMM's tiles (gemm_tile.cu, and the ping-pong gemm_pingpong.cu) with B
+    [n, k] and [k, n] (MK_B_KN: a transposed wgmma B, tnspB = 1, from TMA boxes of 64
+    N-columns): no spills, registers within GEMM_REGISTERS."""
     ptx, log = _link_sm90a(*_hopper_kernel(name), fake_sm90)
     assert "wgmma.mma_async" in ptx
     assert "serialized" not in log, log
     assert not re.search(r"\b(div|rem)\.[su]64\b", ptx), "a 64-bit divide"
-    if name in ("gemm", "gemm_kn"):
-        tnsp = set(re.findall(r"%rd\d+, %rd\d+, 1, 1, 1, 0, ([01]);", ptx))
-        assert tnsp == {"1" if name == "gemm_kn" else "0"}, tnsp     # wgmma's imm-trans-b
+    if name in GEMM_BUILDS:
+        pingpong = name.startswith("gemm_pp")
+        # wgmma's scale-d (1, or the ping-pong tile's predicate p) and imm-trans-b
+        tnsp = set(re.findall(r"%rd\d+, %rd\d+, (?:1|p), 1, 1, 0, ([01]);", ptx))
+        assert tnsp == {"1" if name.endswith("kn") else "0"}, tnsp
+        assert ptx.count("wgmma.mma_async") == (8 if pingpong else 4)   # unrolled k16 steps
         assert "0 bytes spill stores, 0 bytes spill loads" in log, log
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
-        assert regs <= GEMM_REGISTERS, log
+        assert regs <= GEMM_REGISTERS["sm90:pp" if pingpong else "sm90"], log
 
 
 @pytest.mark.slow

@@ -98,11 +98,26 @@ SIM_SCRIPT = textwrap.dedent("""
         assert err < 1e-2, (m, n, k, layout, err)
         assert op.calls() == (2, 2) and len(flags) == tiles and (flags == 2).all(), flags
         print("ok", m, n, k, layout, reserved, err)
+
+    # the sm_90a builds, the ping-pong tile among them, are refused by name before any launch
+    from mknumba.errors import MkValueError
+    from mknumba.kernels.gemm import gemm
+    for tile in ("sm90", "sm90:kn", "sm90:pp", "sm90:pp:kn"):
+        try:
+            Gemm(tile=tile)(cuda.to_device(a), cuda.to_device(a), b_layout="nk")
+        except MkValueError as e:
+            assert "needs a Hopper GPU" in str(e), e
+        try:
+            gemm(cuda.to_device(a), cuda.to_device(a), b_layout="nk", tile=tile)
+        except MkValueError as e:
+            assert "needs a Hopper GPU" in str(e), e
+            print("refused", tile)
 """)
 
 
 def test_simt_twin_in_simulator():
-    assert run_python(SIM_SCRIPT).count("ok") == 4
+    out = run_python(SIM_SCRIPT)
+    assert out.count("ok") == 4 and out.count("refused") == 4, out
 
 
 # ---- sm_90a: compile the kernel with the linked helper and link a cubin, without a GPU ---------
@@ -138,7 +153,8 @@ COMPILE_SCRIPT = textwrap.dedent("""
 #: read B as [k, n]: tests/test_compile.py; the probe's other builds,
 #: benchmarks/probe_gemm_tile.py, are compiled when it runs)
 STORES = {"sm90": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"],
-          "sm90:e2p1": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"]}
+          "sm90:e2p1": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"],
+          "sm90:pp": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"]}
 
 
 def _ptxas():
@@ -209,15 +225,36 @@ def test_tile_builds_for_b_as_kn():
     threads and shared memory; a build without one (a probe's) is refused by name."""
     from mknumba._compat import SIMULATOR
     from mknumba.roles import compute
-    for kind in ("simt",) + (() if SIMULATOR else ("sm90", "sm90:e2p1")):
+    for kind in ("simt",) + (() if SIMULATOR else ("sm90", "sm90:e2p1", "sm90:pp")):
         base, kn = compute.tile_build(kind), compute.tile_build(compute.kn_kind(kind))
         assert kn.b_kn and not base.b_kn and kn.tile is not base.tile
-        assert (kn.shape, kn.threads, kn.smem_bytes, kn.tma) == \
-            (base.shape, base.threads, base.smem_bytes, base.tma)
+        assert (kn.shape, kn.threads, kn.smem_bytes, kn.tma, kn.gemm_only) == \
+            (base.shape, base.threads, base.smem_bytes, base.tma, base.gemm_only)
     if "test-probe" not in compute._BUILDS:
         compute.register_tile("test-probe", compute.tile_build("simt"))
     with pytest.raises(MkValueError, match="'test-probe' has no variant reading b as"):
         compute.kn_kind("test-probe", "test")
+
+
+def test_pingpong_build_is_its_own_shape_and_gemm_only(monkeypatch):
+    """The ping-pong tile: 128 x 128 tiles (the host's tile counts and tensor-map boxes come
+    from the build), a ring that fits an H200 SM's 227 KB, the library's 288 threads; the
+    fused ops refuse it by name (fused_tile: mk.Gemm only)."""
+    from mknumba._compat import SIMULATOR
+    from mknumba.kernels import gemm as G
+    from mknumba.roles import compute
+    if SIMULATOR:
+        pytest.skip("the sm_90a builds are made outside the simulator")
+    pp = compute.tile_build("sm90:pp")
+    assert pp.shape == (128, 128) and pp.gemm_only and not pp.timing_only and pp.tma
+    assert pp.threads == compute.tile_build("sm90").threads == 288
+    assert compute.tile_build("sm90").shape == (128, 256)
+    assert 200 * 1024 < pp.smem_bytes <= 227 * 1024
+    monkeypatch.setattr(G, "kind_for", lambda tile, op: tile)     # no GPU asked here
+    for tile in ("sm90:pp", "sm90:pp:kn"):
+        with pytest.raises(MkValueError, match="mknumba.Gemm only"):
+            G.fused_tile(tile, "GemmReduce")
+    assert G.fused_tile("sm90", "GemmReduce")[0] == "sm90"
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------
@@ -265,3 +302,43 @@ def test_gemm_rejects_wrong_dtype_on_gpu():
     a = torch.randn(128, 64, device="cuda")
     with pytest.raises(MkValueError, match="bfloat16"):
         gemm(a, a.T)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("layout", ["nk", "kn", "kn_view"])
+def test_pingpong_gemm_matches_fp32_reference(layout):
+    """The ping-pong tile ("sm90:pp", its ":kn" twin for row-major B): 20 calls back to back
+    (one sync at the end), each with fresh random inputs into its own poisoned output, over
+    shapes with 2, 4, 136, 525 and 2079 tiles of 128 x 128: on an H200 (132 blocks) blocks
+    with 0, 1, 2, 3, 4, 15 and 16 tiles (the warpgroups' turns at every parity), ragged edges
+    in m, n and k; each result against an fp32 reference of its own inputs, and every tile
+    flag at the last epoch."""
+    torch = pytest.importorskip("torch")
+    from mknumba.kernels.gemm import Gemm
+    op = Gemm(tile="sm90:pp")
+    shapes = [(130, 8, 8), (200, 136, 72), (1000, 2168, 1096), (1920, 4480, 200),
+              (4160, 8056, 1032)]
+    torch.manual_seed(23)
+    for m, n, k in shapes:
+        runs = []
+        for call in range(20):
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            b_nk = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            b = {"nk": b_nk, "kn": b_nk.T.contiguous(), "kn_view": b_nk.T}[layout]
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            runs.append((a, b_nk, b, out))
+        torch.cuda.synchronize()
+        for a, _, b, out in runs:
+            op(a, b, b_layout="nk" if layout == "nk" else "kn", out=out)
+        torch.cuda.synchronize()
+        for call, (a, b_nk, _, out) in enumerate(runs):
+            ref = a.float() @ b_nk.float().T
+            assert torch.isfinite(out).all(), (m, n, k, call)
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            assert err <= 1e-2, (m, n, k, call, err)
+        mode = "nk" if layout == "nk" else "kn"
+        flags = op.tile_flags(m, n, k, mode).copy_to_host()
+        calls, epoch = op.calls()
+        assert len(flags) == -(-m // 128) * -(-n // 128) and (flags == epoch).all(), (m, n, k)
+    assert op.calls()[0] == 20 * len(shapes)

@@ -81,7 +81,7 @@ def main():
         c, sums, frame = cuda.device_array((M, N), np.uint16), cuda.to_device(
             np.zeros(tiles, np.float32)), Frame(COMPUTE + READERS)
         err = comm.new_error_record()
-        maps = TensorMaps(M, N, K) if build.tma else NoTensorMaps()
+        maps = TensorMaps(M, N, K, build.shape) if build.tma else NoTensorMaps()
         compiled, _ = compile_kernel(kernel, build.threads, build.smem_bytes)
         launch = Launch(kernel, compiled, dict(
             a=a, bt=bt, c=c, c_planes=c.reshape((1, M, N)), tmaps=Slot((TensorMaps.ROW,)),

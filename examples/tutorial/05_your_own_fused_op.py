@@ -94,7 +94,7 @@ class GemmAllGather:
         self.flags = comm.alloc_flags(self.W * tiles)
         self.err = comm.new_error_record()
         c = cuda.device_array((self.mw, n), np.uint16)
-        self.maps = TensorMaps(self.mw, n, k) if build.tma else NoTensorMaps()
+        self.maps = TensorMaps(self.mw, n, k, build.shape) if build.tma else NoTensorMaps()
         kernel = make_kernel(build)
         compiled, _ = compile_kernel(kernel, build.threads, build.smem_bytes)
         self.launch = Launch(kernel, compiled, dict(

@@ -7,8 +7,9 @@ with the role's tile function and publishing each finished tile ``t = tile_m * t
 with ``tile_flags[t] = epoch``. The blocks held back (``reserved_sms``) return at once here; in
 the fused kernels they run the communication roles and consume those flags.
 
-Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles) or ``"simt"`` (the generic
-twin: the CUDA simulator and GPUs without sm_90a), each reading B as given: [n, k] (or a ``w.T``
+Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (opt-in:
+the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``) or ``"simt"`` (the
+generic twin: the CUDA simulator and GPUs without sm_90a), each reading B as given: [n, k] (or a ``w.T``
 view of one), or row-major [k, n] through its ``":kn"`` build (``kernels.gemm_inputs``). Calls
 go through the launch frame (``kernels.launch``): planned once per shape and layout of B, then
 an address bind and one driver launch.
@@ -85,7 +86,8 @@ def check_shapes(m, n, k, op="mknumba.gemm"):
 def fused_tile(tile, op):
     """``(kind, TileBuild)`` a fused op runs for its ``tile=`` option: :func:`kind_for`, with
     "auto" on sm_90a the build whose own warp publishes tile flags
-    (``roles.compute.SM90_FUSED_TILE``); a timing-only build is refused."""
+    (``roles.compute.SM90_FUSED_TILE``); a timing-only build, or one for mk.Gemm only (the
+    ping-pong tile), is refused."""
     kind = kind_for(tile, op)
     if tile == "auto" and kind == "sm90":
         kind = compute.SM90_FUSED_TILE
@@ -93,13 +95,24 @@ def fused_tile(tile, op):
     if build.timing_only:
         raise MkValueError(f"{op}: tile build {tile!r} leaves the output unwritten "
                            "(timing only)")
+    if build.gemm_only:
+        raise MkValueError(f"{op}: tile build {tile!r} is for mknumba.Gemm only so far (not "
+                           f"checked in the fused kernels); use 'auto', 'sm90' or "
+                           f"{compute.SM90_FUSED_TILE!r}")
     return kind, build
+
+
+def check_tile_name(tile):
+    """Refuse (MkValueError) a ``tile=`` option that names no tile build: "auto", the
+    library's builds (the sm_90a ones also in the simulator, which refuses them when they
+    would run: :func:`kind_for`) or a registered one."""
+    if tile != "auto" and not compute.is_sm90_name(tile):
+        compute.tile_build(tile)   # "simt", another build of the tile (probes), or MkValueError
 
 
 def kind_for(tile, op="mknumba.gemm"):
     """The tile build a ``tile=`` option picks on this machine (see :class:`Gemm`)."""
-    if tile not in ("auto", "sm90", "simt"):
-        compute.tile_build(tile)   # another build of the tile (probes), or MkValueError
+    check_tile_name(tile)
     if SIMULATOR:
         if tile not in ("auto", "simt"):
             raise MkValueError(f"{op}: the {tile} tile needs a Hopper GPU; the simulator runs "
@@ -142,8 +155,7 @@ class Gemm:
     name = "mknumba.gemm"
 
     def __init__(self, tile="auto", reserved_sms=0, group_m=None):
-        if tile not in ("auto", "sm90", "simt"):
-            compute.tile_build(tile)   # another build of the tile (probes), or MkValueError
+        check_tile_name(tile)
         self.tile, self.reserved_sms, self.group_m = tile, int(reserved_sms), group_m
         self.frame = None     # the call counter of the last GPU used
         self._frames = {}     # device -> (tile build, Frame): one counter per GPU
@@ -277,7 +289,7 @@ class _Plan:
         self.m, self.n, self.k, self.mode = m, n, k, mode
         self.tile_flags = cuda.to_device(np.zeros(tiles_m * tiles_n, np.uint32))
         self.order = cuda.to_device(grouped_order(tiles_m, tiles_n, int(group_m)))
-        self.tmaps = TensorMaps(m, n, k) if build.tma else NoTensorMaps()
+        self.tmaps = TensorMaps(m, n, k, build.shape) if build.tma else NoTensorMaps()
         self.launch = Launch(kernel, compiled, dict(
             a=Slot((m, k)), b=Slot(b_shape(mode, n, k)), c=Slot((m, n)), c_planes=Slot((1, m, n)),
             tmaps=Slot((TensorMaps.ROW,)), tile_flags=self.tile_flags, frame=frame.words,

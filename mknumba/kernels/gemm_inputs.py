@@ -101,20 +101,21 @@ class LayoutLaunches:
 # ---- tensor maps (sm_90a) -------------------------------------------------------------------------
 class TensorMaps(MapTable):
     """The tile's tensor maps of A [m, k] and B (``uint64[32]`` per address pair and layout of
-    B), in a :class:`tensor_maps.MapTable`: A in boxes of 64 (k) x the tile's rows; B [n, k] in
-    boxes of 64 (k) x the tile's columns, or B [k, n] (``b_kn``) in boxes of 64 (n) x 64 (k),
-    the tile's columns then being four such boxes side by side (``cuda/gemm_tile.cu``)."""
+    B), in a :class:`tensor_maps.MapTable`, for a tile build of ``shape`` (BM, BN)
+    (``roles.compute.TileBuild.shape``): A in boxes of 64 (k) x BM rows; B [n, k] in boxes of
+    64 (k) x BN rows, or B [k, n] (``b_kn``) in boxes of 64 (n) x 64 (k), the tile's columns
+    then being BN / 64 such boxes side by side (``cuda/gemm_common.cuh``, produce_tile)."""
 
     ROW = 32
 
-    def __init__(self, m, n, k, capacity=64):
-        self.m, self.n, self.k = m, n, k
+    def __init__(self, m, n, k, shape, capacity=64):
+        self.m, self.n, self.k, self.shape = m, n, k, tuple(shape)
         super().__init__(self._encode, self.ROW, capacity)
 
     def _encode(self, key):
-        (a, b, kn), bk, bm = key, compute.SM90_BK, compute.SM90_TILE[0]
+        (a, b, kn), bk, (bm, bn) = key, compute.SM90_BK, self.shape
         return np.concatenate([tensor_map(a, (self.k, self.m), (bk, bm)),
-                               b_map(b, self.n, self.k, kn)])
+                               b_map(b, self.n, self.k, kn, bn)])
 
     def __call__(self, a_ptr, b_ptr, stream, b_kn=False):
         """Device address of the maps of (a_ptr, b_ptr) with B [n, k] (or [k, n]: ``b_kn``),
@@ -122,9 +123,10 @@ class TensorMaps(MapTable):
         return self.row((a_ptr, b_ptr, bool(b_kn)), stream)
 
 
-def b_map(ptr, n, k, kn):
-    """The tensor map of the tile's B at ``ptr``: [n, k], or [k, n] when ``kn``."""
-    bk, bn = compute.SM90_BK, compute.SM90_TILE[1]
+def b_map(ptr, n, k, kn, bn):
+    """The tensor map of the tile's B at ``ptr``: [n, k] (boxes of the tile's ``bn`` rows), or
+    [k, n] when ``kn``."""
+    bk = compute.SM90_BK
     return tensor_map(ptr, (n, k), (64, bk)) if kn else tensor_map(ptr, (k, n), (bk, bn))
 
 

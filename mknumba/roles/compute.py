@@ -19,13 +19,20 @@ every thread of the block):
 
 The thread that returns 1 does so after every thread's stores of this tile were issued and a
 block-level barrier among the storing threads, so it can publish the tile's completion flag with a
-release (``primitives.st_release``).
+release (``primitives.st_release``). Threads may leave a call before its tile is done (the sm_90a
+producer warp once its loads are queued; in the ping-pong tile the warpgroup that does not own
+the tile at once), so whatever a caller does per tile it does per thread, with no block barrier
+between tiles.
 
-Two implementations:
+Implementations:
 - ``gemm_tile_sm90``: Hopper only (sm_90a). The linked helper ``cuda/gemm_tile.cu`` does TMA into a
   4-stage mbarrier ring, two consumer warpgroups issue wgmma m64n256k16; 128 x 256 x 64 tiles,
   288 threads per block, ``SM90_SMEM_BYTES`` of dynamic shared memory. B [k, n] is read as it is
   (TMA boxes of 64 N-columns, a transposed wgmma operand): built with ``MK_B_KN=1``.
+- ``SM90_PINGPONG_TILE`` (opt-in, mk.Gemm only): ``cuda/gemm_pingpong.cu``, the same ring and
+  calling sequence with 128 x 128 tiles, each computed whole by one consumer warpgroup; the two
+  warpgroups take alternate tiles (``seq`` odd or even) and turns in the main loop, so one's
+  epilogue runs while the other's MMAs do. A 6-stage ring; 288 threads.
 - ``gemm_tile_simt``: the generic twin (simulator, GPUs without sm_90a): plain loads, one fp32 dot
   product per output element, ``SIMT_TILE`` tiles, any block size.
 """
@@ -41,6 +48,7 @@ from ..primitives import data_ptr, peer_view, release, udiv32, wait_flag
 from .blocks import no_stamp, stamp
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
+PINGPONG_HELPER = os.path.join(os.path.dirname(HELPER), "gemm_pingpong.cu")
 
 # Must match the constants at the top of gemm_tile.cu.
 SM90_TILE = (128, 256)      # BM, BN
@@ -56,13 +64,21 @@ SM90_EPILOGUE = 2
 #: fence before each flag (which waits for the tile's stores) stalls no MMA warp. In the 1x2
 #: fused kernels it was faster at 14 of 16 points (benchmarks/NOTES.md).
 SM90_FUSED_TILE = "sm90:e2p1"
+#: the ping-pong tile (``cuda/gemm_pingpong.cu``): each consumer warpgroup computes whole
+#: 128 x 128 tiles, the two take turns in the main loop, so one's epilogue overlaps the other's
+#: MMAs. Opt-in, mk.Gemm only (the fused ops refuse it: not measured there).
+SM90_PINGPONG_TILE = "sm90:pp"
+SM90_PINGPONG_SHAPE = (128, 128)    # BM, BN: must match gemm_pingpong.cu
+SM90_PINGPONG_STAGES = 6
 
 
-def sm90_smem_bytes(epilogue=SM90_EPILOGUE):
-    """Dynamic shared memory of the sm90 tile built with MK_EPILOGUE=``epilogue``: the ring,
-    the epilogue's staging, the barriers and 1 KB to align the base for the 128B swizzle."""
-    return (SM90_STAGES * (SM90_TILE[0] + SM90_TILE[1]) * SM90_BK * 2 + SM90_STAGING[epilogue]
-            + 16 * SM90_STAGES + 16 + 1024)
+def sm90_smem_bytes(epilogue=SM90_EPILOGUE, pingpong=False):
+    """Dynamic shared memory of the sm90 tile built with MK_EPILOGUE=``epilogue`` (or the
+    ping-pong tile, whose epilogue is 2): the ring, the epilogue's staging, the barriers (two
+    per slot and two more) and 1 KB to align the base for the 128B swizzle."""
+    (bm, bn), stages = ((SM90_PINGPONG_SHAPE, SM90_PINGPONG_STAGES) if pingpong else
+                        (SM90_TILE, SM90_STAGES))
+    return stages * (bm + bn) * SM90_BK * 2 + SM90_STAGING[epilogue] + 16 * stages + 16 + 1024
 
 
 def sm90_threads(publisher=False):
@@ -77,27 +93,34 @@ SIMT_THREADS = 128
 
 
 # ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
-_SM90_BUILDS = {}   # (epilogue, publisher, b_kn) -> (init, tile)
+_SM90_BUILDS = {}   # (epilogue, publisher, b_kn, pingpong) -> (init, tile)
 
 
-def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False, b_kn=False):
+def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False, b_kn=False, pingpong=False):
     """``(init, tile)`` device functions around ``cuda/gemm_tile.cu`` built with
     ``MK_EPILOGUE=epilogue``, ``MK_PUBLISHER=publisher`` and ``MK_B_KN=b_kn`` (see the
     helper's header; the library uses ``SM90_EPILOGUE`` and 0, the probe
-    ``benchmarks/probe_gemm_tile.py`` the others; b_kn: B is [k, n], not [n, k]). Launch with
-    ``sm90_smem_bytes(epilogue)`` and ``sm90_threads(publisher)``."""
+    ``benchmarks/probe_gemm_tile.py`` the others; b_kn: B is [k, n], not [n, k]), or with
+    ``pingpong`` around ``cuda/gemm_pingpong.cu`` (epilogue 2, no publisher; the same calling
+    sequence). Launch with ``sm90_smem_bytes(epilogue, pingpong)`` and
+    ``sm90_threads(publisher)``."""
     if epilogue not in SM90_STAGING:
         raise MkValueError(f"no epilogue {epilogue} in gemm_tile.cu")
-    key = (epilogue, bool(publisher), bool(b_kn))
+    if pingpong and (epilogue, bool(publisher)) != (2, False):
+        raise MkValueError("the ping-pong tile is built with epilogue 2 and no publisher warp "
+                           f"only (asked: epilogue {epilogue}, publisher {bool(publisher)})")
+    key = (epilogue, bool(publisher), bool(b_kn), bool(pingpong))
     if key not in _SM90_BUILDS:
         defines = "" if key[:2] == (SM90_EPILOGUE, False) else (
             f"#define MK_EPILOGUE {epilogue}\n#define MK_PUBLISHER {key[1]:d}\n")
-        helper = linked_source(HELPER, defines + ("#define MK_B_KN 1\n" if b_kn else ""))
+        helper = linked_source(PINGPONG_HELPER if pingpong else HELPER,
+                               defines + ("#define MK_B_KN 1\n" if b_kn else ""))
+        prefix = "mk_gemm_sm90pp" if pingpong else "mk_gemm_sm90"
         u64, i32 = types.uint64, types.int32
-        init_fn = cuda.declare_device("mk_gemm_sm90_init", i32(u64, u64), link=[helper],
+        init_fn = cuda.declare_device(f"{prefix}_init", i32(u64, u64), link=[helper],
                                       abi="c")
         tile_fn = cuda.declare_device(
-            "mk_gemm_sm90_tile",
+            f"{prefix}_tile",
             i32(u64, u64, u64, i32, i32, u64, i32, i32, i32, i32, i32, i32, i32),
             link=[helper], abi="c")
 
@@ -109,8 +132,8 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False, b_kn=False):
         @cuda.jit(device=True)
         def gemm_tile(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, tile_n,
                       seq):
-            """One 128 x 256 tile through TMA + wgmma; a and b are read through ``tmaps``
-            (B's layout is the build's: MK_B_KN)."""
+            """One tile through TMA + wgmma (128 x 256, ping-pong 128 x 128); a and b are
+            read through ``tmaps`` (B's layout is the build's: MK_B_KN)."""
             k_iters = (k + SM90_BK - 1) // SM90_BK
             return tile_fn(data_ptr(smem), data_ptr(tmaps), data_ptr(c), np.int32(c.shape[1]),
                            np.int32(c_row0), data_ptr(addend), np.int32(adds), np.int32(m),
@@ -122,19 +145,28 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False, b_kn=False):
 
 def linked_source(helper, defines=""):
     """A linked helper (``cuda/*.cu``) as NVRTC gets it: ``defines`` prepended and each
-    ``#include "*.cuh"`` of ours replaced by that file (NVRTC, as numba drives it, searches no
-    directory of ours). Written to the temp directory under a name made from its content, so
-    every process (and rank) that asks for the same build shares one file."""
+    ``#include "*.cuh"`` of ours replaced by that file, the first time it is met (a header
+    that others include too is pasted once: ``#pragma once`` means nothing in one pasted
+    file; NVRTC, as numba drives it, searches no directory of ours). Written to the temp
+    directory under a name made from its content, so every process (and rank) that asks for
+    the same build shares one file."""
     import hashlib
     import re
     import tempfile
     here = os.path.dirname(helper)
+    pasted = set()
+
+    def paste(name):
+        if name in pasted:
+            return ""
+        pasted.add(name)
+        return expand(os.path.join(here, name))
 
     def expand(path):
         with open(path) as f:
             text = f.read()
-        return re.sub(r'^#include "([\w.]+\.cuh)"$',
-                      lambda m: expand(os.path.join(here, m.group(1))), text, flags=re.M)
+        return re.sub(r'^#include "([\w.]+\.cuh)"$', lambda m: paste(m.group(1)), text,
+                      flags=re.M)
 
     text = defines + expand(helper)
     digest = hashlib.sha1(text.encode()).hexdigest()[:16]
@@ -399,9 +431,11 @@ TO_OWNER = (to_owner, inbox_ready)
 #: init/tile: the device functions (tile contract above); shape: (BM, BN); threads per block;
 #: smem_bytes: dynamic shared memory per block; tma: reads A and B through tensor maps (sm_90a);
 #: timing_only: leaves the output unwritten (probes; the fused ops refuse it); b_kn: B is [k, n]
-#: (row-major, N contiguous), not [n, k].
-TileBuild = namedtuple("TileBuild", "init tile shape threads smem_bytes tma timing_only b_kn",
-                       defaults=(False,))
+#: (row-major, N contiguous), not [n, k]; gemm_only: only mk.Gemm runs it (the fused ops
+#: refuse it).
+TileBuild = namedtuple("TileBuild",
+                       "init tile shape threads smem_bytes tma timing_only b_kn gemm_only",
+                       defaults=(False, False))
 _BUILDS = {"simt": TileBuild(gemm_init_simt, gemm_tile_simt, SIMT_TILE, SIMT_THREADS, 0, False,
                              False),
            "simt:kn": TileBuild(gemm_init_simt, gemm_tile_simt_kn, SIMT_TILE, SIMT_THREADS, 0,
@@ -435,30 +469,46 @@ def threads_of(build):
     return 32 if SIMULATOR and not build.tma else build.threads
 
 
-def sm90_build(epilogue, publisher, b_kn=False):
+def sm90_build(epilogue, publisher, b_kn=False, pingpong=False):
     """The :class:`TileBuild` of gemm_tile.cu built with MK_EPILOGUE=epilogue,
-    MK_PUBLISHER=publisher and MK_B_KN=b_kn (sm_90a). The library runs (2, 0) and, in the fused
-    ops, (2, 1), each also with b_kn; ``benchmarks/probe_gemm_tile.py`` registers the others
-    (:func:`register_tile`)."""
-    return TileBuild(*sm90_tile_functions(epilogue, publisher, b_kn), SM90_TILE,
-                     sm90_threads(publisher), sm90_smem_bytes(epilogue), True, epilogue == 1,
-                     b_kn)
+    MK_PUBLISHER=publisher and MK_B_KN=b_kn (sm_90a), or with ``pingpong`` of
+    gemm_pingpong.cu (epilogue 2, no publisher). The library runs (2, 0) and, in the fused
+    ops, (2, 1), each also with b_kn, and on request the ping-pong tile;
+    ``benchmarks/probe_gemm_tile.py`` registers the others (:func:`register_tile`)."""
+    return TileBuild(*sm90_tile_functions(epilogue, publisher, b_kn, pingpong),
+                     SM90_PINGPONG_SHAPE if pingpong else SM90_TILE, sm90_threads(publisher),
+                     sm90_smem_bytes(epilogue, pingpong), True, epilogue == 1, b_kn, pingpong)
+
+
+#: the library's sm_90a builds other than "sm90" -> sm90_build's arguments, made on first use
+_SM90_LAZY = {"sm90:kn": (SM90_EPILOGUE, False, True),
+              SM90_FUSED_TILE: (SM90_EPILOGUE, True, False),
+              f"{SM90_FUSED_TILE}:kn": (SM90_EPILOGUE, True, True),
+              SM90_PINGPONG_TILE: (SM90_EPILOGUE, False, False, True),
+              f"{SM90_PINGPONG_TILE}:kn": (SM90_EPILOGUE, False, True, True)}
+
+
+def is_sm90_name(name):
+    """Whether ``name`` is one of the library's sm_90a tile builds (which the simulator knows
+    by name but cannot run)."""
+    return name == "sm90" or name in _SM90_LAZY
 
 
 def tile_build(name):
     """The tile build called ``name``: ``"simt"``, ``"sm90"`` (the library's Hopper tile),
-    ``SM90_FUSED_TILE`` (made on first use), or one added with :func:`register_tile`; any of
-    the first three with ``":kn"`` appended (:func:`kn_kind`): the same tile reading B as
-    [k, n]. Raises MkValueError for anything else."""
-    if name not in _BUILDS and not SIMULATOR:
-        lazy = {"sm90:kn": (SM90_EPILOGUE, False, True), SM90_FUSED_TILE: (SM90_EPILOGUE, True,
-                False), f"{SM90_FUSED_TILE}:kn": (SM90_EPILOGUE, True, True)}
-        if name in lazy:
-            _BUILDS[name] = sm90_build(*lazy[name])
+    ``SM90_FUSED_TILE``, ``SM90_PINGPONG_TILE`` (made on first use), or one added with
+    :func:`register_tile`; any of the first four with ``":kn"`` appended (:func:`kn_kind`):
+    the same tile reading B as [k, n]. Raises MkValueError for anything else, and in the
+    simulator for the sm_90a builds."""
+    if name not in _BUILDS and is_sm90_name(name):
+        if SIMULATOR:
+            raise MkValueError(f"the {name} tile needs a Hopper GPU (sm_90a); the simulator "
+                               "runs 'simt'")
+        _BUILDS[name] = sm90_build(*_SM90_LAZY[name])
     if name not in _BUILDS:
         raise MkValueError(f"no tile build {name!r} here (known: {sorted(_BUILDS)}"
-                           f"{'' if SIMULATOR else ', ' + repr(SM90_FUSED_TILE)}, each of "
-                           "the library's also with ':kn')")
+                           f"{'' if SIMULATOR else ', ' + ', '.join(map(repr, _SM90_LAZY))}"
+                           ", each of the library's also with ':kn')")
     return _BUILDS[name]
 
 
@@ -485,6 +535,7 @@ def register_tile(name, build):
 
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
+           "SM90_PINGPONG_TILE", "SM90_PINGPONG_SHAPE", "is_sm90_name",
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions", "sm90_build",
            "gemm_init_simt", "gemm_tile_simt", "gemm_tile_simt_kn", "bf16_to_f32",

@@ -55,7 +55,8 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         self._buffers = []
         self.err = comm.new_error_record()
         self.frame = Frame(self.grid)
-        self.tmaps = TensorMaps(self.m, self.n, self.k) if self.build.tma else NoTensorMaps()
+        self.tmaps = (TensorMaps(self.m, self.n, self.k, self.build.shape) if self.build.tma
+                      else NoTensorMaps())
         self._allocate(comm)
 
     def _allocate(self, comm):

@@ -62,7 +62,8 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
                            if self.shared_out else None)
             return
         self.frame = Frame(self.grid)
-        self.tmaps = TensorMaps(self.m, self.n, self.k) if self.build.tma else NoTensorMaps()
+        self.tmaps = (TensorMaps(self.m, self.n, self.k, self.build.shape) if self.build.tma
+                      else NoTensorMaps())
         self._allocate(comm.local_size, comm.nodes)
 
     def _allocate(self, G, nodes):

@@ -6,11 +6,10 @@ from numba import cuda
 
 from ..._compat import SIMULATOR
 from ...errors import MkValueError
-from ...roles import compute
 from ...sched import split as sm_split
 from ...sched.reduce import ReducePlan
 from ...sched.tiles import cdiv, default_group_m
-from ..gemm import check_shapes, kind_for
+from ..gemm import check_shapes, fused_tile
 
 _SIM_SMS = 6              # the simulator's "device": compute, reduce, send, receive, pull
 
@@ -30,13 +29,7 @@ class GemmReducePlan:
         m, n, k = int(m), int(n), int(k)
         check_shapes(m, n, k, self.name)
         self.comm, self.m, self.n, self.k = comm, m, n, k
-        self.kind = kind_for(tile, self.name)
-        if tile == "auto" and self.kind == "sm90":
-            self.kind = compute.SM90_FUSED_TILE
-        self.build = compute.tile_build(self.kind)
-        if self.build.timing_only:
-            raise MkValueError(f"{self.name}: tile build {tile!r} leaves the output unwritten "
-                               "(timing only)")
+        self.kind, self.build = fused_tile(tile, self.name)
         self.bm, self.bn = self.build.shape
         if n % 4:
             raise MkValueError(f"{self.name}: n={n} must be a multiple of 4")

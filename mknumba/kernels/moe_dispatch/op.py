@@ -84,7 +84,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         self.tile_flags = cuda.to_device(np.zeros(self.tiles_m * self.tiles_n, np.uint32))
         self._epoch_flags = [self.flags.local, self.lflags, self.tile_flags]
         if self.build.tma:
-            self.tmaps = ExpertMaps(self.recv, El, H, F, self.w_kn)
+            self.tmaps = ExpertMaps(self.recv, El, H, F, self.w_kn, self.build.shape)
         else:
             self._no_maps = cuda.to_device(np.zeros((El, 32), np.uint64))
         wins = (0, 0, 0)
@@ -283,21 +283,21 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
 class ExpertMaps(MapTable):
     """Per local expert the tile's two tensor maps (A: the receive buffer, B: the expert's
     weight, [ffn, hidden] or with ``kn`` [hidden, ffn]), one [E_local, 32] table per weight
-    address met so far."""
+    address met so far; boxes for a tile build of ``shape`` (``gemm_inputs.TensorMaps``)."""
 
-    def __init__(self, recv, experts, hidden, ffn, kn, capacity=16):
+    def __init__(self, recv, experts, hidden, ffn, kn, shape, capacity=16):
         self.recv_ptr = recv.__cuda_array_interface__["data"][0]
         self.rows_, self.experts, self.hidden, self.ffn = recv.shape[0], experts, hidden, ffn
-        self.kn = kn
+        self.kn, self.shape = kn, tuple(shape)
         super().__init__(self._encode, 32 * experts, capacity)
 
     def _encode(self, key):
         from ...roles import compute
-        (w,), bk, bm = key, compute.SM90_BK, compute.SM90_TILE[0]
+        (w,), bk, (bm, bn) = key, compute.SM90_BK, self.shape
         a = tensor_map(self.recv_ptr, (self.hidden, self.rows_), (bk, bm))
         step = self.ffn * self.hidden * 2
         return np.concatenate([np.concatenate([a, b_map(w + e * step, self.ffn, self.hidden,
-                                                        self.kn)])
+                                                        self.kn, bn)])
                                for e in range(self.experts)])
 
     def __call__(self, w_ptr, stream):

@@ -33,7 +33,7 @@
 // fence before the flag (which waits for the tile's stores to drain) stalls only that warp.
 // Without it (the library's build) consumer thread 0 publishes after a barrier of the consumers.
 
-#include "sm90.cuh"
+#include "gemm_common.cuh"
 
 #ifndef MK_EPILOGUE
 #define MK_EPILOGUE 2
@@ -54,7 +54,6 @@ constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A
 #if MK_B_KN
 constexpr unsigned B_BOX_BYTES = BK * 128;   // one box of B: 64 k-rows of 64 N-columns
 #endif
-constexpr unsigned WARP_STAGING = 16 * 128;  // 16 rows x 64 bf16: one warp's column chunk
 constexpr unsigned STAGING_BYTES = MK_EPILOGUE == 2 ? CONSUMER_THREADS / 32 * WARP_STAGING : 0;
 // Layout from the 1024-byte-aligned base (128B swizzle repeats every 1024 B):
 //   [A slot 0..3][B slot 0..3][epilogue staging, if any][full 0..3][empty 0..3][staged][published]
@@ -67,68 +66,11 @@ struct Ring {
 };
 
 __device__ __forceinline__ Ring ring_at(unsigned long long smem_generic) {
-    unsigned base = (unsigned)__cvta_generic_to_shared((void *)smem_generic);
-    base = (base + 1023u) & ~1023u;
+    const unsigned base = ring_base(smem_generic);
     return Ring{base, base + B_OFFSET, base + STAGING_OFFSET, base + BAR_OFFSET,
                 base + BAR_OFFSET + 8 * STAGES, base + BAR_OFFSET + 16 * STAGES,
                 base + BAR_OFFSET + 16 * STAGES + 8};
 }
-
-// Folded partials (the fused ReduceScatter's owner, see compute.py): the word w of bf16x2 at
-// element offset off, plus the same word of planes 1..adds of ``addend`` (planes of plane_elems
-// elements). One plane: a packed add (the exact sum, rounded once); more: fp32, rounded once.
-// Plain loads: the calling thread has acquired each plane's flag itself.
-__device__ __forceinline__ unsigned add_planes(unsigned w, unsigned long long addend, int adds,
-                                               long long plane_elems, long long off) {
-    const __nv_bfloat16 *base = (const __nv_bfloat16 *)addend + off;
-    __nv_bfloat162 v = *reinterpret_cast<__nv_bfloat162 *>(&w);
-    if (adds == 1) {
-        v = __hadd2(v, *(const __nv_bfloat162 *)(base + plane_elems));
-    } else {
-        float2 f = __bfloat1622float2(v);
-        for (int p = 1; p <= adds; ++p) {
-            const float2 x = __bfloat1622float2(*(const __nv_bfloat162 *)(base + p * plane_elems));
-            f.x += x.x;
-            f.y += x.y;
-        }
-        v = __floats2bfloat162_rn(f.x, f.y);
-    }
-    return *reinterpret_cast<unsigned *>(&v);
-}
-
-#if MK_EPILOGUE == 2
-// add_planes for 8 bf16 (16 bytes, 16-byte aligned): one vector load per plane.
-__device__ __forceinline__ uint4 add_planes_v4(uint4 v, unsigned long long addend, int adds,
-                                               long long plane_elems, long long off) {
-    const __nv_bfloat16 *base = (const __nv_bfloat16 *)addend + off;
-    unsigned w[4] = {v.x, v.y, v.z, v.w};
-    if (adds == 1) {
-        const uint4 x = *(const uint4 *)(base + plane_elems);
-        const unsigned xw[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            __nv_bfloat162 s = __hadd2(*reinterpret_cast<__nv_bfloat162 *>(&w[i]),
-                                       *reinterpret_cast<const __nv_bfloat162 *>(&xw[i]));
-            w[i] = *reinterpret_cast<unsigned *>(&s);
-        }
-    } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = add_planes(w[i], addend, adds, plane_elems, off + 2 * i);
-    }
-    return make_uint4(w[0], w[1], w[2], w[3]);
-}
-
-// Four 8 x 8 bf16 matrices into shared memory: lane l gives the address of row l % 8 of matrix
-// l / 8; register i holds this thread's fragment of matrix i (row lane / 4, columns 2 (lane % 4)
-// and +1: the accumulator layout of one 8-column group).
-__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2,
-                                            unsigned r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr),
-                 "r"(r0), "r"(r1), "r"(r2), "r"(r3)
-                 : "memory");
-}
-
-#endif
 
 #if !MK_PUBLISHER
 __device__ __forceinline__ void consumer_barrier() {
@@ -144,17 +86,12 @@ __device__ __forceinline__ void consumer_barrier() {
 extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned long long tmaps) {
     if (threadIdx.x == 0) {
         Ring r = ring_at(smem);
-        for (int s = 0; s < STAGES; ++s) {
-            mbar_init(r.full + 8 * s, 1);
-            mbar_init(r.empty + 8 * s, CONSUMER_WARPGROUPS);
-        }
+        init_ring<STAGES>(r.full, r.empty, CONSUMER_WARPGROUPS, tmaps);
         if (MK_PUBLISHER) {
             mbar_init(r.staged, CONSUMER_THREADS / 32);  // each consumer warp's stores of a tile
             mbar_init(r.published, 1);              // the publisher: that tile's flag is out
         }
         mbar_init_fence();
-        prefetch_tensormap(tmaps);
-        prefetch_tensormap(tmaps + 128);
     }
     return 0;
 }
@@ -186,24 +123,9 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     }
 #endif
     if (tid >= CONSUMER_THREADS) {  // ---- producer warp: one lane drives the copy engine
-        if (tid == CONSUMER_THREADS) {
-            for (int kk = 0; kk < k_iters; ++kk) {
-                const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
-                mbar_wait(r.empty + 8 * s, phase ^ 1);  // slot free (a fresh barrier passes)
-#if MK_B_KN
-                const int n0 = tile_n * BN, boxes = min(BN / 64, (n - n0 + 63) / 64);
-                mbar_expect_tx(r.full + 8 * s, A_BYTES + boxes * B_BOX_BYTES);
-                tma_load_2d(r.a + s * A_BYTES, tmaps, kk * BK, tile_m * BM, r.full + 8 * s);
-                for (int j = 0; j < boxes; ++j)
-                    tma_load_2d(r.b + s * B_BYTES + j * B_BOX_BYTES, tmaps + 128, n0 + 64 * j,
-                                kk * BK, r.full + 8 * s);
-#else
-                mbar_expect_tx(r.full + 8 * s, STAGE_BYTES);
-                tma_load_2d(r.a + s * A_BYTES, tmaps, kk * BK, tile_m * BM, r.full + 8 * s);
-                tma_load_2d(r.b + s * B_BYTES, tmaps + 128, kk * BK, tile_n * BN, r.full + 8 * s);
-#endif
-            }
-        }
+        if (tid == CONSUMER_THREADS)
+            produce_tile<BM, BN, STAGES, MK_B_KN>(r.a, r.b, r.full, r.empty, tmaps, n, tile_m,
+                                                  tile_n, k_iters, g0);
         return 0;
     }
 
@@ -265,38 +187,10 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
         }
     }
 #elif MK_EPILOGUE == 2
-    // The warp's 16 rows leave in 64-column chunks through its staging area (16 rows x 128 B,
-    // 16-byte units swizzled by row % 8 so that neither stmatrix nor the row reads conflict).
-    const unsigned stage = r.staging + (tid / 32) * WARP_STAGING;
-    const int row_base = tile_m * BM + wg * 64 + warp * 16;
-    const int mat = lane / 8, mrow = lane % 8;  // the matrix row this lane gives the address of
-#pragma unroll
-    for (int cc = 0; cc < BN / 64; ++cc) {
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            // matrices (8-column group, row half): (2p, 0), (2p, 1), (2p + 1, 0), (2p + 1, 1)
-            const int j = 8 * cc + 2 * p;
-            const int unit = 2 * p + mat / 2, row = 8 * (mat % 2) + mrow;
-            stmatrix_x4(stage + row * 128 + ((unit ^ mrow) * 16),
-                        pack_bf16x2(d[4 * j], d[4 * j + 1]),
-                        pack_bf16x2(d[4 * j + 2], d[4 * j + 3]),
-                        pack_bf16x2(d[4 * j + 4], d[4 * j + 5]),
-                        pack_bf16x2(d[4 * j + 6], d[4 * j + 7]));
-        }
-        __syncwarp();
-#pragma unroll
-        for (int it = 0; it < 4; ++it) {  // 8 lanes per row: each warp store covers 4 rows
-            const int row = 4 * it + lane / 8, unit = lane % 8;
-            uint4 v = ld_shared_v4(stage + row * 128 + ((unit ^ (row % 8)) * 16));
-            const int grow = row_base + row, gcol = tile_n * BN + 64 * cc + 8 * unit;
-            if (grow < m && gcol < n) {  // n is a multiple of 8 (the op checks): 8 columns fit
-                if (adds > 0)
-                    v = add_planes_v4(v, addend, adds, plane_elems, (long long)grow * n + gcol);
-                *(uint4 *)(out + (long long)grow * ldc + gcol) = v;
-            }
-        }
-        __syncwarp();  // the chunk is read before the next one overwrites it
-    }
+    // the warp's 16 rows, 64 columns at a time through its 2 KB of staging (gemm_common.cuh)
+    store_warp_rows(d, r.staging + (tid / 32) * WARP_STAGING, lane, out, ldc,
+                    tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n, addend, adds,
+                    plane_elems);
 #else
     (void)lane, (void)warp, (void)c, (void)c_row0, (void)addend, (void)adds;  // 1: timing only
 #endif

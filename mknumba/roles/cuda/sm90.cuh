@@ -129,7 +129,9 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], unsigned long 
         : "l"(da), "l"(db), "n"(TRANS_B));
 }
 
-// d[64 x 128] (= or +=, by ``accumulate``) A_desc[64 x 16] @ B_desc[128 x 16]^T, both K-major
+// d[64 x 128] (= or +=, by ``accumulate``) A_desc[64 x 16] @ B_desc[128 x 16]^T, A K-major;
+// B K-major or MN-major as for wgmma_m64n256k16 (TRANS_B)
+template <int TRANS_B = 0>
 __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], unsigned long long da,
                                                     unsigned long long db, int accumulate) {
     asm volatile(
@@ -141,11 +143,11 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], unsigned lon
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, p, 1, 1, 0, 0;\n"
+        "}, %64, %65, p, 1, 1, 0, %67;\n"
         "}\n"
         : MK_ACC8(0), MK_ACC8(8), MK_ACC8(16), MK_ACC8(24), MK_ACC8(32), MK_ACC8(40),
           MK_ACC8(48), MK_ACC8(56)
-        : "l"(da), "l"(db), "r"(accumulate));
+        : "l"(da), "l"(db), "r"(accumulate), "n"(TRANS_B));
 }
 
 // d[64 x N] += A[64 x 16] @ B_desc[16 x N], A from registers (bf16x2 words a0..a3 in the
