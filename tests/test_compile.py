@@ -197,6 +197,11 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     assert "wgmma.mma_async" in ptx
     assert "serialized" not in log, log
     assert not re.search(r"\b(div|rem)\.[su]64\b", ptx), "a 64-bit divide"
+    if name.startswith("gemm_reduce"):      # the flags' memory order; never NVLink multicast
+        for instr in ("st.release.sys", "ld.acquire.sys", "atom.add.release.gpu",
+                      "fence.acq_rel.sys"):
+            assert instr in ptx, instr
+        assert "multimem" not in ptx
     if name in GEMM_BUILDS:
         pingpong = name.startswith("gemm_pp")
         # wgmma's scale-d (1, or the ping-pong tile's predicate p) and imm-trans-b

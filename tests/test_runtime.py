@@ -11,22 +11,26 @@ import mknumba as mk
 from mpi_util import gpu_count, run_mpi
 
 # Checks that share one launch (one MPI start-up each); the timeout check shortens every
-# wait's bound, so it runs alone.
-CHECKS = ["topology,allgather,validation", "timeout"]
+# wait's bound, so it runs alone, on one node and across two (the proxy's wait), each of two
+# ranks: more ranks wait the same way.
+CHECKS = "topology,allgather,validation"
 # (ranks, GPUs per node, transport): one node of 2, one of 4, two emulated nodes of 2 and of 1
 # (AllGather's world scope crosses them through the proxy: completion and ordered delivery).
 LAYOUTS = [(2, None, None),
            pytest.param(4, None, None, marks=pytest.mark.slow),
            pytest.param(4, 2, "sim:completion", marks=pytest.mark.slow),
            pytest.param(2, 1, "sim:ordered", marks=pytest.mark.slow)]
+RUNS = ([pytest.param(CHECKS, *getattr(p, "values", p), marks=getattr(p, "marks", ()))
+         for p in LAYOUTS] +
+        [pytest.param("timeout", 2, None, None),
+         pytest.param("timeout", 2, 1, "sim:ordered", marks=pytest.mark.slow)])
 
 
 def _passed(out, check, n):
     assert sum(f"PASS {check} rank {r}" in out for r in range(n)) == n, out[-3000:]
 
 
-@pytest.mark.parametrize("ranks,gpn,transport", LAYOUTS, ids=str)
-@pytest.mark.parametrize("checks", CHECKS)
+@pytest.mark.parametrize("checks,ranks,gpn,transport", RUNS, ids=str)
 def test_simulator(checks, ranks, gpn, transport):
     env = {"MKNUMBA_GPUS_PER_NODE": str(gpn)} if gpn else {}
     if transport:
