@@ -9,10 +9,10 @@ the fused kernels they run the communication roles and consume those flags.
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (opt-in:
 the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``) or ``"simt"`` (the
-generic twin: the CUDA simulator and GPUs without sm_90a), each reading B as given: [n, k] (or a ``w.T``
-view of one), or row-major [k, n] through its ``":kn"`` build (``kernels.gemm_inputs``). Calls
-go through the launch frame (``kernels.launch``): planned once per shape and layout of B, then
-an address bind and one driver launch.
+generic twin: the CUDA simulator and GPUs without sm_90a), each reading B as given: [n, k] (or a
+``w.T`` view of one), or row-major [k, n] through its ``":kn"`` build
+(``kernels.gemm_inputs``). Calls go through the launch frame (``kernels.launch``): planned once
+per shape and layout of B, then an address bind and one driver launch.
 """
 import threading
 

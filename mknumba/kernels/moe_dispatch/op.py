@@ -198,6 +198,8 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         """``(T, x, topk_idx, w, out, layout's four)`` as addresses when every tensor is exactly
         what the plan expects and a call with T tokens ran before (its cfg exists); else None,
         and the call takes the checked path."""
+        if x.dim() != 2:
+            return None
         T = x.shape[0]
         if (T, False) not in self._cfgs:
             return None

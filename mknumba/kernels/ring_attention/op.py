@@ -207,6 +207,7 @@ class RingAttention:
         PyTorch tensors in -> tensors out; other arrays (bf16 as ml_dtypes.bfloat16 or bits as
         uint16/int16) -> numba arrays (out as bf16 bits, uint16)."""
         if (out is not None and lse is not None and stream is None and not self.freed
+                and (self.comm is None or self.comm.proxy is None)   # (a proxy: comm.check)
                 and is_torch(q)):                               # the hot path: tensors
             b, s, h, hk, d, dev = (self.batch, self.seq, self.heads, self.kv_heads, self.d,
                                    self.device)
