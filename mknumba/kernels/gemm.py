@@ -7,17 +7,17 @@ with the role's tile function and publishing each finished tile ``t = tile_m * t
 with ``tile_flags[t] = epoch``. The blocks held back (``reserved_sms``) return at once here; in
 the fused kernels they run the communication roles and consume those flags.
 
-Split-K (:func:`split_k_for`): when the output has fewer tiles than there are compute blocks and
-K is long, each tile's K is cut into ``s`` slices. The work units are then (tile, slice j) for
-every slice, each computing its slice into plane ``1 + j`` of a bf16 workspace and publishing
-``part_flags[j * tiles + t] = epoch``, then one fold unit per tile, which reads no K: it waits
-for the tile's ``s`` flags and adds the planes in its epilogue (the tile contract's ``addend``:
-an fp32 sum rounded once) into C. A fold unit waits before its tile starts (the compute role
-waits before every tile), so a slice of its own would only begin once the others are done:
-it takes none. The folds come last in the order, after every slice: a block takes a unit only
-after its last one, so a waiting fold waits on units that run or ran, never on one queued
-behind it; and each fold is its block's last unit, so its empty K leaves the sm_90a ring's
-phases (``seq * k_iters``) right for every unit before it.
+Split-K (:func:`split_k_for`): when the output has few tiles for the compute blocks and K is
+long, each tile's K is cut into ``s`` slices. The work units are then (tile t, slice j), each
+computing its slice into plane ``1 + j`` of a bf16 workspace and publishing ``flags[(1 + j) *
+tiles + t] = epoch``, and then one fold unit per tile, which reads no K: it waits for the
+tile's ``s`` flags and adds the planes in its epilogue (the tile contract's ``addend``: an fp32
+sum, rounded once) into C. A fold takes no slice of its own because the compute role waits
+before a tile starts: its slice would begin only once the others were done. The folds come
+after every slice in the order, and a block takes a unit only after its last one, so a fold
+waits on units that run or ran, never on one queued behind it; and after a fold a block runs
+only folds, which touch no ring slot, so the sm_90a ring's phases (``seq * k_iters``, equal
+``k_iters`` for every slice) stay right.
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles) or ``"simt"`` (the generic
 twin: the CUDA simulator and GPUs without sm_90a), each reading B as given: [n, k] (or a ``w.T``
@@ -100,20 +100,20 @@ def _sim_safe(tiles, slices, blocks):
 
 def split_units(build):
     """``(units, place, ready)`` of the compute role (``roles.compute.make_compute_tile``)
-    for the units of :func:`split_order`, with ``where = (c, tile_flags, ws, part_flags,
-    slices, kc, tiles, deadline, err)``: ``ws`` [slices + 1, m, n] bf16 (plane 1 + j: slice
-    j's partials; one slice: any [P, m, n] array, never read), ``part_flags`` [slices *
-    tiles] the slices' flags, ``deadline``/``err`` bound a fold's waits (:data:`ROLE_COMPUTE`
-    in the error record)."""
+    for the units of :func:`split_order`, with ``where = (c, flags, ws, slices, kc, tiles,
+    timeout_ns, err)``: ``flags`` [(slices + 1) * tiles], the tiles' then the slices'; ``ws``
+    [slices + 1, m, n] bf16, plane 1 + j slice j's partials (one slice: any [P, m, n] array,
+    never read); a fold waits at most ``timeout_ns`` for a flag, then writes the error record
+    ``err`` (:data:`ROLE_COMPUTE`)."""
     tma, kn, words = build.tma, build.b_kn, TensorMaps.ROW
 
     @cuda.jit(device=True, inline=True)
     def unit(where, u, a, b, tmaps):
         """Tile and operands of unit u: slice j reads K from j * kc, ``kc`` deep (the SIMT
-        tile: to the end of K); a fold (j == slices) reads none. The sm_90a tile reads through
-        slice j's tensor maps, so its views only carry the depth: every slice then runs the
-        same k-steps (the maps read zeros past K), as the ring needs."""
-        slices, kc, tiles = where[4], where[5], where[6]
+        tile: to the end of K at most); a fold (j == slices) reads none. The sm_90a tile reads
+        through slice j's tensor maps, so its views carry only the depth: every slice runs the
+        same k-steps (the maps read zeros past K), as the ring's phases need."""
+        slices, kc, tiles = where[3], where[4], where[5]
         j = prim.udiv32(u, tiles)
         lo = j * kc
         hi = lo + kc if j < slices else lo
@@ -125,23 +125,25 @@ def split_units(build):
 
     @cuda.jit(device=True, inline=True)
     def place(where, u, tm):
-        """One slice: the tile into C, announced in ``tile_flags``. Else slice j into plane
-        1 + j, announced in ``part_flags[u]``; a fold into C, adding planes 1..slices."""
-        c, tile_flags, ws, part_flags, slices, tiles = where[0], where[1], where[2], where[3], \
-            where[4], where[6]
+        """Slice j of several: into plane 1 + j, announced in ``flags[tiles + u]``. A fold, or
+        the one slice: into C, announced in ``flags[t]``; a fold adds planes 1..slices."""
+        c, flags, ws, slices, tiles = where[0], where[1], where[2], where[3], where[5]
         j = prim.udiv32(u, tiles)
         if slices > 1 and j < slices:
-            return ws[1 + j], 0, ws, 0, part_flags, u, False      # flags: this GPU's
-        return c, 0, ws, slices if slices > 1 else 0, tile_flags, u - j * tiles, False
+            return ws[1 + j], 0, ws, 0, flags, tiles + u, False      # flags: this GPU's
+        return c, 0, ws, slices if slices > 1 else 0, flags, u - j * tiles, False
 
     @cuda.jit(device=True, inline=True)
     def ready(where, u, adds, epoch):
         """A fold (``adds`` planes): wait (this thread, acquire at GPU scope) for each slice's
-        flag; anything else waits for nothing."""
-        part_flags, tiles, deadline, err = where[3], where[6], where[7], where[8]
+        flag, at most ``timeout_ns`` from the first look; anything else waits for nothing."""
+        if adds == 0:
+            return True
+        flags, tiles, timeout_ns, err = where[1], where[5], where[6], where[7]
         t = u - prim.udiv32(u, tiles) * tiles
-        for j in range(adds):
-            if not prim.wait_flag(part_flags, j * tiles + t, epoch, deadline, err, 0,
+        deadline = prim.globaltimer() + timeout_ns     # here: not a register the tile carries
+        for j in range(1, adds + 1):
+            if not prim.wait_flag(flags, j * tiles + t, epoch, deadline, err, 0,
                                   ROLE_COMPUTE, 100, False):
                 return False
         return True
@@ -157,14 +159,14 @@ def _make_kernel(build, threads):
     bn, n_dim = build.shape[1], 1 if build.b_kn else 0
 
     @cuda.jit(**bounds)
-    def gemm_kernel(a: Bits2D, b: Bits2D, c: Bits2D, ws: Bits3D, tmaps: Words64,
-                    tile_flags: Flags, part_flags: Flags, frame: Words64, order: Ints,
-                    compute_blocks: types.int64, slices: types.int64, kc: types.int64,
-                    timeout_ns: types.uint64, err: Record):
+    def gemm_kernel(a: Bits2D, b: Bits2D, c: Bits2D, ws: Bits3D, tmaps: Words64, flags: Flags,
+                    frame: Words64, order: Ints, compute_blocks: types.int64, tiles: types.int64,
+                    slices: types.int64, kc: types.int64, timeout_ns: types.uint64,
+                    err: Record):
         """a [m, k], b [n, k] (or [k, n] with a ":kn" tile build), c [m, n]: bf16 bits;
         ws: the split's workspace [slices + 1, m, n] (one slice: c as [1, m, n], never read);
-        tmaps: the tensor maps of a and b, a pair per slice (sm90); tile_flags uint32[tiles]
-        := epoch when done, part_flags uint32[slices * tiles] the slices' (split_units);
+        tmaps: the tensor maps of a and b, a pair per slice (sm90); flags uint32[(slices + 1)
+        * tiles]: [0, tiles) := epoch when tile t is done, the rest the slices' (split_units);
         frame: the op's call counter (``kernels.launch.Frame``); order int32: the work units
         (split_order of sched.grouped_order); slices of kc (split_slices); a fold waits at
         most timeout_ns, then records the error in err (int64[ERR_WORDS], mapped)."""
@@ -172,8 +174,7 @@ def _make_kernel(build, threads):
         epoch, call = begin(frame)
         if cuda.blockIdx.x >= compute_blocks:
             return  # held back for other roles; nothing else runs in a plain GEMM
-        where = (c, tile_flags, ws, part_flags, slices, kc, tile_flags.shape[0],
-                 prim.globaltimer() + timeout_ns, err)
+        where = (c, flags, ws, slices, kc, tiles, timeout_ns, err)
         compute_role(smem, tmaps, a, b, order, (b.shape[n_dim] + bn - 1) // bn, cuda.blockIdx.x,
                      compute_blocks, epoch, where)
 
@@ -382,8 +383,8 @@ class Gemm:
         Only between calls, after they finished."""
         dev = next(d for d, f in self._frames.items() if f[1] is self.frame)
         cuda.synchronize()
-        self.frame.start_at(calls, [f for key, plan in self._plans.items() if key[4] == dev
-                                    for f in (plan.tile_flags, plan.part_flags)])
+        self.frame.start_at(calls, [plan.flags for key, plan in self._plans.items()
+                                    if key[4] == dev])
 
     def tile_flags(self, m, n, k, b_layout="kn"):
         """The tile flags of the plan for this shape (device uint32 array)."""
@@ -432,9 +433,9 @@ class _Plan:
         self.m, self.n, self.k, self.mode = m, n, k, mode
         # flags start at the last call's epoch, which no later call's reaches (a fresh 0 would
         # read as reached past 2**31 calls: primitives.epoch_reached)
-        epoch = frame.read()[1]
-        self.tile_flags = cuda.to_device(np.full(tiles, epoch, np.uint32))
-        self.part_flags = cuda.to_device(np.full(self.slices * tiles, epoch, np.uint32))
+        self.flags = cuda.to_device(np.full((self.slices + 1) * tiles, frame.read()[1],
+                                            np.uint32))
+        self.tile_flags = self.flags[:tiles]     # the tiles' own; then the slices' (split_units)
         self.order = cuda.to_device(split_order(grouped_order(tiles_m, tiles_n, int(group_m)),
                                                 self.slices))
         split = self.slices > 1
@@ -447,8 +448,8 @@ class _Plan:
         self.launch = Launch(kernel, compiled, dict(
             a=Slot((m, k)), b=Slot(b_shape(mode, n, k)), c=Slot((m, n)),
             ws=self.ws if split else Slot((1, m, n)), tmaps=Slot((words,)),
-            tile_flags=self.tile_flags, part_flags=self.part_flags, frame=frame.words,
-            order=self.order, compute_blocks=blocks, slices=self.slices, kc=self.kc,
+            flags=self.flags, frame=frame.words, order=self.order, compute_blocks=blocks,
+            tiles=tiles, slices=self.slices, kc=self.kc,
             timeout_ns=default_timeout_ns(), err=self.err),
             grid.grid, build.threads, build.smem_bytes)
 
