@@ -105,6 +105,124 @@ def test_simt_twin_in_simulator():
     assert run_python(SIM_SCRIPT).count("ok") == 4
 
 
+# ---- split-K (few output tiles, long K) -------------------------------------------------------
+def test_split_k_rule_and_order():
+    """The rule splits only few tiles over long K; slices are whole k-steps, none empty; the
+    units are every slice of every tile, then the folds; the simulator's block order is
+    checked (a fold must not wait on a later block there)."""
+    from mknumba.kernels.gemm import _sim_safe, split_k_for, split_order, split_slices
+    assert split_k_for(16, 14336, 132) == 8          # 512 x 1024: 132 // 16 slices
+    assert split_k_for(32, 2048, 132) == 4           # 1024 x 1024: 32 k-steps, 8 per slice
+    assert split_k_for(64, 4096, 132) == 2           # 2048 x 1024, 512 x 4096
+    assert split_k_for(16, 1000, 132) == 2           # 16 k-steps: 2 slices of 8
+    assert split_k_for(16, 960, 132) == 1            # K too short: 15 k-steps
+    assert split_k_for(67, 14336, 132) == 1          # more than half the blocks have a tile
+    assert split_k_for(2048, 8192, 132) == 1
+    assert split_slices(4096, 8) == (8, 512)
+    assert split_slices(4104, 8) == (8, 576)         # 65 k-steps: 9 per slice, the last 2
+    assert split_slices(200, 8) == (4, 64)           # no more slices than k-steps
+    assert split_slices(136, 2) == (2, 128)          # 3 k-steps: 2 + 1
+    assert split_slices(136, 3) == (3, 64)           # the last 8 deep
+    assert split_slices(100, 1) == (1, 100) and split_slices(64, 4) == (1, 64)
+    order = np.array([0, 2, 1, 3], np.int32)
+    units = split_order(order, 3)
+    assert units.dtype == np.int32 and list(units[:4]) == [0, 2, 1, 3]
+    assert list(units[8:12]) == [8, 10, 9, 11] and list(units[12:]) == [12, 14, 13, 15]
+    assert split_order(order, 1) is order
+    assert _sim_safe(1, 3, 4) and _sim_safe(4, 3, 4) and _sim_safe(2, 2, 2)
+    assert not _sim_safe(2, 2, 4) and not _sim_safe(1, 4, 4)
+
+
+def test_split_k_option_is_checked():
+    from mknumba.kernels.gemm import Gemm
+    for bad in (0, -2, 2.0, "4", True):
+        with pytest.raises(MkValueError, match="split_k"):
+            Gemm(split_k=bad)
+    assert Gemm(split_k=np.int64(3)).split_k == 3 and Gemm().split_k is None
+
+
+SPLIT_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    from numba import cuda
+    import mknumba.kernels.gemm as G
+    from mknumba.errors import MkValueError
+
+    def bf16(x):
+        u = x.astype(np.float32).view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+    def f32(b):
+        return (b.astype(np.uint32) << 16).view(np.float32)
+
+    rng = np.random.default_rng(7)
+
+    def run(op, m, n, k, layout, calls=2, start=None):
+        # fresh a and b each call, written into the same arrays (same addresses: the tensor
+        # map rows and the workspace are reused), out poisoned (NaN) before each call; each
+        # result against a float64 reference of that call's inputs
+        da = cuda.to_device(np.zeros((m, k), np.uint16))
+        db = cuda.to_device(np.zeros((n, k) if layout != "kn" else (k, n), np.uint16))
+        out = cuda.to_device(np.zeros((m, n), np.uint16))
+        worst = 0.0
+        for call in range(calls):
+            a = bf16(rng.standard_normal((m, k)))
+            b_nk = bf16(rng.standard_normal((n, k)))
+            da.copy_to_device(a)
+            db.copy_to_device(np.ascontiguousarray(b_nk.T) if layout == "kn" else b_nk)
+            out.copy_to_device(np.full((m, n), 0x7FC0, np.uint16))
+            op(da, db.T if layout == "kn_view" else db, b_layout="nk" if layout == "nk" else
+               "kn", out=out)
+            if call == 0 and start is not None:
+                op._start_at(start)       # after a first call made the plan and its flags
+                continue
+            c = f32(out.copy_to_host())
+            ref = f32(a).astype(np.float64) @ f32(b_nk).T.astype(np.float64)
+            err = np.linalg.norm(c - ref) / np.linalg.norm(ref)
+            assert np.isfinite(c).all(), "unwritten outputs"
+            assert err < 1e-2, (m, n, k, layout, call, err)
+            worst = max(worst, err)
+        return next(iter(op._plans.values())), worst
+
+    # (m, n, k, B's layout, split_k, blocks of the simulated GPU, slices expected): ragged m, n
+    # and K (no K a multiple of slices * 64), B as [n, k], row-major [k, n] and a w.T view;
+    # None: the op's rule (one tile, K of 17 k-steps: 2 slices); blocks=2: each block runs
+    # two slices and then a fold
+    for m, n, k, layout, split, blocks, slices in [
+            (2, 8, 1032, "nk", None, 4, 2), (4, 16, 264, "kn", 3, 4, 3),
+            (3, 16, 136, "kn_view", 2, 4, 2), (8, 40, 136, "nk", 2, 2, 2)]:
+        G._SIM_SMS = blocks
+        op = G.Gemm(split_k=split)
+        plan, err = run(op, m, n, k, layout)
+        tiles = len(plan.tile_flags)
+        assert plan.slices == slices, (plan.slices, slices)
+        flags = plan.flags.copy_to_host()
+        assert op.calls() == (2, 2) and len(flags) == (slices + 1) * tiles and \
+            (flags == 2).all(), flags
+        print("ok", m, n, k, layout, split, slices, f"{err:.1e}")
+
+    # across the 2**32 wrap of the call counter: epochs 2**32 - 1, then 1
+    G._SIM_SMS = 4
+    op = G.Gemm(split_k=3)
+    plan, err = run(op, 4, 16, 264, "kn", calls=3, start=2**32 - 2)
+    assert op.calls() == (0, 1), op.calls()
+    assert (plan.flags.copy_to_host() == 1).all(), plan.flags.copy_to_host()
+    print("ok wrap", f"{err:.1e}")
+
+    # a fold that would wait on a later block of the simulator is refused before any launch
+    try:
+        run(G.Gemm(split_k=2), 8, 40, 136, "nk", calls=1)
+    except MkValueError as e:
+        assert "simulator" in str(e)
+        print("ok refused")
+""")
+
+
+def test_split_k_in_simulator():
+    """Split-K on the SIMT twin: against float64 references, inputs changed in place, outputs
+    poisoned, the rule's choice and forced ones, several units per block, the wrap."""
+    assert run_python(SPLIT_SCRIPT).count("ok") == 6
+
+
 # ---- sm_90a: compile the kernel with the linked helper and link a cubin, without a GPU ---------
 COMPILE_SCRIPT = textwrap.dedent("""
     import sys

@@ -91,6 +91,8 @@ def split_order(order, slices):
 def _sim_safe(tiles, slices, blocks):
     """Whether the simulator, which runs blocks one at a time in grid order, meets every
     slice a fold waits for before the fold (its block is the fold's or an earlier one)."""
+    if slices == 1:
+        return True       # no folds
     for i in range(tiles):
         fold = (slices * tiles + i) % blocks
         if any((j * tiles + i) % blocks > fold for j in range(slices)):
@@ -98,13 +100,23 @@ def _sim_safe(tiles, slices, blocks):
     return True
 
 
-def split_units(build):
+@cuda.jit(device=True, inline=True)
+def whole_tiles(where, u, tm):
+    """No split: tile u into C, announced in ``flags[u]`` (``place`` of :func:`split_units`
+    built without a split: C and no fold, constants, as the sm_90a epilogue's global stores
+    need)."""
+    return where[0], 0, where[2], 0, where[1], u, False
+
+
+def split_units(build, split=True):
     """``(units, place, ready)`` of the compute role (``roles.compute.make_compute_tile``)
     for the units of :func:`split_order`, with ``where = (c, flags, ws, slices, kc, tiles,
     timeout_ns, err)``: ``flags`` [(slices + 1) * tiles], the tiles' then the slices'; ``ws``
     [slices + 1, m, n] bf16, plane 1 + j slice j's partials (one slice: any [P, m, n] array,
     never read); a fold waits at most ``timeout_ns`` for a flag, then writes the error record
-    ``err`` (:data:`ROLE_COMPUTE`)."""
+    ``err`` (:data:`ROLE_COMPUTE`). ``split`` False: every unit a whole tile (one slice)."""
+    if not split:
+        return compute.whole_tile, whole_tiles, compute.nothing_to_wait
     tma, kn, words = build.tma, build.b_kn, TensorMaps.ROW
 
     @cuda.jit(device=True, inline=True)
@@ -151,10 +163,13 @@ def split_units(build):
     return unit, place, ready
 
 
-def _make_kernel(build, threads):
-    """The persistent kernel around one tile build (``roles.compute.TileBuild``)."""
+def _make_kernel(build, threads, split):
+    """The persistent kernel around one tile build (``roles.compute.TileBuild``), with
+    :func:`split_units` or (not ``split``) whole tiles only. Two kernels, not one: a tile
+    whose destination is chosen per unit stores through generic addresses, and the unsplit
+    GEMM (every large one) keeps its global stores and registers."""
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
-    unit, place, ready = split_units(build)
+    unit, place, ready = split_units(build, split)
     compute_role = compute.make_compute_role(build, (place, ready), units=unit)
     bn, n_dim = build.shape[1], 1 if build.b_kn else 0
 
@@ -181,16 +196,17 @@ def _make_kernel(build, threads):
     return gemm_kernel
 
 
-_KERNELS = {}   # tile build name -> the persistent kernel around it
+_KERNELS = {}   # (tile build name, split) -> the persistent kernel around it
 _SIM_SMS = 4  # a small "device" for the simulator: 4 SMs, one block each
 
 
-def _build(kind):
-    """(roles.compute.TileBuild, persistent kernel) of a tile build name."""
+def _build(kind, split=False):
+    """(roles.compute.TileBuild, persistent kernel) of a tile build name, for split-K or
+    whole tiles."""
     b = compute.tile_build(kind)
-    if kind not in _KERNELS:
-        _KERNELS[kind] = _make_kernel(b, b.threads)
-    return b, _KERNELS[kind]
+    if (kind, split) not in _KERNELS:
+        _KERNELS[kind, split] = _make_kernel(b, b.threads, split)
+    return b, _KERNELS[kind, split]
 
 
 def check_shapes(m, n, k, op="mknumba.gemm"):
@@ -411,7 +427,8 @@ class _Plan:
     def __init__(self, op, m, n, k, mode, device):
         kind = kind_for(op.tile) if device not in op._frames else op._frames[device][0]
         self.b_kn = b_kn(mode)
-        build, kernel = _build(compute.kn_kind(kind, op.name) if self.b_kn else kind)
+        kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
+        build, kernel = _build(kind)
         compiled, bps = compile_kernel(kernel, build.threads, build.smem_bytes)
         sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         try:
@@ -429,6 +446,14 @@ class _Plan:
                                f"{blocks} blocks: the simulator runs blocks one at a time, and "
                                "a fold would wait on a later block; take fewer slices, or "
                                "tiles a multiple of the blocks")
+        if self.slices > 1:
+            # the split kernel runs the same grid (the op's call counter counts its blocks), so
+            # it must fit as many blocks per SM: a fold waits on blocks that must be running
+            kernel = _build(kind, True)[1]
+            compiled, split_bps = compile_kernel(kernel, build.threads, build.smem_bytes)
+            if split_bps < bps:
+                raise MkError(f"{op.name}: the split-K kernel fits {split_bps} blocks per SM, "
+                              f"the GEMM's {bps}; pass split_k=1")
         _, frame, self.err = op._counter(device, grid.grid)
         self.m, self.n, self.k, self.mode = m, n, k, mode
         # flags start at the last call's epoch, which no later call's reaches (a fresh 0 would
