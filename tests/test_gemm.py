@@ -377,6 +377,51 @@ def test_gemm_matches_fp32_reference(m, n, k, layout):
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("m,n,k,split_k", [
+    # issue 23's grid where 128 x 256 tiles leave most SMs idle: the op's rule splits
+    (512, 1024, 14336, None), (1024, 1024, 4096, None), (2048, 1024, 8192, None),
+    (512, 4096, 4096, None),
+    # ragged m and n, K not a multiple of the slices' 64-deep steps
+    (389, 1032, 4104, None), (1000, 776, 3000, None),
+    # forced: several slices per block before the folds (64 tiles, 4 slices: 320 units), and
+    # more tiles than blocks (512 tiles: folds after folds)
+    (2048, 1024, 8192, 4), (4096, 4096, 2048, 2)])
+def test_gemm_split_k_matches_fp32_reference(m, n, k, split_k, layout):
+    """Split-K on the GPU: 20 calls, a and b rewritten in place before each (the same
+    addresses: tensor maps and workspace reused), the output poisoned (NaN); each result
+    against an fp32 reference of that call's inputs (bf16 partials: one more rounding per
+    slice); every flag at the last call's epoch."""
+    torch = pytest.importorskip("torch")
+    from mknumba.kernels.gemm import Gemm
+    op = Gemm(split_k=split_k)
+    a = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    b_nk = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+    b = b_nk if layout == "nk" else torch.empty(k, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+    worst = 0.0
+    for call in range(20):
+        a.normal_()
+        b_nk.normal_()
+        if layout == "kn":
+            b.copy_(b_nk.T)
+        out.fill_(float("nan"))
+        op(a, b, b_layout=layout, out=out)
+        torch.cuda.synchronize()
+        ref = a.float() @ b_nk.float().T
+        assert torch.isfinite(out).all(), call
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err <= 1e-2, (call, err)
+        worst = max(worst, err)
+    plan = next(iter(op._plans.values()))
+    assert plan.slices > 1, "the rule did not split"
+    assert op.calls() == (20, 20)
+    assert (plan.flags.copy_to_host() == 20).all()
+    print(f"{m}x{n}x{k} {layout}: {plan.slices} slices of {plan.kc}, worst rel err {worst:.1e}")
+
+
+@pytest.mark.gpu
+@requires_gpu
 def test_gemm_rejects_wrong_dtype_on_gpu():
     torch = pytest.importorskip("torch")
     from mknumba.kernels.gemm import gemm
