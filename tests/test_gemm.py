@@ -142,17 +142,12 @@ def test_split_k_option_is_checked():
 
 
 SPLIT_SCRIPT = textwrap.dedent("""
+    import os
     import numpy as np
     from numba import cuda
     import mknumba.kernels.gemm as G
-    from mknumba.errors import MkValueError
-
-    def bf16(x):
-        u = x.astype(np.float32).view(np.uint32)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-    def f32(b):
-        return (b.astype(np.uint32) << 16).view(np.float32)
+    from mknumba.arrays import from_bf16_bits as f32, to_bf16_bits as bf16
+    from mknumba.errors import MkTimeoutError, MkValueError
 
     rng = np.random.default_rng(7)
 
@@ -214,13 +209,31 @@ SPLIT_SCRIPT = textwrap.dedent("""
     except MkValueError as e:
         assert "simulator" in str(e)
         print("ok refused")
+
+    # a fold whose slices do not come (moved ahead of them): its wait ends at the deadline
+    # and is recorded; the op raises it (calls(), and the next call, before it launches)
+    os.environ["MKNUMBA_TIMEOUT_S"] = "0.2"        # read when the op plans a shape
+    op = G.Gemm(split_k=3)
+    plan, _ = run(op, 2, 8, 136, "nk", calls=1)
+    plan.order.copy_to_device(np.roll(plan.order.copy_to_host(), 1))
+    da, db = cuda.to_device(np.zeros((2, 136), np.uint16)), cuda.to_device(np.zeros((8, 136),
+                                                                                     np.uint16))
+    op(da, db, b_layout="nk", out=cuda.device_array((2, 8), np.uint16))
+    for attempt in (op.calls, lambda: op(da, db, b_layout="nk")):
+        try:
+            attempt()
+            raise AssertionError("no timeout raised")
+        except MkTimeoutError as e:
+            assert "compute role" in str(e) and "flag 1 to reach epoch 2" in str(e), e
+    print("ok timeout")
 """)
 
 
 def test_split_k_in_simulator():
     """Split-K on the SIMT twin: against float64 references, inputs changed in place, outputs
-    poisoned, the rule's choice and forced ones, several units per block, the wrap."""
-    assert run_python(SPLIT_SCRIPT).count("ok") == 6
+    poisoned, the rule's choice and forced ones, several units per block, the wrap, a fold's
+    bounded wait."""
+    assert run_python(SPLIT_SCRIPT).count("ok") == 7
 
 
 # ---- sm_90a: compile the kernel with the linked helper and link a cubin, without a GPU ---------

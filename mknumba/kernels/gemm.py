@@ -351,7 +351,7 @@ class Gemm:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(key, s)
-        raise_if_timed_out(plan.err, f"{self.name} (an earlier call)")
+        raise_if_timed_out(plan.err, f"{self.name} (a split-K fold of an earlier call)")
         b_param = B.as_param(np.uint16, b_shape(mode, n, k))
         args = (A.as_param(np.uint16, (m, k)), b_param, C.as_param(np.uint16, (m, n)), s)
         with plan.launch.lock:
