@@ -2,6 +2,7 @@
 
     python benchmarks/bench_gemm.py --out benchmarks/results/gemm.json [--sass-dir DIR]
     python benchmarks/bench_gemm.py --grid --out benchmarks/results/gemm_grid.json [--tile T]
+        [--split-k S] [--shapes MxNxK,...]
 
 For every shape: a correctness check on fresh random inputs (poisoned output, relative Frobenius
 error against an fp32 reference), then the median time of ours (0, 8, 16, 32 SMs held back) and of
@@ -13,6 +14,8 @@ Writes the records of docs/design.md §8 and prints a table last.
 shapes), both layouts of B, all SMs: per shape one correctness check per layout and ours beside
 cuBLAS (``torch.matmul`` on the same operands), each timed for about 10 ms a repetition.
 ``benchmarks/plot_gemm_grid.py`` renders the result (geometric mean, worst points, a heat map).
+``--split-k S``: ``Gemm(split_k=S)`` (1: no split; default: the op's rule), each record saying
+how many slices ran (``slices``); ``--shapes``: only these shapes (e.g. to sweep S on a few).
 """
 import argparse
 import datetime
@@ -101,33 +104,37 @@ def sass_report(op, sass_dir):
 
 def grid(args, gpu, sms):
     """Issue 23's grid: records with b_layout "nk" and "kn" per shape, all SMs."""
-    op = Gemm(tile=args.tile)
+    op = Gemm(tile=args.tile, split_k=args.split_k)
     records, cmd = [], " ".join([os.path.basename(sys.executable)] + sys.argv)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    for m in GRID_M:
-        for n in GRID_N:
-            for k in GRID_K:
-                a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-                b_nk = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-                b_kn = b_nk.T.contiguous()
-                ref = a.float() @ b_nk.float().T
-                c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                flops, iters = 2.0 * m * n * k, iters_for(2.0 * m * n * k)
-                base = dict(kernel="gemm", shape=dict(m=m, n=n, k=k), dtype="bfloat16", world=1,
-                            topology="1x1", transport="none", baseline="cublas", gpu=gpu,
-                            date=date, command=cmd, sms=sms, sms_reserved=0, tile=args.tile)
-                for layout, b, b_arg in (("nk", b_nk, b_nk.T), ("kn", b_kn, b_kn)):
-                    c.fill_(float("nan"))
-                    op(a, b_arg, out=c)
-                    torch.cuda.synchronize()
-                    err = ((c.float() - ref).norm() / ref.norm()).item()   # NaN if unwritten
-                    t = time_ms(lambda: op(a, b_arg, out=c), iters)
-                    tb = time_ms(lambda: torch.matmul(a, b_arg, out=c), iters)
-                    records.append(dict(base, b_layout=layout, ours_ms=t, baseline_ms=tb,
-                                        speedup=tb / t, floor_ms=tb, tflops=flops / t / 1e9,
-                                        baseline_tflops=flops / tb / 1e9, rel_err=err))
-                    print(f"{m}x{n}x{k} {layout}: ours {t:.4f} ms cublas {tb:.4f} ms "
-                          f"ratio {tb / t:.3f} err {err:.1e}", flush=True)
+    shapes = ([tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+              if args.shapes else [(m, n, k) for m in GRID_M for n in GRID_N for k in GRID_K])
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        b_nk = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        b_kn = b_nk.T.contiguous()
+        ref = a.float() @ b_nk.float().T
+        c = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        flops, iters = 2.0 * m * n * k, iters_for(2.0 * m * n * k)
+        base = dict(kernel="gemm", shape=dict(m=m, n=n, k=k), dtype="bfloat16", world=1,
+                    topology="1x1", transport="none", baseline="cublas", gpu=gpu,
+                    date=date, command=cmd, sms=sms, sms_reserved=0, tile=args.tile,
+                    split_k=args.split_k)
+        for layout, b, b_arg in (("nk", b_nk, b_nk.T), ("kn", b_kn, b_kn)):
+            c.fill_(float("nan"))
+            op(a, b_arg, out=c)
+            torch.cuda.synchronize()
+            err = ((c.float() - ref).norm() / ref.norm()).item()   # NaN if unwritten
+            t = time_ms(lambda: op(a, b_arg, out=c), iters)
+            tb = time_ms(lambda: torch.matmul(a, b_arg, out=c), iters)
+            slices = next(p.slices for key, p in op._plans.items()
+                          if key[:3] == (m, n, k) and (key[3] == "kn") == (layout == "kn"))
+            records.append(dict(base, b_layout=layout, ours_ms=t, baseline_ms=tb,
+                                slices=slices,
+                                speedup=tb / t, floor_ms=tb, tflops=flops / t / 1e9,
+                                baseline_tflops=flops / tb / 1e9, rel_err=err))
+            print(f"{m}x{n}x{k} {layout}: ours {t:.4f} ms cublas {tb:.4f} ms "
+                  f"ratio {tb / t:.3f} err {err:.1e} slices {slices}", flush=True)
     return records
 
 
@@ -138,6 +145,9 @@ def main():
     p.add_argument("--quick", action="store_true", help="only 8192^3, all reserve values")
     p.add_argument("--grid", action="store_true", help="issue 23's grid of 144 shapes")
     p.add_argument("--tile", default="auto", help="the Gemm build (--grid)")
+    p.add_argument("--split-k", type=int, default=None,
+                   help="Gemm(split_k=S) (--grid; 1: no split; default: the op's rule)")
+    p.add_argument("--shapes", default=None, help="--grid: only these, e.g. 512x1024x14336,...")
     args = p.parse_args()
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()

@@ -153,7 +153,7 @@ def _hopper_kernel(name):
     from mknumba.roles.compute import SM90_FUSED_TILE
     if name in GEMM_BUILDS:
         from mknumba.kernels import gemm
-        build, kernel = gemm._build(GEMM_BUILDS[name])
+        build, kernel = gemm._build(*GEMM_BUILDS[name])
         return kernel, build.threads
     if name.startswith("gemm_reduce"):      # gemm_reduce_adaptive: the controller's build
         from mknumba.kernels.gemm_reduce import kernel as K
@@ -172,17 +172,20 @@ def _hopper_kernel(name):
     return make_kernel("sm90"), SM90_THREADS
 
 
-#: the plain GEMM's kernels here -> their tile builds (roles.compute.tile_build)
-GEMM_BUILDS = {"gemm": "sm90", "gemm_kn": "sm90:kn", "gemm_pp": "sm90:pp",
-               "gemm_pp_kn": "sm90:pp:kn"}
-#: registers per thread of the plain GEMM's tiles, either layout of B: ptxas's count for the
+#: the plain GEMM's kernels here -> (tile build (roles.compute.tile_build), split-K kernel)
+GEMM_BUILDS = {"gemm": ("sm90", False), "gemm_kn": ("sm90:kn", False),
+               "gemm_pp": ("sm90:pp", False), "gemm_pp_kn": ("sm90:pp:kn", False),
+               "gemm_split": ("sm90", True), "gemm_split_kn": ("sm90:kn", True)}
+#: registers per thread of the plain GEMM's kernels, either layout of B: ptxas's count for the
 #: [n, k] build, rounded up to its allocation unit of 8 (the [k, n] build must not need more);
-#: the ping-pong tile's [k, n] build needs a few more (its two MMAs per k16 step share B)
-GEMM_REGISTERS = {"sm90": 160, "sm90:pp": 168}
+#: the ping-pong tile's [k, n] build needs a few more (its two MMAs per k16 step share B), and
+#: so does the split-K kernel, whose epilogue can fold partials
+GEMM_REGISTERS = {"sm90": 160, "sm90:pp": 168, "split": 168}
 
 
-@pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_pp", "gemm_pp_kn", "gemm_reduce",
-                                  "gemm_reduce_adaptive", "ring_attention"])
+@pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_pp", "gemm_pp_kn", "gemm_split",
+                                  "gemm_split_kn", "gemm_reduce", "gemm_reduce_adaptive",
+                                  "ring_attention"])
 @pytest.mark.slow
 def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     """No wgmma of a Hopper kernel is serialized. ptxas serializes all of a kernel's wgmma when
@@ -192,7 +195,7 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     (allgather_gemm and moe_dispatch_gemm: checked in their own tests below, which link them
     anyway.) The plain GEMM's tiles (gemm_tile.cu, and the ping-pong gemm_pingpong.cu) with B
     [n, k] and [k, n] (MK_B_KN: a transposed wgmma B, tnspB = 1, from TMA boxes of 64
-    N-columns): no spills, registers within GEMM_REGISTERS."""
+    N-columns), and the split-K kernel: no spills, registers within GEMM_REGISTERS."""
     ptx, log = _link_sm90a(*_hopper_kernel(name), fake_sm90)
     assert "wgmma.mma_async" in ptx
     assert "serialized" not in log, log
@@ -210,7 +213,8 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         assert ptx.count("wgmma.mma_async") == (8 if pingpong else 4)   # unrolled k16 steps
         assert "0 bytes spill stores, 0 bytes spill loads" in log, log
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
-        assert regs <= GEMM_REGISTERS["sm90:pp" if pingpong else "sm90"], log
+        limit = "split" if "_split" in name else "sm90:pp" if pingpong else "sm90"
+        assert regs <= GEMM_REGISTERS[limit], log
 
 
 @pytest.mark.slow

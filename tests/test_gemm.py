@@ -120,6 +120,137 @@ def test_simt_twin_in_simulator():
     assert out.count("ok") == 4 and out.count("refused") == 4, out
 
 
+# ---- split-K (few output tiles, long K) -------------------------------------------------------
+def test_split_k_rule_and_order():
+    """The rule splits only few tiles over long K; slices are whole k-steps, none empty; the
+    units are every slice of every tile, then the folds; the simulator's block order is
+    checked (a fold must not wait on a later block there)."""
+    from mknumba.kernels.gemm import _sim_safe, split_k_for, split_order, split_slices
+    assert split_k_for(16, 14336, 132) == 8          # 512 x 1024: 132 // 16 slices
+    assert split_k_for(32, 2048, 132) == 4           # 1024 x 1024: 32 k-steps, 8 per slice
+    assert split_k_for(64, 4096, 132) == 2           # 2048 x 1024, 512 x 4096
+    assert split_k_for(16, 1000, 132) == 2           # 16 k-steps: 2 slices of 8
+    assert split_k_for(16, 960, 132) == 1            # K too short: 15 k-steps
+    assert split_k_for(67, 14336, 132) == 1          # more than half the blocks have a tile
+    assert split_k_for(2048, 8192, 132) == 1
+    assert split_slices(4096, 8) == (8, 512)
+    assert split_slices(4104, 8) == (8, 576)         # 65 k-steps: 9 per slice, the last 2
+    assert split_slices(200, 8) == (4, 64)           # no more slices than k-steps
+    assert split_slices(136, 2) == (2, 128)          # 3 k-steps: 2 + 1
+    assert split_slices(136, 3) == (3, 64)           # the last 8 deep
+    assert split_slices(100, 1) == (1, 100) and split_slices(64, 4) == (1, 64)
+    order = np.array([0, 2, 1, 3], np.int32)
+    units = split_order(order, 3)
+    assert units.dtype == np.int32 and list(units[:4]) == [0, 2, 1, 3]
+    assert list(units[8:12]) == [8, 10, 9, 11] and list(units[12:]) == [12, 14, 13, 15]
+    assert split_order(order, 1) is order
+    assert _sim_safe(1, 3, 4) and _sim_safe(4, 3, 4) and _sim_safe(2, 2, 2)
+    assert not _sim_safe(2, 2, 4) and not _sim_safe(1, 4, 4)
+
+
+def test_split_k_option_is_checked():
+    from mknumba.kernels.gemm import Gemm
+    for bad in (0, -2, 2.0, "4", True):
+        with pytest.raises(MkValueError, match="split_k"):
+            Gemm(split_k=bad)
+    assert Gemm(split_k=np.int64(3)).split_k == 3 and Gemm().split_k is None
+
+
+SPLIT_SCRIPT = textwrap.dedent("""
+    import os
+    import numpy as np
+    from numba import cuda
+    import mknumba.kernels.gemm as G
+    from mknumba.arrays import from_bf16_bits as f32, to_bf16_bits as bf16
+    from mknumba.errors import MkTimeoutError, MkValueError
+
+    rng = np.random.default_rng(7)
+
+    def run(op, m, n, k, layout, calls=2, start=None):
+        # fresh a and b each call, written into the same arrays (same addresses: the tensor
+        # map rows and the workspace are reused), out poisoned (NaN) before each call; each
+        # result against a float64 reference of that call's inputs
+        da = cuda.to_device(np.zeros((m, k), np.uint16))
+        db = cuda.to_device(np.zeros((n, k) if layout != "kn" else (k, n), np.uint16))
+        out = cuda.to_device(np.zeros((m, n), np.uint16))
+        worst = 0.0
+        for call in range(calls):
+            a = bf16(rng.standard_normal((m, k)))
+            b_nk = bf16(rng.standard_normal((n, k)))
+            da.copy_to_device(a)
+            db.copy_to_device(np.ascontiguousarray(b_nk.T) if layout == "kn" else b_nk)
+            out.copy_to_device(np.full((m, n), 0x7FC0, np.uint16))
+            op(da, db.T if layout == "kn_view" else db, b_layout="nk" if layout == "nk" else
+               "kn", out=out)
+            if call == 0 and start is not None:
+                op._start_at(start)       # after a first call made the plan and its flags
+                continue
+            c = f32(out.copy_to_host())
+            ref = f32(a).astype(np.float64) @ f32(b_nk).T.astype(np.float64)
+            err = np.linalg.norm(c - ref) / np.linalg.norm(ref)
+            assert np.isfinite(c).all(), "unwritten outputs"
+            assert err < 1e-2, (m, n, k, layout, call, err)
+            worst = max(worst, err)
+        return next(iter(op._plans.values())), worst
+
+    # (m, n, k, B's layout, split_k, blocks of the simulated GPU, slices expected): ragged m, n
+    # and K (no K a multiple of slices * 64), B as [n, k], row-major [k, n] and a w.T view;
+    # None: the op's rule (one tile, K of 17 k-steps: 2 slices); blocks=2: each block runs
+    # two slices and then a fold
+    for m, n, k, layout, split, blocks, slices in [
+            (2, 8, 1032, "nk", None, 4, 2), (4, 16, 264, "kn", 3, 4, 3),
+            (3, 16, 136, "kn_view", 2, 4, 2), (8, 40, 136, "nk", 2, 2, 2)]:
+        G._SIM_SMS = blocks
+        op = G.Gemm(split_k=split)
+        plan, err = run(op, m, n, k, layout)
+        tiles = len(plan.tile_flags)
+        assert plan.slices == slices, (plan.slices, slices)
+        flags = plan.flags.copy_to_host()
+        assert op.calls() == (2, 2) and len(flags) == (slices + 1) * tiles and \
+            (flags == 2).all(), flags
+        print("ok", m, n, k, layout, split, slices, f"{err:.1e}")
+
+    # across the 2**32 wrap of the call counter: epochs 2**32 - 1, then 1
+    G._SIM_SMS = 4
+    op = G.Gemm(split_k=3)
+    plan, err = run(op, 4, 16, 264, "kn", calls=3, start=2**32 - 2)
+    assert op.calls() == (0, 1), op.calls()
+    assert (plan.flags.copy_to_host() == 1).all(), plan.flags.copy_to_host()
+    print("ok wrap", f"{err:.1e}")
+
+    # a fold that would wait on a later block of the simulator is refused before any launch
+    try:
+        run(G.Gemm(split_k=2), 8, 40, 136, "nk", calls=1)
+    except MkValueError as e:
+        assert "simulator" in str(e)
+        print("ok refused")
+
+    # a fold whose slices do not come (moved ahead of them): its wait ends at the deadline
+    # and is recorded; the op raises it (calls(), and the next call, before it launches)
+    os.environ["MKNUMBA_TIMEOUT_S"] = "0.2"        # read when the op plans a shape
+    op = G.Gemm(split_k=3)
+    plan, _ = run(op, 2, 8, 136, "nk", calls=1)
+    plan.order.copy_to_device(np.roll(plan.order.copy_to_host(), 1))
+    da, db = cuda.to_device(np.zeros((2, 136), np.uint16)), cuda.to_device(np.zeros((8, 136),
+                                                                                     np.uint16))
+    op(da, db, b_layout="nk", out=cuda.device_array((2, 8), np.uint16))
+    for attempt in (op.calls, lambda: op(da, db, b_layout="nk")):
+        try:
+            attempt()
+            raise AssertionError("no timeout raised")
+        except MkTimeoutError as e:
+            assert "compute role" in str(e) and "flag 1 to reach epoch 2" in str(e), e
+    print("ok timeout")
+""")
+
+
+def test_split_k_in_simulator():
+    """Split-K on the SIMT twin: against float64 references, inputs changed in place, outputs
+    poisoned, the rule's choice and forced ones, several units per block, the wrap, a fold's
+    bounded wait."""
+    assert run_python(SPLIT_SCRIPT).count("ok") == 7
+
+
 # ---- sm_90a: compile the kernel with the linked helper and link a cubin, without a GPU ---------
 COMPILE_SCRIPT = textwrap.dedent("""
     import sys
@@ -292,6 +423,51 @@ def test_gemm_matches_fp32_reference(m, n, k, layout):
     assert calls == 2 and epoch == 2
     tiles = op.tile_flags(m, n, k, "nk" if layout == "nk" else "kn").copy_to_host()
     assert (tiles == epoch).all()
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("m,n,k,split_k", [
+    # issue 23's grid where 128 x 256 tiles leave most SMs idle: the op's rule splits
+    (512, 1024, 14336, None), (1024, 1024, 4096, None), (2048, 1024, 8192, None),
+    (512, 4096, 4096, None),
+    # ragged m and n, K not a multiple of the slices' 64-deep steps
+    (389, 1032, 4104, None), (1000, 776, 3000, None),
+    # forced: several slices per block before the folds (64 tiles, 4 slices: 320 units), and
+    # more tiles than blocks (512 tiles: folds after folds)
+    (2048, 1024, 8192, 4), (4096, 4096, 2048, 2)])
+def test_gemm_split_k_matches_fp32_reference(m, n, k, split_k, layout):
+    """Split-K on the GPU: 20 calls, a and b rewritten in place before each (the same
+    addresses: tensor maps and workspace reused), the output poisoned (NaN); each result
+    against an fp32 reference of that call's inputs (bf16 partials: one more rounding per
+    slice); every flag at the last call's epoch."""
+    torch = pytest.importorskip("torch")
+    from mknumba.kernels.gemm import Gemm
+    op = Gemm(split_k=split_k)
+    a = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    b_nk = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+    b = b_nk if layout == "nk" else torch.empty(k, n, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+    worst = 0.0
+    for call in range(20):
+        a.normal_()
+        b_nk.normal_()
+        if layout == "kn":
+            b.copy_(b_nk.T)
+        out.fill_(float("nan"))
+        op(a, b, b_layout=layout, out=out)
+        torch.cuda.synchronize()
+        ref = a.float() @ b_nk.float().T
+        assert torch.isfinite(out).all(), call
+        err = ((out.float() - ref).norm() / ref.norm()).item()
+        assert err <= 1e-2, (call, err)
+        worst = max(worst, err)
+    plan = next(iter(op._plans.values()))
+    assert plan.slices > 1, "the rule did not split"
+    assert op.calls() == (20, 20)
+    assert (plan.flags.copy_to_host() == 20).all()
+    print(f"{m}x{n}x{k} {layout}: {plan.slices} slices of {plan.kc}, worst rel err {worst:.1e}")
 
 
 @pytest.mark.gpu

@@ -7,10 +7,22 @@ with the role's tile function and publishing each finished tile ``t = tile_m * t
 with ``tile_flags[t] = epoch``. The blocks held back (``reserved_sms``) return at once here; in
 the fused kernels they run the communication roles and consume those flags.
 
+Split-K (:func:`split_k_for`): when the output has few tiles for the compute blocks and K is
+long, each tile's K is cut into ``s`` slices. The work units are then (tile t, slice j), each
+computing its slice into plane ``1 + j`` of a bf16 workspace and publishing ``flags[(1 + j) *
+tiles + t] = epoch``, and then one fold unit per tile, which reads no K: it waits for the
+tile's ``s`` flags and adds the planes in its epilogue (the tile contract's ``addend``: an fp32
+sum, rounded once) into C. A fold takes no slice of its own because the compute role waits
+before a tile starts: its slice would begin only once the others were done. The folds come
+after every slice in the order, and a block takes a unit only after its last one, so a fold
+waits on units that run or ran, never on one queued behind it; and after a fold a block runs
+only folds, which touch no ring slot, so the sm_90a ring's phases (``seq * k_iters``, equal
+``k_iters`` for every slice) stay right.
+
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (opt-in:
-the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``) or ``"simt"`` (the
-generic twin: the CUDA simulator and GPUs without sm_90a), each reading B as given: [n, k] (or a
-``w.T`` view of one), or row-major [k, n] through its ``":kn"`` build
+the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K) or
+``"simt"`` (the generic twin: the CUDA simulator and GPUs without sm_90a), each reading B as
+given: [n, k] (or a ``w.T`` view of one), or row-major [k, n] through its ``":kn"`` build
 (``kernels.gemm_inputs``). Calls go through the launch frame (``kernels.launch``): planned once
 per shape and layout of B, then an address bind and one driver launch.
 """
@@ -19,59 +31,183 @@ import threading
 import numpy as np
 
 from .. import _compat  # noqa: F401  (numpy alias before numba compiles anything)
+from .. import primitives as prim
 from .._compat import SIMULATOR
 from ..arrays import check_device, is_torch, new_output, operand, torch_ptr
-from ..errors import MkError, MkValueError
+from ..errors import ERR_SET, ERR_WORDS, ROLE_COMPUTE, MkError, MkValueError, raise_if_timed_out
 from ..roles import compute
 from ..roles.blocks import begin
+from ..runtime import default_timeout_ns
 from ..sched.tiles import cdiv, default_group_m, grouped_order, plan_grid
 from .gemm_inputs import NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
 from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, is_capturing,
                      outputs_in_capture, stream_handle)
 from numba import cuda, types
 
-__all__ = ["gemm", "Gemm"]
+__all__ = ["gemm", "Gemm", "split_k_for"]
 
 Bits2D, Bits3D = array_type(np.uint16, 2), array_type(np.uint16, 3)
 Words64, Flags, Ints = array_type(np.uint64, 1), array_type(np.uint32, 1), array_type(np.int32, 1)
+Record = array_type(np.int64, 1)
 
 # The simulator sizes dynamic shared arrays with dtype.itemsize, so it needs a dtype instance.
 _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 
+#: split-K: K is cut in whole k-steps of the sm_90a tile (the SIMT tile takes the same cuts)
+SPLIT_BK = compute.SM90_BK
+#: the fewest k-steps a slice gets from :func:`split_k_for`: a slice pays a fixed cost (its
+#: ring filling, its partial tile stored and read back by the fold) that few k-steps don't carry
+SPLIT_MIN_STEPS = 8
 
-def _make_kernel(build, threads):
-    """The persistent kernel around one tile build (``roles.compute.TileBuild``)."""
+
+def split_k_for(tiles, k, blocks):
+    """Slices of K per output tile when ``split_k`` is left to the op: one output tile per
+    compute block leaves ``blocks - tiles`` SMs idle, so when ``tiles`` is at most half of
+    ``blocks``, each tile's K is cut into ``blocks // tiles`` slices (every slice of every tile
+    then runs at once; the folds, one per tile, take the blocks left or a second turn), but
+    no slice shorter than ``SPLIT_MIN_STEPS`` k-steps. 1: no split. A rule, not a
+    measurement: ``Gemm(split_k=s)`` forces s (``benchmarks/bench_gemm.py --split-k``)."""
+    return max(1, min(blocks // tiles, cdiv(k, SPLIT_BK) // SPLIT_MIN_STEPS))
+
+
+def split_slices(k, s):
+    """``(slices, kc)``: K cut into at most ``s`` slices of ``kc`` (whole k-steps; the last
+    slice may be shorter) and no empty one; ``(1, k)`` when that leaves one slice."""
+    steps = cdiv(k, SPLIT_BK)
+    per = cdiv(steps, max(1, min(int(s), steps)))
+    slices = cdiv(steps, per)
+    return (slices, per * SPLIT_BK) if slices > 1 else (1, k)
+
+
+def split_order(order, slices):
+    """The work units of a split in the order blocks take them: every slice of every tile
+    (unit ``j * tiles + t``, slice j of tile t, tiles in ``order``'s order), then each tile's
+    fold (``slices * tiles + t``). One slice: ``order`` itself."""
+    if slices == 1:
+        return order
+    tiles = len(order)
+    return np.concatenate([order + j * tiles for j in range(slices + 1)]).astype(np.int32)
+
+
+def _sim_safe(tiles, slices, blocks):
+    """Whether the simulator, which runs blocks one at a time in grid order, meets every
+    slice a fold waits for before the fold (its block is the fold's or an earlier one)."""
+    if slices == 1:
+        return True       # no folds
+    for i in range(tiles):
+        fold = (slices * tiles + i) % blocks
+        if any((j * tiles + i) % blocks > fold for j in range(slices)):
+            return False
+    return True
+
+
+@cuda.jit(device=True, inline=True)
+def whole_tiles(where, u, tm):
+    """No split: tile u into C, announced in ``flags[u]`` (``place`` of :func:`split_units`
+    built without a split: C and no fold, constants, as the sm_90a epilogue's global stores
+    need)."""
+    return where[0], 0, where[2], 0, where[1], u, False
+
+
+def split_units(build, split=True):
+    """``(units, place, ready)`` of the compute role (``roles.compute.make_compute_tile``)
+    for the units of :func:`split_order`, with ``where = (c, flags, ws, slices, kc, tiles,
+    timeout_ns, err)``: ``flags`` [(slices + 1) * tiles], the tiles' then the slices'; ``ws``
+    [slices + 1, m, n] bf16, plane 1 + j slice j's partials (one slice: any [P, m, n] array,
+    never read); a fold waits at most ``timeout_ns`` for a flag, then writes the error record
+    ``err`` (:data:`ROLE_COMPUTE`). ``split`` False: every unit a whole tile (one slice)."""
+    if not split:
+        return compute.whole_tile, whole_tiles, compute.nothing_to_wait
+    tma, kn, words = build.tma, build.b_kn, TensorMaps.ROW
+
+    @cuda.jit(device=True, inline=True)
+    def unit(where, u, a, b, tmaps):
+        """Tile and operands of unit u: slice j reads K from j * kc, ``kc`` deep (the SIMT
+        tile: to the end of K at most); a fold (j == slices) reads none. The sm_90a tile reads
+        through slice j's tensor maps, so its views carry only the depth: every slice runs the
+        same k-steps (the maps read zeros past K), as the ring's phases need."""
+        slices, kc, tiles = where[3], where[4], where[5]
+        j = prim.udiv32(u, tiles)
+        lo = j * kc
+        hi = lo + kc if j < slices else lo
+        row = j if j < slices else 0
+        if tma:
+            hi, lo = hi - lo, 0
+        return (u - j * tiles, a[:, lo:hi], b[lo:hi, :] if kn else b[:, lo:hi],
+                tmaps[row * words:(row + 1) * words])
+
+    @cuda.jit(device=True, inline=True)
+    def place(where, u, tm):
+        """Slice j of several: into plane 1 + j, announced in ``flags[tiles + u]``. A fold, or
+        the one slice: into C, announced in ``flags[t]``; a fold adds planes 1..slices."""
+        c, flags, ws, slices, tiles = where[0], where[1], where[2], where[3], where[5]
+        j = prim.udiv32(u, tiles)
+        if slices > 1 and j < slices:
+            return ws[1 + j], 0, ws, 0, flags, tiles + u, False      # flags: this GPU's
+        return c, 0, ws, slices if slices > 1 else 0, flags, u - j * tiles, False
+
+    @cuda.jit(device=True, inline=True)
+    def ready(where, u, adds, epoch):
+        """A fold (``adds`` planes): wait (this thread, acquire at GPU scope) for each slice's
+        flag, at most ``timeout_ns`` from the first look; anything else waits for nothing."""
+        if adds == 0:
+            return True
+        flags, tiles, timeout_ns, err = where[1], where[5], where[6], where[7]
+        t = u - prim.udiv32(u, tiles) * tiles
+        deadline = prim.globaltimer() + timeout_ns     # here: not a register the tile carries
+        for j in range(1, adds + 1):
+            if not prim.wait_flag(flags, j * tiles + t, epoch, deadline, err, 0,
+                                  ROLE_COMPUTE, 100, False):
+                return False
+        return True
+
+    return unit, place, ready
+
+
+def _make_kernel(build, threads, split):
+    """The persistent kernel around one tile build (``roles.compute.TileBuild``), with
+    :func:`split_units` or (not ``split``) whole tiles only. Two kernels, not one: a tile
+    whose destination is chosen per unit stores through generic addresses, and the unsplit
+    GEMM (every large one) keeps its global stores and registers."""
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
-    compute_role = compute.make_compute_role(build, compute.OWN_TILE)
+    unit, place, ready = split_units(build, split)
+    compute_role = compute.make_compute_role(build, (place, ready), units=unit)
     bn, n_dim = build.shape[1], 1 if build.b_kn else 0
 
     @cuda.jit(**bounds)
-    def gemm_kernel(a: Bits2D, b: Bits2D, c: Bits2D, c_planes: Bits3D, tmaps: Words64,
-                    tile_flags: Flags, frame: Words64, order: Ints, compute_blocks: types.int64):
+    def gemm_kernel(a: Bits2D, b: Bits2D, c: Bits2D, ws: Bits3D, tmaps: Words64, flags: Flags,
+                    frame: Words64, order: Ints, compute_blocks: types.int64, tiles: types.int64,
+                    slices: types.int64, kc: types.int64, timeout_ns: types.uint64,
+                    err: Record):
         """a [m, k], b [n, k] (or [k, n] with a ":kn" tile build), c [m, n]: bf16 bits;
-        c_planes: c as [1, m, n] (the tile's addend argument, which the plain GEMM never
-        reads); tmaps: the tensor maps of a and b (sm90); tile_flags uint32[tiles] := epoch when done; frame: the op's call counter
-        (``kernels.launch.Frame``); order int32[tiles] (sched.grouped_order)."""
+        ws: the split's workspace [slices + 1, m, n] (one slice: c as [1, m, n], never read);
+        tmaps: the tensor maps of a and b, a pair per slice (sm90); flags uint32[(slices + 1)
+        * tiles]: [0, tiles) := epoch when tile t is done, the rest the slices' (split_units);
+        frame: the op's call counter (``kernels.launch.Frame``); order int32: the work units
+        (split_order of sched.grouped_order); slices of kc (split_slices); a fold waits at
+        most timeout_ns, then records the error in err (int64[ERR_WORDS], mapped)."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         epoch, call = begin(frame)
         if cuda.blockIdx.x >= compute_blocks:
             return  # held back for other roles; nothing else runs in a plain GEMM
+        where = (c, flags, ws, slices, kc, tiles, timeout_ns, err)
         compute_role(smem, tmaps, a, b, order, (b.shape[n_dim] + bn - 1) // bn, cuda.blockIdx.x,
-                     compute_blocks, epoch, (c, tile_flags, False, c_planes))  # flags: this GPU
+                     compute_blocks, epoch, where)
 
     return gemm_kernel
 
 
-_KERNELS = {}   # tile build name -> the persistent kernel around it
+_KERNELS = {}   # (tile build name, split) -> the persistent kernel around it
 _SIM_SMS = 4  # a small "device" for the simulator: 4 SMs, one block each
 
 
-def _build(kind):
-    """(roles.compute.TileBuild, persistent kernel) of a tile build name."""
+def _build(kind, split=False):
+    """(roles.compute.TileBuild, persistent kernel) of a tile build name, for split-K or
+    whole tiles."""
     b = compute.tile_build(kind)
-    if kind not in _KERNELS:
-        _KERNELS[kind] = _make_kernel(b, b.threads)
-    return b, _KERNELS[kind]
+    if (kind, split) not in _KERNELS:
+        _KERNELS[kind, split] = _make_kernel(b, b.threads, split)
+    return b, _KERNELS[kind, split]
 
 
 def check_shapes(m, n, k, op="mknumba.gemm"):
@@ -144,21 +280,29 @@ def current_device():
 class Gemm:
     """C = A @ B on one GPU, with a per-tile completion flag other roles can wait on.
 
-    ``Gemm(tile="auto", reserved_sms=0, group_m=None)``: each call is one persistent launch,
+    ``Gemm(tile="auto", reserved_sms=0, group_m=None, split_k=None)``: each call is one
+    persistent launch,
     planned once per shape and layout (compiled, tables built, arguments converted); a later
     call of that shape binds its arrays' addresses and launches. Plans are kept for the op's
     lifetime (a captured CUDA graph may refer to them); the first call of a shape must not be
     inside a capture. After a call, ``tile_flags(m, n, k, b_layout)[t] == epoch`` for every
-    output tile ``t = tile_m * tiles_n + tile_n``.
+    output tile ``t = tile_m * tiles_n + tile_n``. ``split_k``: slices of K per output tile
+    (split-K, see the module docstring): None lets :func:`split_k_for` choose by shape, an int
+    forces at most that many (1: no split; fewer when K has fewer 64-deep steps).
     """
 
     name = "mknumba.gemm"
 
-    def __init__(self, tile="auto", reserved_sms=0, group_m=None):
+    def __init__(self, tile="auto", reserved_sms=0, group_m=None, split_k=None):
         check_tile_name(tile)
+        if split_k is not None and (isinstance(split_k, bool) or not isinstance(
+                split_k, (int, np.integer)) or split_k < 1):
+            raise MkValueError(f"{self.name}: split_k must be None (chosen by shape) or an "
+                               f"int >= 1 (1: no split), got {split_k!r}")
         self.tile, self.reserved_sms, self.group_m = tile, int(reserved_sms), group_m
+        self.split_k = None if split_k is None else int(split_k)
         self.frame = None     # the call counter of the last GPU used
-        self._frames = {}     # device -> (tile build, Frame): one counter per GPU
+        self._frames = {}     # device -> (tile build, Frame, error record): one per GPU
         self.streams = StreamOrder(self.name)
         self._plans = {}      # (m, n, k, b mode, device) -> _Plan
         self._hot = None      # (b_layout, plan, device, b's shape, b's strides): the hot path
@@ -178,7 +322,7 @@ class Gemm:
             pa = torch_ptr(a, (plan.m, plan.k), dev) if is_torch(a) else None
             pb = pa and torch_ptr(b, b_shape, dev, b_strides)
             pc = pb and torch_ptr(out, (plan.m, plan.n), dev)
-            if pc and current_device() == dev:
+            if pc and current_device() == dev and not (plan.slices > 1 and plan.err[ERR_SET]):
                 s = stream_handle(None, dev)
                 with plan.launch.lock:
                     self.streams.enter(s)
@@ -219,6 +363,7 @@ class Gemm:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plan(key, s)
+        raise_if_timed_out(plan.err, f"{self.name} (a split-K fold of an earlier call)")
         b_param = B.as_param(np.uint16, b_shape(mode, n, k))
         args = (A.as_param(np.uint16, (m, k)), b_param, C.as_param(np.uint16, (m, n)), s)
         with plan.launch.lock:
@@ -251,10 +396,23 @@ class Gemm:
             return self._plans[key]
 
     def _counter(self, device, grid):
-        """(tile build, Frame) of ``device``, made with the first plan there."""
+        """(tile build, Frame, error record) of ``device``, made with the first plan there:
+        the record (int64[ERR_WORDS], mapped) says which fold of a split timed out, if one
+        did."""
         if device not in self._frames:
-            self._frames[device] = (kind_for(self.tile), Frame(grid))
+            self._frames[device] = (kind_for(self.tile), Frame(grid),
+                                    cuda.mapped_array(ERR_WORDS, np.int64))
+            self._frames[device][2][:] = 0
         return self._frames[device]
+
+    def _start_at(self, calls):
+        """Tests: as if ``calls`` calls had run on the last GPU used (its counter and every
+        flag of its plans), e.g. just short of 2**32, to run the next calls across the wrap.
+        Only between calls, after they finished."""
+        dev = next(d for d, f in self._frames.items() if f[1] is self.frame)
+        cuda.synchronize()
+        self.frame.start_at(calls, [plan.flags for key, plan in self._plans.items()
+                                    if key[4] == dev])
 
     def tile_flags(self, m, n, k, b_layout="kn"):
         """The tile flags of the plan for this shape (device uint32 array)."""
@@ -264,8 +422,14 @@ class Gemm:
         raise MkValueError(f"{self.name}: no call of shape {m} x {n} x {k} yet")
 
     def calls(self):
-        """(calls, epoch) of the last call (reads the device counter: waits for it)."""
-        return self.frame.read() if self.frame is not None else (0, 0)
+        """(calls, epoch) of the last call (reads the device counter: waits for it); raises
+        MkTimeoutError if a split's fold timed out."""
+        if self.frame is None:
+            return (0, 0)
+        got = self.frame.read()
+        for _, _, err in self._frames.values():
+            raise_if_timed_out(err, self.name)
+        return got
 
 
 class _Plan:
@@ -275,7 +439,8 @@ class _Plan:
     def __init__(self, op, m, n, k, mode, device):
         kind = kind_for(op.tile) if device not in op._frames else op._frames[device][0]
         self.b_kn = b_kn(mode)
-        build, kernel = _build(compute.kn_kind(kind, op.name) if self.b_kn else kind)
+        kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
+        build, kernel = _build(kind)
         compiled, bps = compile_kernel(kernel, build.threads, build.smem_bytes)
         sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         try:
@@ -284,16 +449,48 @@ class _Plan:
             raise MkValueError(f"{op.name}: {e}") from None
         bm, bn = build.shape
         tiles_m, tiles_n = cdiv(m, bm), cdiv(n, bn)
-        group_m = op.group_m or default_group_m(tiles_m, tiles_n, grid.compute_blocks)
-        frame = op._counter(device, grid.grid)[1]
+        tiles, blocks = tiles_m * tiles_n, grid.compute_blocks
+        group_m = op.group_m or default_group_m(tiles_m, tiles_n, blocks)
+        if build.gemm_only and (op.split_k or 1) > 1:
+            raise MkValueError(f"{op.name}: tile={op.tile!r} takes no split_k (its ping-pong "
+                               "schedule is for whole tiles); pass split_k=None or 1")
+        self.slices, self.kc = split_slices(k, 1 if build.gemm_only else split_k_for(
+            tiles, k, blocks) if op.split_k is None else op.split_k)
+        if SIMULATOR and not _sim_safe(tiles, self.slices, blocks):
+            raise MkValueError(f"{op.name}: split_k={self.slices} with {tiles} tiles on "
+                               f"{blocks} blocks: the simulator runs blocks one at a time, and "
+                               "a fold would wait on a later block; take fewer slices, or "
+                               "tiles a multiple of the blocks")
+        if self.slices > 1:
+            # the split kernel runs the same grid (the op's call counter counts its blocks), so
+            # it must fit as many blocks per SM: a fold waits on blocks that must be running
+            kernel = _build(kind, True)[1]
+            compiled, split_bps = compile_kernel(kernel, build.threads, build.smem_bytes)
+            if split_bps < bps:
+                raise MkError(f"{op.name}: the split-K kernel fits {split_bps} blocks per SM, "
+                              f"the GEMM's {bps}; pass split_k=1")
+        _, frame, self.err = op._counter(device, grid.grid)
         self.m, self.n, self.k, self.mode = m, n, k, mode
-        self.tile_flags = cuda.to_device(np.zeros(tiles_m * tiles_n, np.uint32))
-        self.order = cuda.to_device(grouped_order(tiles_m, tiles_n, int(group_m)))
-        self.tmaps = TensorMaps(m, n, k, build.shape) if build.tma else NoTensorMaps()
+        # flags start at the last call's epoch, which no later call's reaches (a fresh 0 would
+        # read as reached past 2**31 calls: primitives.epoch_reached)
+        self.flags = cuda.to_device(np.full((self.slices + 1) * tiles, frame.read()[1],
+                                            np.uint32))
+        self.tile_flags = self.flags[:tiles]     # the tiles' own; then the slices' (split_units)
+        self.order = cuda.to_device(split_order(grouped_order(tiles_m, tiles_n, int(group_m)),
+                                                self.slices))
+        split = self.slices > 1
+        # the workspace: plane 1 + j holds slice j's partials (plane 0, the addend's own
+        # plane, is never read); one slice: C as [1, m, n] stands in, never read either
+        self.ws = cuda.device_array((self.slices + 1, m, n), np.uint16) if split else None
+        words = TensorMaps.ROW * self.slices
+        self.tmaps = (TensorMaps(m, n, k, build.shape, slices=self.slices, kc=self.kc)
+                      if build.tma else NoTensorMaps(words))
         self.launch = Launch(kernel, compiled, dict(
-            a=Slot((m, k)), b=Slot(b_shape(mode, n, k)), c=Slot((m, n)), c_planes=Slot((1, m, n)),
-            tmaps=Slot((TensorMaps.ROW,)), tile_flags=self.tile_flags, frame=frame.words,
-            order=self.order, compute_blocks=grid.compute_blocks),
+            a=Slot((m, k)), b=Slot(b_shape(mode, n, k)), c=Slot((m, n)),
+            ws=self.ws if split else Slot((1, m, n)), tmaps=Slot((words,)),
+            flags=self.flags, frame=frame.words, order=self.order, compute_blocks=blocks,
+            tiles=tiles, slices=self.slices, kc=self.kc,
+            timeout_ns=default_timeout_ns(), err=self.err),
             grid.grid, build.threads, build.smem_bytes)
 
     def run(self, a, b, c, stream):
@@ -303,8 +500,8 @@ class _Plan:
         L.bind("a", a)
         L.bind("b", b)
         L.bind("c", c)
-        L.bind("c_planes", c if not SIMULATOR else
-               c.reshape((1, self.m, self.n)))
+        if self.slices == 1:
+            L.bind("ws", c if not SIMULATOR else c.reshape((1, self.m, self.n)))
         L.bind("tmaps", self.tmaps(a, b, stream, self.b_kn))
         L(stream)
 

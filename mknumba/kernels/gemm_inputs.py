@@ -104,18 +104,28 @@ class TensorMaps(MapTable):
     B), in a :class:`tensor_maps.MapTable`, for a tile build of ``shape`` (BM, BN)
     (``roles.compute.TileBuild.shape``): A in boxes of 64 (k) x BM rows; B [n, k] in boxes of
     64 (k) x BN rows, or B [k, n] (``b_kn``) in boxes of 64 (n) x 64 (k), the tile's columns
-    then being BN / 64 such boxes side by side (``cuda/gemm_common.cuh``, produce_tile)."""
+    then being BN / 64 such boxes side by side (``cuda/gemm_common.cuh``, produce_tile).
+
+    ``slices`` > 1 (split-K, ``kernels.gemm``): a row holds ``slices`` such pairs, pair j
+    seeing A and B from k = j * ``kc`` on, to the end of K (a slice that ends past K reads
+    zeros there), so every slice runs the same k-steps."""
 
     ROW = 32
 
-    def __init__(self, m, n, k, shape, capacity=64):
+    def __init__(self, m, n, k, shape, capacity=64, slices=1, kc=0):
         self.m, self.n, self.k, self.shape = m, n, k, tuple(shape)
-        super().__init__(self._encode, self.ROW, capacity)
+        self.slices, self.kc = slices, kc
+        super().__init__(self._encode, self.ROW * slices, capacity)
 
     def _encode(self, key):
         (a, b, kn), bk, (bm, bn) = key, compute.SM90_BK, self.shape
-        return np.concatenate([tensor_map(a, (self.k, self.m), (bk, bm)),
-                               b_map(b, self.n, self.k, kn, bn)])
+        maps = []
+        for j in range(self.slices):
+            k0 = j * self.kc
+            maps += [tensor_map(a + 2 * k0, (self.k - k0, self.m), (bk, bm), self.k),
+                     b_map(b + 2 * k0 * (self.n if kn else 1), self.n, self.k - k0, kn, bn,
+                           None if kn else self.k)]
+        return np.concatenate(maps)
 
     def __call__(self, a_ptr, b_ptr, stream, b_kn=False):
         """Device address of the maps of (a_ptr, b_ptr) with B [n, k] (or [k, n]: ``b_kn``),
@@ -123,18 +133,20 @@ class TensorMaps(MapTable):
         return self.row((a_ptr, b_ptr, bool(b_kn)), stream)
 
 
-def b_map(ptr, n, k, kn, bn):
+def b_map(ptr, n, k, kn, bn, pitch=None):
     """The tensor map of the tile's B at ``ptr``: [n, k] (boxes of the tile's ``bn`` rows), or
-    [k, n] when ``kn``."""
+    [k, n] when ``kn`` (``pitch``: see :func:`tensor_map`)."""
     bk = compute.SM90_BK
-    return tensor_map(ptr, (n, k), (64, bk)) if kn else tensor_map(ptr, (k, n), (bk, bn))
+    return (tensor_map(ptr, (n, k), (64, bk), pitch) if kn else
+            tensor_map(ptr, (k, n), (bk, bn), pitch))
 
 
 class NoTensorMaps:
-    """The SIMT tile reads A and B directly: one zero row stands in for the maps."""
+    """The SIMT tile reads A and B directly: one zero row (of ``words``) stands in for the
+    maps."""
 
-    def __init__(self):
-        self.dev = cuda.to_device(np.zeros(TensorMaps.ROW, np.uint64))
+    def __init__(self, words=None):
+        self.dev = cuda.to_device(np.zeros(words or TensorMaps.ROW, np.uint64))
         self.addr = param(self.dev)
 
     def __call__(self, a_ptr, b_ptr, stream, b_kn=False):

@@ -15,18 +15,22 @@ from .launch import is_capturing
 MAP_WORDS = 16      # one CUtensorMap, in uint64 words
 
 
-def tensor_map(ptr, dims, box):
-    """CUtensorMap of a contiguous row-major bf16 array at ``ptr`` as 16 uint64 words.
+def tensor_map(ptr, dims, box, pitch=None):
+    """CUtensorMap of a row-major bf16 array at ``ptr`` as 16 uint64 words.
 
     dims: the array's extents innermost first (a [rows, cols] matrix is ``(cols, rows)``);
     box: the extents one copy moves, innermost first; the inner box is 64 elements (128
-    bytes: the 128B swizzle that wgmma reads). Parts of a box past the array read as zeros."""
+    bytes: the 128B swizzle that wgmma reads). Parts of a box past the array read as zeros.
+    pitch: elements from one row to the next of a 2-d array (default ``dims[0]``: contiguous;
+    more for a block of columns of a wider array, e.g. a slice of K)."""
     from cuda.bindings import driver as drv
     u64, u32 = drv.cuuint64_t, drv.cuuint32_t
     strides, step = [], 2
     for extent in dims[:-1]:
         step *= int(extent)
         strides.append(u64(step))
+    if pitch is not None:
+        strides = [u64(2 * int(pitch))]
     err, tmap = drv.cuTensorMapEncodeTiled(
         drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, len(dims), ptr,
         [u64(int(x)) for x in dims], strides, [u32(int(x)) for x in box], [u32(1)] * len(dims),

@@ -264,7 +264,7 @@ gemm_tile_simt = _simt_tile(False)
 gemm_tile_simt_kn = _simt_tile(True)
 
 
-def make_compute_role(build, destination, grouped=None, stamps=None):
+def make_compute_role(build, destination, grouped=None, stamps=None, units=None):
     """The compute role around one tile build (:class:`TileBuild`: the plain GEMM and the
     fused kernels); ``b`` is [n, k], or [k, n] when ``build.b_kn``.
 
@@ -293,10 +293,12 @@ def make_compute_role(build, destination, grouped=None, stamps=None):
     ``stamps = (start, done)``: trace rows (``roles.blocks.stamp``); the role then takes
     ``tr, trace`` after ``where`` and, when ``tr``, stamps entry i of ``order`` in
     ``trace[start, i]`` before its tile and ``trace[done, i]`` after (thread 0's view).
+
+    ``units``: the entries of ``order`` are work units, not tiles (see :func:`make_compute_tile`).
     """
     work = grouped[0] if grouped is not None else all_tiles
     tile_init = build.init
-    compute_tile = make_compute_tile(build, destination, grouped)
+    compute_tile = make_compute_tile(build, destination, grouped, units)
     mark = stamp if stamps is not None else no_stamp
     start, done = stamps if stamps is not None else (0, 0)
 
@@ -330,24 +332,30 @@ def make_compute_role(build, destination, grouped=None, stamps=None):
     return compute_role
 
 
-def make_compute_tile(build, destination, grouped=None):
+def make_compute_tile(build, destination, grouped=None, units=None):
     """One tile of :func:`make_compute_role`'s loop, for kernels that hand tiles out
     themselves (the fused reductions' adaptive split, ``roles.controller``):
     ``compute_tile(smem, tmaps, a, b, t, tiles_n, seq, epoch, where)`` computes linear tile
     ``t`` as this block's ``seq``-th tile (after ``tile_init`` and a barrier, once per block),
-    places and announces it as the role does. Per thread, no barrier."""
+    places and announces it as the role does. Per thread, no barrier.
+
+    ``units(where, u, a, b, tmaps) -> (t, a, b, tmaps)``: ``t`` is a work unit ``u``, a part
+    of tile ``t`` that reads the operands returned (split-K, ``kernels.gemm``: a slice of K);
+    ``place`` and ``ready`` then get ``u`` where they get ``t``. Default: a unit is a tile."""
     place, ready = destination
     operands = grouped[1] if grouped is not None else same_operands
+    unit = units if units is not None else whole_tile
     tile, n_dim = build.tile, 1 if build.b_kn else 0
 
     @cuda.jit(device=True, inline=True)
-    def compute_tile(smem, tmaps, a, b, t, tiles_n, seq, epoch, where):
+    def compute_tile(smem, tmaps, a, b, u, tiles_n, seq, epoch, where):
+        t, ua, ub, ut = unit(where, u, a, b, tmaps)
         tm = udiv32(t, tiles_n)
-        ta, tb, tt = operands(where, tm, a, b, tmaps)
+        ta, tb, tt = operands(where, tm, ua, ub, ut)
         m, k = ta.shape
         n = tb.shape[n_dim]
-        c, c_row0, addend, adds, flags, idx, system = place(where, t, tm)
-        if not ready(where, t, adds, epoch):   # each thread acquires the tile's inputs
+        c, c_row0, addend, adds, flags, idx, system = place(where, u, tm)
+        if not ready(where, u, adds, epoch):   # each thread acquires the tile's inputs
             adds = 0              # timed out (recorded): store the product alone, go on
         if tile(smem, tt, ta, tb, c, c_row0, addend, adds, m, n, k, tm, t - tm * tiles_n,
                 seq):
@@ -359,6 +367,12 @@ def make_compute_tile(build, destination, grouped=None):
 def all_tiles(where, epoch, tiles):
     """Every entry of the tile order (the default ``work`` of :func:`make_compute_role`)."""
     return tiles
+
+
+@cuda.jit(device=True, inline=True)
+def whole_tile(where, u, a, b, tmaps):
+    """Each work unit a whole tile (the default ``units`` of :func:`make_compute_tile`)."""
+    return u, a, b, tmaps
 
 
 @cuda.jit(device=True, inline=True)
