@@ -3,8 +3,10 @@
     mpirun -n 2 python benchmarks/bench_host_cost.py --out benchmarks/results/host_cost.json
 
 Host cost is the wall time the calling thread spends in one call (the work is queued on the
-stream, not waited for): the mean over ``--calls`` back-to-back calls after warm-up, with the
-inputs' shapes small enough that the GPU keeps up and the launch queue never fills. A graph
+stream, not waited for): the mean over ``--calls`` back-to-back calls after warm-up, queued
+behind a kernel that holds the stream (``torch.cuda._sleep``) until the burst is in, so that
+nothing of the calls runs meanwhile: the host's time alone, not the GPU's (two ranks sharing
+one GPU slice it between their contexts) nor a full launch queue. A graph
 record (``graph: true``) is the host time of one ``CUDAGraph.replay()`` of a captured call.
 Ranks may share a GPU (``MKNUMBA_ALLOW_SHARED_GPU=1``): only the host side is timed. Records:
 ``kernel: "host_cost"`` with ``op``, ``host_us`` and ``graph`` (docs/design.md §8); the slowest
@@ -21,6 +23,7 @@ import numpy as np  # noqa: E402
 import mknumba as mk  # noqa: E402
 
 M, N, K = 2048, 2048, 512      # the decode-sized GEMM the issue names (0.42x cuBLAS there)
+GATE_CYCLES = 60_000_000       # ~30 ms of GPU clock: longer than a burst of calls takes to queue
 
 
 def host_us(fn, calls, mpi):
@@ -31,7 +34,8 @@ def host_us(fn, calls, mpi):
     torch.cuda.synchronize()
     mpi.Barrier()
     best = None
-    for _ in range(3):                       # best of three bursts: a burst can hit a GC pause
+    for _ in range(5):                       # best of five bursts: a burst can hit a GC pause
+        torch.cuda._sleep(GATE_CYCLES)       # holds the stream until the burst is queued
         t0 = time.perf_counter()
         for _ in range(calls):
             fn()
@@ -59,7 +63,7 @@ def graph_us(fn, calls, mpi):
 
 def main():
     args = common.parse_args(ranks="2 shared", extra=[
-        (("--calls",), dict(type=int, default=200))])
+        (("--calls",), dict(type=int, default=100))])
     import torch
     comm = mk.init()
     torch.cuda.set_device(comm.device_id)

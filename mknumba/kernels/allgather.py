@@ -257,9 +257,7 @@ class AllGather:
                 s = stream_handle(None, dev)
                 with self.launch.lock:
                     self.streams.enter(s)
-                    self.launch.bind("shard", px)
-                    self.launch.bind("out", po)
-                    self.launch(s)
+                    self.launch.binder("shard", "out")(s, px, po)
                 return out
         if self.stage is None:
             raise MkError("AllGather: called after free()")
@@ -280,9 +278,8 @@ class AllGather:
                     device_id=self.comm.device_id, align=self.word.itemsize)
         with self.launch.lock:
             self.streams.enter(s)
-            self.launch.bind("shard", X.as_param(self.word, (self.words,)))
-            self.launch.bind("out", O.as_param(self.word, (self.members * self.words,)))
-            self.launch(s)
+            self.launch.binder("shard", "out")(s, X.as_param(self.word, (self.words,)),
+                                               O.as_param(self.word, (self.members * self.words,)))
         return out
 
     def synchronize(self, stream=None):

@@ -496,14 +496,12 @@ class _Plan:
     def run(self, a, b, c, stream):
         """Bind the parameters (``Operand.as_param``: addresses on the GPU) of A, B as given
         and C, derive the tensor maps, and launch on ``stream``."""
-        L = self.launch
-        L.bind("a", a)
-        L.bind("b", b)
-        L.bind("c", c)
+        maps = self.tmaps(a, b, stream, self.b_kn)
         if self.slices == 1:
-            L.bind("ws", c if not SIMULATOR else c.reshape((1, self.m, self.n)))
-        L.bind("tmaps", self.tmaps(a, b, stream, self.b_kn))
-        L(stream)
+            self.launch.binder("a", "b", "c", "ws", "tmaps")(
+                stream, a, b, c, c if not SIMULATOR else c.reshape((1, self.m, self.n)), maps)
+        else:
+            self.launch.binder("a", "b", "c", "tmaps")(stream, a, b, c, maps)
 
 
 _default = {}

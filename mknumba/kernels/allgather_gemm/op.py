@@ -182,16 +182,12 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         with self.launches.lock:          # one call at a time binds and launches
             L = self.launches(kn, stream)
             self.streams.enter(stream)
-            L.bind("a", a)
-            L.bind("b", b)
-            L.bind("tmaps", self.tmaps(self._slot_ptr[0], b, stream, kn))
-            L.bind("tmaps_odd", self.tmaps(self._slot_ptr[1], b, stream, kn))
-            L.bind("out", out)
             collect = gathered is not None
             self._collected = collect     # the trace's collect stamps are this call's
-            L.bind("gathered_out", gathered if collect else param(self._no_gathered))
-            L.bind("cfg", self._cfg_ptr[int(collect)])
-            L(stream)
+            L.binder("a", "b", "tmaps", "tmaps_odd", "out", "gathered_out", "cfg")(
+                stream, a, b, self.tmaps(self._slot_ptr[0], b, stream, kn),
+                self.tmaps(self._slot_ptr[1], b, stream, kn), out,
+                gathered if collect else param(self._no_gathered), self._cfg_ptr[int(collect)])
 
     # -- traces -----------------------------------------------------------------------------------
     def trace_events(self):

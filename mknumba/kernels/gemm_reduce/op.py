@@ -250,15 +250,11 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         with self.launches.lock:          # one call at a time binds and launches
             L = self.launches(kn, stream)
             self.streams.enter(stream)
-            L.bind("a", a)
-            L.bind("b", b)
-            L.bind("tmaps", self.tmaps(a, b, stream, kn))
-            L.bind("out", out_words)
-            L.bind("out_c", out_c)
-            # the owners write every GPU's shared output (direct, planned); a call into
+            # cfg: the owners write every GPU's shared output (direct, planned); a call into
             # another array copies it out of this GPU's shared output at the end
-            L.bind("cfg", self._cfg_ptr[self.direct and into_shared])
-            L(stream)
+            L.binder("a", "b", "tmaps", "out", "out_c", "cfg")(
+                stream, a, b, self.tmaps(a, b, stream, kn), out_words, out_c,
+                self._cfg_ptr[self.direct and into_shared])
 
     def trace_events(self):
         """The last traced call's stamps: {event: int64 ns array by item (0: not reached)} plus

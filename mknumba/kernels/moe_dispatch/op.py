@@ -252,17 +252,11 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         L = self.launch
         with L.lock:                      # one call at a time binds and launches
             self.streams.enter(stream)
-            L.bind("x", x)
-            L.bind("topk", topk)
-            L.bind("weights", weights if weights is not None else param(self._no_weights))
-            L.bind("wt", w)
-            L.bind("tmtable", self.tmaps(w, stream) if self.build.tma
-                   else param(self._no_maps))
-            L.bind("out", out)
-            for name, p in zip(("counts", "offsets", "rows_out", "weights_out"), lay):
-                L.bind(name, p)
-            L.bind("cfg", self._cfg_param(T, weights is not None, stream))
-            L(stream)
+            L.binder("x", "topk", "weights", "wt", "tmtable", "out", "counts", "offsets",
+                     "rows_out", "weights_out", "cfg")(
+                stream, x, topk, weights if weights is not None else param(self._no_weights), w,
+                self.tmaps(w, stream) if self.build.tma else param(self._no_maps), out, *lay,
+                self._cfg_param(T, weights is not None, stream))
 
     def _cfg_param(self, T, weighted, stream):
         key = (T, weighted)

@@ -251,16 +251,13 @@ class RingAttention:
         L = self.launch
         with L.lock:                      # one call at a time binds and launches
             self.streams.enter(stream)
-            L.bind("q", q)
-            L.bind("k", k)
-            L.bind("v", v)
-            L.bind("k_words", k_words)
-            L.bind("v_words", v_words)
-            L.bind("out", out)
-            L.bind("lse", lse)
-            if self.user_maps is not None:
-                L.bind("user_maps", self.user_maps.row(qkv_ptrs, stream))
-            L(stream)
+            if self.user_maps is None:
+                L.binder("q", "k", "v", "k_words", "v_words", "out", "lse")(
+                    stream, q, k, v, k_words, v_words, out, lse)
+            else:
+                L.binder("q", "k", "v", "k_words", "v_words", "out", "lse", "user_maps")(
+                    stream, q, k, v, k_words, v_words, out, lse,
+                    self.user_maps.row(qkv_ptrs, stream))
 
     def _check_error(self, what):
         if self.comm is not None:
