@@ -48,18 +48,18 @@ from ..primitives import data_ptr, peer_view, release, udiv32, wait_flag
 from .blocks import no_stamp, stamp
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
-PINGPONG_HELPER = os.path.join(os.path.dirname(HELPER), "gemm_pingpong.cu")
+LIBRARY_CUDA = os.path.dirname(HELPER)
+PINGPONG_HELPER = os.path.join(LIBRARY_CUDA, "gemm_pingpong.cu")
 
 # Must match the constants at the top of gemm_tile.cu.
 SM90_TILE = (128, 256)      # BM, BN
 SM90_BK = 64
 SM90_STAGES = 4
 SM90_THREADS = 288          # two consumer warpgroups + one producer warp
-SM90_STAGING = {0: 0, 1: 0, 2: 8 * 16 * 128}    # epilogue staging bytes per MK_EPILOGUE
-#: the library's epilogue: stmatrix through staging, then 16-byte stores of whole rows. On an
-#: H200 at m = n = 8192 it cut the fixed cost per tile from 6.3 to 0.8 us against epilogue 0
-#: (benchmarks/results/gemm_tile_probe.json), which matters most at small K.
-SM90_EPILOGUE = 2
+#: the epilogue's staging (2 KB per consumer warp): stmatrix, then 16-byte stores of whole rows.
+#: On an H200 at m = n = 8192 it cut the fixed cost per tile from 6.3 to 0.8 us against 4-byte
+#: stores from the accumulators (benchmarks/probe_gemm_tile.py, results/gemm_tile_probe.json).
+SM90_STAGING = 8 * 16 * 128
 #: the fused kernels' tile: the same, plus a tenth warp that publishes the tile flags, so the
 #: fence before each flag (which waits for the tile's stores) stalls no MMA warp. In the 1x2
 #: fused kernels it was faster at 14 of 16 points (benchmarks/NOTES.md).
@@ -72,13 +72,13 @@ SM90_PINGPONG_SHAPE = (128, 128)    # BM, BN: must match gemm_pingpong.cu
 SM90_PINGPONG_STAGES = 6
 
 
-def sm90_smem_bytes(epilogue=SM90_EPILOGUE, pingpong=False):
-    """Dynamic shared memory of the sm90 tile built with MK_EPILOGUE=``epilogue`` (or the
-    ping-pong tile, whose epilogue is 2): the ring, the epilogue's staging, the barriers (two
-    per slot and two more) and 1 KB to align the base for the 128B swizzle."""
+def sm90_smem_bytes(pingpong=False):
+    """Dynamic shared memory of the sm90 tile (or the ping-pong tile): the ring, the
+    epilogue's staging, the barriers (two per slot and two more) and 1 KB to align the base
+    for the 128B swizzle."""
     (bm, bn), stages = ((SM90_PINGPONG_SHAPE, SM90_PINGPONG_STAGES) if pingpong else
                         (SM90_TILE, SM90_STAGES))
-    return stages * (bm + bn) * SM90_BK * 2 + SM90_STAGING[epilogue] + 16 * stages + 16 + 1024
+    return stages * (bm + bn) * SM90_BK * 2 + SM90_STAGING + 16 * stages + 16 + 1024
 
 
 def sm90_threads(publisher=False):
@@ -86,34 +86,30 @@ def sm90_threads(publisher=False):
     return SM90_THREADS + 32 * bool(publisher)
 
 
-SM90_SMEM_BYTES = sm90_smem_bytes(SM90_EPILOGUE)
+SM90_SMEM_BYTES = sm90_smem_bytes()
 
 SIMT_TILE = (32, 32)
 SIMT_THREADS = 128
 
 
 # ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
-_SM90_BUILDS = {}   # (epilogue, publisher, b_kn, pingpong) -> (init, tile)
+_SM90_BUILDS = {}   # (publisher, b_kn, pingpong, helper, defines) -> (init, tile)
 
 
-def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False, b_kn=False, pingpong=False):
+def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None, defines=""):
     """``(init, tile)`` device functions around ``cuda/gemm_tile.cu`` built with
-    ``MK_EPILOGUE=epilogue``, ``MK_PUBLISHER=publisher`` and ``MK_B_KN=b_kn`` (see the
-    helper's header; the library uses ``SM90_EPILOGUE`` and 0, the probe
-    ``benchmarks/probe_gemm_tile.py`` the others; b_kn: B is [k, n], not [n, k]), or with
-    ``pingpong`` around ``cuda/gemm_pingpong.cu`` (epilogue 2, no publisher; the same calling
-    sequence). Launch with ``sm90_smem_bytes(epilogue, pingpong)`` and
-    ``sm90_threads(publisher)``."""
-    if epilogue not in SM90_STAGING:
-        raise MkValueError(f"no epilogue {epilogue} in gemm_tile.cu")
-    if pingpong and (epilogue, bool(publisher)) != (2, False):
-        raise MkValueError("the ping-pong tile is built with epilogue 2 and no publisher warp "
-                           f"only (asked: epilogue {epilogue}, publisher {bool(publisher)})")
-    key = (epilogue, bool(publisher), bool(b_kn), bool(pingpong))
+    ``MK_PUBLISHER=publisher`` and ``MK_B_KN=b_kn`` (see the helper's header; b_kn: B is
+    [k, n], not [n, k]), or with ``pingpong`` around ``cuda/gemm_pingpong.cu`` (no publisher;
+    the same calling sequence). ``helper``: another source with gemm_tile.cu's entry points
+    (a probe's variant, e.g. ``benchmarks/cuda/gemm_epilogues.cu``, which may include the
+    library's files by name: :func:`linked_source`), ``defines`` prepended to it. Launch with
+    ``sm90_smem_bytes(pingpong)`` and ``sm90_threads(publisher)``."""
+    if pingpong and publisher:
+        raise MkValueError("the ping-pong tile is built without a publisher warp")
+    key = (bool(publisher), bool(b_kn), bool(pingpong), helper, defines)
     if key not in _SM90_BUILDS:
-        defines = "" if key[:2] == (SM90_EPILOGUE, False) else (
-            f"#define MK_EPILOGUE {epilogue}\n#define MK_PUBLISHER {key[1]:d}\n")
-        helper = linked_source(PINGPONG_HELPER if pingpong else HELPER,
+        defines += "#define MK_PUBLISHER 1\n" if publisher else ""
+        helper = linked_source(helper or (PINGPONG_HELPER if pingpong else HELPER),
                                defines + ("#define MK_B_KN 1\n" if b_kn else ""))
         prefix = "mk_gemm_sm90pp" if pingpong else "mk_gemm_sm90"
         u64, i32 = types.uint64, types.int32
@@ -145,9 +141,10 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False, b_kn=False, pin
 
 def linked_source(helper, defines=""):
     """A linked helper (``cuda/*.cu``) as NVRTC gets it: ``defines`` prepended and each
-    ``#include "*.cuh"`` of ours replaced by that file, the first time it is met (a header
-    that others include too is pasted once: ``#pragma once`` means nothing in one pasted
-    file; NVRTC, as numba drives it, searches no directory of ours). Written to the temp
+    ``#include "*.cuh"`` (or ``"*.cu"``) of ours replaced by that file, from the helper's
+    directory or else from the library's ``cuda/``, the first time it is met (a header that
+    others include too is pasted once: ``#pragma once`` means nothing in one pasted file;
+    NVRTC, as numba drives it, searches no directory of ours). Written to the temp
     directory under a name made from its content, so every process (and rank) that asks for
     the same build shares one file."""
     import hashlib
@@ -160,12 +157,13 @@ def linked_source(helper, defines=""):
         if name in pasted:
             return ""
         pasted.add(name)
-        return expand(os.path.join(here, name))
+        path = os.path.join(here, name)
+        return expand(path if os.path.exists(path) else os.path.join(LIBRARY_CUDA, name))
 
     def expand(path):
         with open(path) as f:
             text = f.read()
-        return re.sub(r'^#include "([\w.]+\.cuh)"$', lambda m: paste(m.group(1)), text,
+        return re.sub(r'^#include "([\w.]+\.cuh?)"$', lambda m: paste(m.group(1)), text,
                       flags=re.M)
 
     text = defines + expand(helper)
@@ -181,7 +179,7 @@ def linked_source(helper, defines=""):
 
 
 if not SIMULATOR:
-    gemm_init_sm90, gemm_tile_sm90 = sm90_tile_functions(SM90_EPILOGUE)
+    gemm_init_sm90, gemm_tile_sm90 = sm90_tile_functions()
 
 
 # ---- bf16 <-> fp32 on raw bits -----------------------------------------------------------------
@@ -483,23 +481,22 @@ def threads_of(build):
     return 32 if SIMULATOR and not build.tma else build.threads
 
 
-def sm90_build(epilogue, publisher, b_kn=False, pingpong=False):
-    """The :class:`TileBuild` of gemm_tile.cu built with MK_EPILOGUE=epilogue,
-    MK_PUBLISHER=publisher and MK_B_KN=b_kn (sm_90a), or with ``pingpong`` of
-    gemm_pingpong.cu (epilogue 2, no publisher). The library runs (2, 0) and, in the fused
-    ops, (2, 1), each also with b_kn, and on request the ping-pong tile;
-    ``benchmarks/probe_gemm_tile.py`` registers the others (:func:`register_tile`)."""
-    return TileBuild(*sm90_tile_functions(epilogue, publisher, b_kn, pingpong),
+def sm90_build(publisher=False, b_kn=False, pingpong=False, helper=None, defines=""):
+    """The :class:`TileBuild` of :func:`sm90_tile_functions` with these arguments (sm_90a).
+    The library runs gemm_tile.cu without and, in the fused ops, with the publisher warp, each
+    also with b_kn, and on request the ping-pong tile; ``benchmarks/probe_gemm_tile.py``
+    registers variants from its own sources (``helper``; :func:`register_tile`)."""
+    return TileBuild(*sm90_tile_functions(publisher, b_kn, pingpong, helper, defines),
                      SM90_PINGPONG_SHAPE if pingpong else SM90_TILE, sm90_threads(publisher),
-                     sm90_smem_bytes(epilogue, pingpong), True, epilogue == 1, b_kn, pingpong)
+                     sm90_smem_bytes(pingpong), True, False, b_kn, pingpong)
 
 
 #: the library's sm_90a builds other than "sm90" -> sm90_build's arguments, made on first use
-_SM90_LAZY = {"sm90:kn": (SM90_EPILOGUE, False, True),
-              SM90_FUSED_TILE: (SM90_EPILOGUE, True, False),
-              f"{SM90_FUSED_TILE}:kn": (SM90_EPILOGUE, True, True),
-              SM90_PINGPONG_TILE: (SM90_EPILOGUE, False, False, True),
-              f"{SM90_PINGPONG_TILE}:kn": (SM90_EPILOGUE, False, True, True)}
+_SM90_LAZY = {"sm90:kn": (False, True),
+              SM90_FUSED_TILE: (True, False),
+              f"{SM90_FUSED_TILE}:kn": (True, True),
+              SM90_PINGPONG_TILE: (False, False, True),
+              f"{SM90_PINGPONG_TILE}:kn": (False, True, True)}
 
 
 def is_sm90_name(name):
@@ -548,7 +545,7 @@ def register_tile(name, build):
     _BUILDS[name] = build
 
 
-__all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
+__all__ = ["SM90_TILE", "SM90_THREADS", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
            "SM90_PINGPONG_TILE", "SM90_PINGPONG_SHAPE", "is_sm90_name",
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions", "sm90_build",
