@@ -22,10 +22,14 @@ The persistent GEMM is timed with variants of the tile beside cuBLAS (torch.matm
   staged-publisher  both changes
   pingpong        the ping-pong tile ("sm90:pp", cuda/gemm_pingpong.cu): 128 x 128 tiles, each
                   warpgroup a whole tile, one warpgroup's epilogue under the other's MMAs
+  async           the async store tile ("sm90:as"): stmatrix into 4 KB of staging per warp,
+                  bulk copies out of it, and the consumers go on to the next tile's MMAs
 
-(``MK_EPILOGUE`` and ``MK_PUBLISHER`` in ``roles/cuda/gemm_tile.cu``; this probe registers
-the builds the library does not run with ``roles.compute.register_tile``, after which
-``mk.Gemm`` and the fused ops take their names as ``tile=``.)
+(The direct and no-store epilogues are ``benchmarks/cuda/gemm_epilogues.cu``: the library's
+``roles/cuda/gemm_tile.cu`` with its epilogue swapped, ``PROBE_EPILOGUE``; the publisher warp is
+the library's ``MK_PUBLISHER``. This probe registers the builds the library does not run with
+``roles.compute.register_tile``, after which ``mk.Gemm`` and the fused ops take their names as
+``tile=``.)
 Variants that write the output are checked against cuBLAS (relative error <= 1e-2). The table
 ends with a least-squares fit ``ms = fixed + slope * K`` per variant, the fixed part per tile.
 """
@@ -43,12 +47,13 @@ from mknumba.kernels import gemm as G  # noqa: E402
 from mknumba.roles import compute  # noqa: E402
 from numba import cuda  # noqa: E402
 
-#: variant -> (tile build, publish the tile flag); builds are ``roles.compute.tile_build`` names
+#: variant -> (tile build, publish the tile flag); builds are ``roles.compute.tile_build`` names,
+#: ``sm90:e<E>p<P>`` the probe's: epilogue E (0 direct, 1 none, 2 the library's), publisher P
 VARIANTS = {"direct": ("sm90:e0p0", True), "direct-noflag": ("sm90:e0p0", False),
             "nostore": ("sm90:e1p0", True), "nostore-noflag": ("sm90:e1p0", False),
             "staged": ("sm90", True), "staged-noflag": ("sm90", False),
             "publisher": ("sm90:e0p1", True), "staged-publisher": ("sm90:e2p1", True),
-            "pingpong": ("sm90:pp", True)}
+            "pingpong": ("sm90:pp", True), "async": ("sm90:as", True)}
 
 
 def _without_flag(tile):
@@ -60,12 +65,18 @@ def _without_flag(tile):
     return tile_without_flag
 
 
+EPILOGUES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_epilogues.cu")
+
+
 def register(tile):
     """Make a probe build ``sm90:e<E>p<P>`` known to the library (once)."""
     try:
         compute.tile_build(tile)
     except Exception:       # noqa: BLE001 - not one of the library's: register it
-        compute.register_tile(tile, compute.sm90_build(int(tile[6]), tile[8] == "1"))
+        epilogue, publisher = int(tile[6]), tile[8] == "1"
+        b = compute.sm90_build(publisher, helper=EPILOGUES,
+                               defines=f"#define PROBE_EPILOGUE {epilogue}\n")
+        compute.register_tile(tile, b._replace(timing_only=epilogue == 1))
 
 
 def build(name):

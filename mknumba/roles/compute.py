@@ -22,7 +22,7 @@ block-level barrier among the storing threads, so it can publish the tile's comp
 release (``primitives.st_release``). Threads may leave a call before its tile is done (the sm_90a
 producer warp once its loads are queued; in the ping-pong tile the warpgroup that does not own
 the tile at once), so whatever a caller does per tile it does per thread, with no block barrier
-between tiles.
+between tiles. After its last tile a block calls the build's ``drain(smem)`` (every thread).
 
 Implementations:
 - ``gemm_tile_sm90``: Hopper only (sm_90a). The linked helper ``cuda/gemm_tile.cu`` does TMA into a
@@ -33,6 +33,10 @@ Implementations:
   calling sequence with 128 x 128 tiles, each computed whole by one consumer warpgroup; the two
   warpgroups take alternate tiles (``seq`` odd or even) and turns in the main loop, so one's
   epilogue runs while the other's MMAs do. A 6-stage ring; 288 threads.
+- ``SM90_ASYNC_TILE`` (opt-in, mk.Gemm without split-K only): ``cuda/gemm_tile.cu`` built with
+  ``MK_ASYNC_STORE=1``: the tile's rows leave shared memory by bulk copies that the consumers
+  do not wait for (the copies are issued, not complete, when the tile returns 1: no flag
+  reader may rely on the data), and ``drain`` waits for their reads of shared memory.
 - ``gemm_tile_simt``: the generic twin (simulator, GPUs without sm_90a): plain loads, one fp32 dot
   product per output element, ``SIMT_TILE`` tiles, any block size.
 """
@@ -48,18 +52,18 @@ from ..primitives import data_ptr, peer_view, release, udiv32, wait_flag
 from .blocks import no_stamp, stamp
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
-PINGPONG_HELPER = os.path.join(os.path.dirname(HELPER), "gemm_pingpong.cu")
+LIBRARY_CUDA = os.path.dirname(HELPER)
+PINGPONG_HELPER = os.path.join(LIBRARY_CUDA, "gemm_pingpong.cu")
 
 # Must match the constants at the top of gemm_tile.cu.
 SM90_TILE = (128, 256)      # BM, BN
 SM90_BK = 64
 SM90_STAGES = 4
 SM90_THREADS = 288          # two consumer warpgroups + one producer warp
-SM90_STAGING = {0: 0, 1: 0, 2: 8 * 16 * 128}    # epilogue staging bytes per MK_EPILOGUE
-#: the library's epilogue: stmatrix through staging, then 16-byte stores of whole rows. On an
-#: H200 at m = n = 8192 it cut the fixed cost per tile from 6.3 to 0.8 us against epilogue 0
-#: (benchmarks/results/gemm_tile_probe.json), which matters most at small K.
-SM90_EPILOGUE = 2
+#: the epilogue's staging (2 KB per consumer warp): stmatrix, then 16-byte stores of whole rows.
+#: On an H200 at m = n = 8192 it cut the fixed cost per tile from 6.3 to 0.8 us against 4-byte
+#: stores from the accumulators (benchmarks/probe_gemm_tile.py, results/gemm_tile_probe.json).
+SM90_STAGING = 8 * 16 * 128
 #: the fused kernels' tile: the same, plus a tenth warp that publishes the tile flags, so the
 #: fence before each flag (which waits for the tile's stores) stalls no MMA warp. In the 1x2
 #: fused kernels it was faster at 14 of 16 points (benchmarks/NOTES.md).
@@ -70,15 +74,23 @@ SM90_FUSED_TILE = "sm90:e2p1"
 SM90_PINGPONG_TILE = "sm90:pp"
 SM90_PINGPONG_SHAPE = (128, 128)    # BM, BN: must match gemm_pingpong.cu
 SM90_PINGPONG_STAGES = 6
+#: the async store tile (``cuda/gemm_tile.cu`` with MK_ASYNC_STORE): the consumers leave each
+#: tile's stores to bulk copies and go on to the next tile's MMAs. Opt-in, mk.Gemm only and
+#: without split-K: its tile flags go out before the copies complete (nothing in the kernel
+#: may wait for them).
+SM90_ASYNC_TILE = "sm90:as"
+#: its staging: 16 rows of 128 columns per consumer warp, rows 272 B apart (gemm_tile.cu)
+SM90_ASYNC_STAGING = 8 * (15 * 272 + 256)
 
 
-def sm90_smem_bytes(epilogue=SM90_EPILOGUE, pingpong=False):
-    """Dynamic shared memory of the sm90 tile built with MK_EPILOGUE=``epilogue`` (or the
-    ping-pong tile, whose epilogue is 2): the ring, the epilogue's staging, the barriers (two
-    per slot and two more) and 1 KB to align the base for the 128B swizzle."""
+def sm90_smem_bytes(pingpong=False, async_store=False):
+    """Dynamic shared memory of the sm90 tile (or the ping-pong tile, or the async store
+    tile): the ring, the epilogue's staging, the barriers (two per slot and two more) and 1 KB
+    to align the base for the 128B swizzle."""
     (bm, bn), stages = ((SM90_PINGPONG_SHAPE, SM90_PINGPONG_STAGES) if pingpong else
                         (SM90_TILE, SM90_STAGES))
-    return stages * (bm + bn) * SM90_BK * 2 + SM90_STAGING[epilogue] + 16 * stages + 16 + 1024
+    staging = SM90_ASYNC_STAGING if async_store else SM90_STAGING
+    return stages * (bm + bn) * SM90_BK * 2 + staging + 16 * stages + 16 + 1024
 
 
 def sm90_threads(publisher=False):
@@ -86,34 +98,40 @@ def sm90_threads(publisher=False):
     return SM90_THREADS + 32 * bool(publisher)
 
 
-SM90_SMEM_BYTES = sm90_smem_bytes(SM90_EPILOGUE)
+SM90_SMEM_BYTES = sm90_smem_bytes()
 
 SIMT_TILE = (32, 32)
 SIMT_THREADS = 128
 
 
 # ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
-_SM90_BUILDS = {}   # (epilogue, publisher, b_kn, pingpong) -> (init, tile)
+_SM90_BUILDS = {}   # (publisher, b_kn, pingpong, async_store, helper, defines) -> functions
 
 
-def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False, b_kn=False, pingpong=False):
-    """``(init, tile)`` device functions around ``cuda/gemm_tile.cu`` built with
-    ``MK_EPILOGUE=epilogue``, ``MK_PUBLISHER=publisher`` and ``MK_B_KN=b_kn`` (see the
-    helper's header; the library uses ``SM90_EPILOGUE`` and 0, the probe
-    ``benchmarks/probe_gemm_tile.py`` the others; b_kn: B is [k, n], not [n, k]), or with
-    ``pingpong`` around ``cuda/gemm_pingpong.cu`` (epilogue 2, no publisher; the same calling
-    sequence). Launch with ``sm90_smem_bytes(epilogue, pingpong)`` and
-    ``sm90_threads(publisher)``."""
-    if epilogue not in SM90_STAGING:
-        raise MkValueError(f"no epilogue {epilogue} in gemm_tile.cu")
-    if pingpong and (epilogue, bool(publisher)) != (2, False):
-        raise MkValueError("the ping-pong tile is built with epilogue 2 and no publisher warp "
-                           f"only (asked: epilogue {epilogue}, publisher {bool(publisher)})")
-    key = (epilogue, bool(publisher), bool(b_kn), bool(pingpong))
+@cuda.jit(device=True)
+def no_drain(smem):
+    """Nothing outstanding after a block's last tile (:class:`TileBuild`'s ``drain``)."""
+    pass
+
+
+def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, async_store=False,
+                        helper=None, defines=""):
+    """``(init, tile, drain)`` device functions around ``cuda/gemm_tile.cu`` built with
+    ``MK_PUBLISHER=publisher``, ``MK_B_KN=b_kn`` and ``MK_ASYNC_STORE=async_store`` (see the
+    helper's header; b_kn: B is [k, n], not [n, k]; drain: the async store tile's, else
+    :func:`no_drain`), or with ``pingpong`` around ``cuda/gemm_pingpong.cu`` (no publisher;
+    the same calling sequence). ``helper``: another source with gemm_tile.cu's entry points
+    (a probe's variant, e.g. ``benchmarks/cuda/gemm_epilogues.cu``, which may include the
+    library's files by name: :func:`linked_source`), ``defines`` prepended to it. Launch with
+    ``sm90_smem_bytes(pingpong, async_store)`` and ``sm90_threads(publisher)``."""
+    if sum(map(bool, (publisher, pingpong, async_store))) > 1:
+        raise MkValueError("the publisher warp, the ping-pong tile and the async store tile "
+                           "are separate builds")
+    key = (bool(publisher), bool(b_kn), bool(pingpong), bool(async_store), helper, defines)
     if key not in _SM90_BUILDS:
-        defines = "" if key[:2] == (SM90_EPILOGUE, False) else (
-            f"#define MK_EPILOGUE {epilogue}\n#define MK_PUBLISHER {key[1]:d}\n")
-        helper = linked_source(PINGPONG_HELPER if pingpong else HELPER,
+        defines += "#define MK_PUBLISHER 1\n" if publisher else ""
+        defines += "#define MK_ASYNC_STORE 1\n" if async_store else ""
+        helper = linked_source(helper or (PINGPONG_HELPER if pingpong else HELPER),
                                defines + ("#define MK_B_KN 1\n" if b_kn else ""))
         prefix = "mk_gemm_sm90pp" if pingpong else "mk_gemm_sm90"
         u64, i32 = types.uint64, types.int32
@@ -139,15 +157,26 @@ def sm90_tile_functions(epilogue=SM90_EPILOGUE, publisher=False, b_kn=False, pin
                            np.int32(c_row0), data_ptr(addend), np.int32(adds), np.int32(m),
                            np.int32(n), np.int32(tile_m), np.int32(tile_n), np.int32(k_iters),
                            np.int32(seq))
-        _SM90_BUILDS[key] = (gemm_init, gemm_tile)
+        if async_store:
+            drain_fn = cuda.declare_device(f"{prefix}_drain", i32(u64), link=[helper],
+                                           abi="c")
+
+            @cuda.jit(device=True)
+            def gemm_drain(smem):
+                """After the block's last tile: its bulk stores have read shared memory."""
+                drain_fn(data_ptr(smem))
+        else:
+            gemm_drain = no_drain
+        _SM90_BUILDS[key] = (gemm_init, gemm_tile, gemm_drain)
     return _SM90_BUILDS[key]
 
 
 def linked_source(helper, defines=""):
     """A linked helper (``cuda/*.cu``) as NVRTC gets it: ``defines`` prepended and each
-    ``#include "*.cuh"`` of ours replaced by that file, the first time it is met (a header
-    that others include too is pasted once: ``#pragma once`` means nothing in one pasted
-    file; NVRTC, as numba drives it, searches no directory of ours). Written to the temp
+    ``#include "*.cuh"`` (or ``"*.cu"``) of ours replaced by that file, from the helper's
+    directory or else from the library's ``cuda/``, the first time it is met (a header that
+    others include too is pasted once: ``#pragma once`` means nothing in one pasted file;
+    NVRTC, as numba drives it, searches no directory of ours). Written to the temp
     directory under a name made from its content, so every process (and rank) that asks for
     the same build shares one file."""
     import hashlib
@@ -160,12 +189,13 @@ def linked_source(helper, defines=""):
         if name in pasted:
             return ""
         pasted.add(name)
-        return expand(os.path.join(here, name))
+        path = os.path.join(here, name)
+        return expand(path if os.path.exists(path) else os.path.join(LIBRARY_CUDA, name))
 
     def expand(path):
         with open(path) as f:
             text = f.read()
-        return re.sub(r'^#include "([\w.]+\.cuh)"$', lambda m: paste(m.group(1)), text,
+        return re.sub(r'^#include "([\w.]+\.cuh?)"$', lambda m: paste(m.group(1)), text,
                       flags=re.M)
 
     text = defines + expand(helper)
@@ -181,7 +211,7 @@ def linked_source(helper, defines=""):
 
 
 if not SIMULATOR:
-    gemm_init_sm90, gemm_tile_sm90 = sm90_tile_functions(SM90_EPILOGUE)
+    gemm_init_sm90, gemm_tile_sm90, _ = sm90_tile_functions()
 
 
 # ---- bf16 <-> fp32 on raw bits -----------------------------------------------------------------
@@ -297,7 +327,7 @@ def make_compute_role(build, destination, grouped=None, stamps=None, units=None)
     ``units``: the entries of ``order`` are work units, not tiles (see :func:`make_compute_tile`).
     """
     work = grouped[0] if grouped is not None else all_tiles
-    tile_init = build.init
+    tile_init, drain = build.init, build.drain
     compute_tile = make_compute_tile(build, destination, grouped, units)
     mark = stamp if stamps is not None else no_stamp
     start, done = stamps if stamps is not None else (0, 0)
@@ -315,6 +345,7 @@ def make_compute_role(build, destination, grouped=None, stamps=None, units=None)
             mark(tr, trace, done, i)
             i += blocks
             seq += 1
+        drain(smem)     # the tile's asynchronous work on shared memory, before the block exits
 
     if stamps is not None:
         @cuda.jit(device=True)
@@ -445,11 +476,12 @@ TO_OWNER = (to_owner, inbox_ready)
 #: init/tile: the device functions (tile contract above); shape: (BM, BN); threads per block;
 #: smem_bytes: dynamic shared memory per block; tma: reads A and B through tensor maps (sm_90a);
 #: timing_only: leaves the output unwritten (probes; the fused ops refuse it); b_kn: B is [k, n]
-#: (row-major, N contiguous), not [n, k]; gemm_only: only mk.Gemm runs it (the fused ops
-#: refuse it).
+#: (row-major, N contiguous), not [n, k]; gemm_only: only mk.Gemm without split-K runs it (the
+#: fused ops refuse it); drain(smem): once per block after its last tile (make_compute_role;
+#: kernels that call make_compute_tile themselves run no build that needs one).
 TileBuild = namedtuple("TileBuild",
-                       "init tile shape threads smem_bytes tma timing_only b_kn gemm_only",
-                       defaults=(False, False))
+                       "init tile shape threads smem_bytes tma timing_only b_kn gemm_only drain",
+                       defaults=(False, False, no_drain))
 _BUILDS = {"simt": TileBuild(gemm_init_simt, gemm_tile_simt, SIMT_TILE, SIMT_THREADS, 0, False,
                              False),
            "simt:kn": TileBuild(gemm_init_simt, gemm_tile_simt_kn, SIMT_TILE, SIMT_THREADS, 0,
@@ -483,23 +515,28 @@ def threads_of(build):
     return 32 if SIMULATOR and not build.tma else build.threads
 
 
-def sm90_build(epilogue, publisher, b_kn=False, pingpong=False):
-    """The :class:`TileBuild` of gemm_tile.cu built with MK_EPILOGUE=epilogue,
-    MK_PUBLISHER=publisher and MK_B_KN=b_kn (sm_90a), or with ``pingpong`` of
-    gemm_pingpong.cu (epilogue 2, no publisher). The library runs (2, 0) and, in the fused
-    ops, (2, 1), each also with b_kn, and on request the ping-pong tile;
-    ``benchmarks/probe_gemm_tile.py`` registers the others (:func:`register_tile`)."""
-    return TileBuild(*sm90_tile_functions(epilogue, publisher, b_kn, pingpong),
-                     SM90_PINGPONG_SHAPE if pingpong else SM90_TILE, sm90_threads(publisher),
-                     sm90_smem_bytes(epilogue, pingpong), True, epilogue == 1, b_kn, pingpong)
+def sm90_build(publisher=False, b_kn=False, pingpong=False, async_store=False, helper=None,
+               defines=""):
+    """The :class:`TileBuild` of :func:`sm90_tile_functions` with these arguments (sm_90a).
+    The library runs gemm_tile.cu without and, in the fused ops, with the publisher warp, each
+    also with b_kn, and on request the ping-pong tile or the async store tile (mk.Gemm only);
+    ``benchmarks/probe_gemm_tile.py`` registers variants from its own sources (``helper``;
+    :func:`register_tile`)."""
+    init, tile, drain = sm90_tile_functions(publisher, b_kn, pingpong, async_store, helper,
+                                            defines)
+    return TileBuild(init, tile, SM90_PINGPONG_SHAPE if pingpong else SM90_TILE,
+                     sm90_threads(publisher), sm90_smem_bytes(pingpong, async_store), True,
+                     False, b_kn, pingpong or async_store, drain)
 
 
 #: the library's sm_90a builds other than "sm90" -> sm90_build's arguments, made on first use
-_SM90_LAZY = {"sm90:kn": (SM90_EPILOGUE, False, True),
-              SM90_FUSED_TILE: (SM90_EPILOGUE, True, False),
-              f"{SM90_FUSED_TILE}:kn": (SM90_EPILOGUE, True, True),
-              SM90_PINGPONG_TILE: (SM90_EPILOGUE, False, False, True),
-              f"{SM90_PINGPONG_TILE}:kn": (SM90_EPILOGUE, False, True, True)}
+_SM90_LAZY = {"sm90:kn": (False, True),
+              SM90_FUSED_TILE: (True, False),
+              f"{SM90_FUSED_TILE}:kn": (True, True),
+              SM90_PINGPONG_TILE: (False, False, True),
+              f"{SM90_PINGPONG_TILE}:kn": (False, True, True),
+              SM90_ASYNC_TILE: (False, False, False, True),
+              f"{SM90_ASYNC_TILE}:kn": (False, True, False, True)}
 
 
 def is_sm90_name(name):
@@ -510,8 +547,8 @@ def is_sm90_name(name):
 
 def tile_build(name):
     """The tile build called ``name``: ``"simt"``, ``"sm90"`` (the library's Hopper tile),
-    ``SM90_FUSED_TILE``, ``SM90_PINGPONG_TILE`` (made on first use), or one added with
-    :func:`register_tile`; any of the first four with ``":kn"`` appended (:func:`kn_kind`):
+    ``SM90_FUSED_TILE``, ``SM90_PINGPONG_TILE``, ``SM90_ASYNC_TILE`` (made on first use), or
+    one added with :func:`register_tile`; any of the first five with ``":kn"`` appended (:func:`kn_kind`):
     the same tile reading B as [k, n]. Raises MkValueError for anything else, and in the
     simulator for the sm_90a builds."""
     if name not in _BUILDS and is_sm90_name(name):
@@ -548,8 +585,8 @@ def register_tile(name, build):
     _BUILDS[name] = build
 
 
-__all__ = ["SM90_TILE", "SM90_THREADS", "SM90_EPILOGUE", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
-           "SM90_PINGPONG_TILE", "SM90_PINGPONG_SHAPE", "is_sm90_name",
+__all__ = ["SM90_TILE", "SM90_THREADS", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
+           "SM90_PINGPONG_TILE", "SM90_PINGPONG_SHAPE", "SM90_ASYNC_TILE", "is_sm90_name",
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions", "sm90_build",
            "gemm_init_simt", "gemm_tile_simt", "gemm_tile_simt_kn", "bf16_to_f32",

@@ -21,28 +21,39 @@
 // has already run, and k-step g = seq * k_iters + kk uses slot g % STAGES with phase (g / STAGES) & 1.
 // Hence the producer runs ahead into the next tile while the consumers finish this one's epilogue.
 //
-// MK_EPILOGUE picks how a finished tile leaves the registers. The library builds 2 (it must match
-// SM90_EPILOGUE in compute.py); benchmarks/probe_gemm_tile.py times the others beside it:
-//   0  straight from the accumulator layout: 4-byte stores, each warp store touching 8 rows
-//   1  none (timing only: the output is left unwritten)
-//   2  through 2 KB of staging per warp: stmatrix, then 16-byte loads and stores that cover
-//      whole 128-byte rows (a quarter of the store instructions, no half-written sectors);
-//      on an H200 this took the fixed cost per tile from 6.3 us (0) to 0.8 us
-// MK_PUBLISHER 1 adds a tenth warp (320 threads) that publishes tile flags: consumers arrive on
-// an mbarrier after their stores and go on; the publisher waits on it and returns 1, so the
-// fence before the flag (which waits for the tile's stores to drain) stalls only that warp.
-// Without it (the library's build) consumer thread 0 publishes after a barrier of the consumers.
+// A finished tile leaves the registers through 2 KB of staging per consumer warp (gemm_common.cuh
+// store_warp_rows: stmatrix, then 16-byte loads and stores that cover whole 128-byte rows).
+// benchmarks/probe_gemm_tile.py times it against other epilogues (benchmarks/cuda/).
+// MK_ASYNC_STORE 1 (mk.Gemm's opt-in "sm90:as"): the consumers do not wait for their stores.
+// Each warp stages half a row block (16 rows x 128 columns, 4.2 KB) at a time with stmatrix, and
+// 16 of its lanes copy the rows out with bulk copies (gemm_common.cuh store_warp_rows_async); the
+// warp then goes on to the next tile's MMAs while the copies run. The staging is written again
+// only once the copies that read it say so (cp.async.bulk.wait_group.read): the second half
+// waits for the first half's copies, the next tile's first half for this tile's second half
+// (long done by then), and mk_gemm_sm90_drain for the last, before the block exits. The tile
+// returns 1 once the copies are ISSUED, not complete: a flag published then does not cover
+// the tile's data, so this build is for mk.Gemm without split-K (nothing in the kernel reads
+// the flags; the host reads them, and C, after the kernel ends). Tiles with planes to add
+// (adds > 0) take the staged epilogue, in the first 2 KB of the warp's staging.
+// MK_PUBLISHER 1 (the fused ops' build, compute.SM90_FUSED_TILE) adds a tenth warp (320 threads)
+// that publishes tile flags: consumers arrive on an mbarrier after their stores and go on; the
+// publisher waits on it and returns 1, so the fence before the flag (which waits for the tile's
+// stores to drain) stalls only that warp. Without it (mk.Gemm's build) consumer thread 0
+// publishes after a barrier of the consumers.
 
 #include "gemm_common.cuh"
 
-#ifndef MK_EPILOGUE
-#define MK_EPILOGUE 2
-#endif
 #ifndef MK_PUBLISHER
 #define MK_PUBLISHER 0
 #endif
 #ifndef MK_B_KN
 #define MK_B_KN 0
+#endif
+#ifndef MK_ASYNC_STORE
+#define MK_ASYNC_STORE 0
+#endif
+#if MK_ASYNC_STORE && MK_PUBLISHER
+#error "the async store epilogue has no publisher warp"
 #endif
 
 namespace {
@@ -54,9 +65,15 @@ constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A
 #if MK_B_KN
 constexpr unsigned B_BOX_BYTES = BK * 128;   // one box of B: 64 k-rows of 64 N-columns
 #endif
-constexpr unsigned STAGING_BYTES = MK_EPILOGUE == 2 ? CONSUMER_THREADS / 32 * WARP_STAGING : 0;
+#if MK_ASYNC_STORE
+// per consumer warp: 16 rows of 128 columns (256 B), 16 B of padding between rows
+constexpr unsigned ASYNC_ROW = 256 + 16, WARP_ASYNC_STAGING = 15 * ASYNC_ROW + 256;
+constexpr unsigned STAGING_BYTES = CONSUMER_THREADS / 32 * WARP_ASYNC_STAGING;
+#else
+constexpr unsigned STAGING_BYTES = CONSUMER_THREADS / 32 * WARP_STAGING;
+#endif
 // Layout from the 1024-byte-aligned base (128B swizzle repeats every 1024 B):
-//   [A slot 0..3][B slot 0..3][epilogue staging, if any][full 0..3][empty 0..3][staged][published]
+//   [A slot 0..3][B slot 0..3][epilogue staging][full 0..3][empty 0..3][staged][published]
 constexpr unsigned B_OFFSET = STAGES * A_BYTES;
 constexpr unsigned STAGING_OFFSET = STAGES * STAGE_BYTES;
 constexpr unsigned BAR_OFFSET = STAGING_OFFSET + STAGING_BYTES;
@@ -164,35 +181,23 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     // ---- epilogue: fp32 -> bf16. Thread layout of m64nNk16: warp w of the warpgroup holds rows
     // 16w + lane/4 (+8), and d[4j..4j+3] are columns 8j + 2*(lane%4) (+1) of those two rows.
     const int lane = tid % 32, warp = (tid % 128) / 32;
-#if MK_EPILOGUE != 1
     __nv_bfloat16 *out = (__nv_bfloat16 *)c - (long long)c_row0 * ldc;  // indexed by global row
     const long long plane_elems = (long long)m * n;
-#endif
-#if MK_EPILOGUE == 0
-    // straight from the accumulator layout to global memory
-    const int row0 = tile_m * BM + wg * 64 + warp * 16 + lane / 4;
-    const int col0 = tile_n * BN + 2 * (lane % 4);
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-        const int col = col0 + 8 * j;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int row = row0 + 8 * h;
-            if (row < m && col < n) {  // n is even (the op checks), so col + 1 < n as well
-                __nv_bfloat162 v = __floats2bfloat162_rn(d[4 * j + 2 * h], d[4 * j + 2 * h + 1]);
-                unsigned w = *reinterpret_cast<unsigned *>(&v);
-                if (adds > 0) w = add_planes(w, addend, adds, plane_elems, (long long)row * n + col);
-                *(unsigned *)(out + (long long)row * ldc + col) = w;
-            }
-        }
+#if MK_ASYNC_STORE
+    const unsigned stage = r.staging + (tid / 32) * WARP_ASYNC_STAGING;
+    if (adds == 0) {
+        store_warp_rows_async<ASYNC_ROW>(d, stage, lane, out, ldc,
+                                         tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n);
+    } else {
+        staging_free(lane);
+        store_warp_rows(d, stage, lane, out, ldc, tile_m * BM + wg * 64 + warp * 16,
+                        tile_n * BN, m, n, addend, adds, plane_elems);
     }
-#elif MK_EPILOGUE == 2
+#else
     // the warp's 16 rows, 64 columns at a time through its 2 KB of staging (gemm_common.cuh)
     store_warp_rows(d, r.staging + (tid / 32) * WARP_STAGING, lane, out, ldc,
                     tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n, addend, adds,
                     plane_elems);
-#else
-    (void)lane, (void)warp, (void)c, (void)c_row0, (void)addend, (void)adds;  // 1: timing only
 #endif
 #if MK_PUBLISHER
     // Hand the tile to the publisher and go on. Waiting first until tile seq - 1 was published
@@ -206,3 +211,12 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     return tid == 0;
 #endif
 }
+
+#if MK_ASYNC_STORE
+// Once per block, after its last tile, in every thread: this thread's bulk stores have read
+// the staging (the block's shared memory must not be left while they read it).
+extern "C" __device__ int mk_gemm_sm90_drain(unsigned long long smem) {
+    bulk_wait_read<0>();
+    return 0;
+}
+#endif
