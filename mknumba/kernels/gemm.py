@@ -11,8 +11,9 @@ Split-K (:func:`split_k_for`): when the output has few tiles for the compute blo
 long, each tile's K is cut into ``s`` slices. The work units are then (tile t, slice j), each
 computing its slice into plane ``1 + j`` of a bf16 workspace and publishing ``flags[(1 + j) *
 tiles + t] = epoch``, and then one fold unit per tile, which reads no K: it waits for the
-tile's ``s`` flags and adds the planes in its epilogue (the tile contract's ``addend``: an fp32
-sum, rounded once) into C. A fold takes no slice of its own because the compute role waits
+tile's ``s`` flags and sums the planes into C (the tile contract's ``addend`` with no K: an
+fp32 sum, rounded once; the sm_90a tile reads them with no accumulator, many 16-byte loads in
+flight per thread, ``fold_planes`` in ``roles/cuda/gemm_common.cuh``). A fold takes no slice of its own because the compute role waits
 before a tile starts: its slice would begin only once the others were done. The folds come
 after every slice in the order, and a block takes a unit only after its last one, so a fold
 waits on units that run or ran, never on one queued behind it; and after a fold a block runs

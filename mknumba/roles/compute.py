@@ -13,7 +13,8 @@ every thread of the block):
     c: [*, n] bf16 bits, row-major, from global row c_row0 on — the tile's rows
        [tile_m*BM, +BM) and cols [tile_n*BN, +BN) land in c[row - c_row0, col]
     addend: [P, m, n] bf16 bits; adds > 0: planes 1..adds are added to the tile before it is
-       stored (the fused ReduceScatter's owner folds the delivered partials in, ``to_owner``)
+       stored (the fused ReduceScatter's owner folds the delivered partials in, ``to_owner``;
+       with k == 0 the tile is their sum alone: a split-K fold, ``kernels.gemm``)
     smem: the block's dynamic shared memory (uint8); tmaps: uint64[32], the two CUtensorMaps
     seq: how many tiles this block has already computed (the sm_90a ring's phase follows from it)
 

@@ -1,6 +1,6 @@
 // What the Hopper GEMM tiles (gemm_tile.cu, gemm_pingpong.cu) share after their main loops:
-// folding partials in (add_planes), the staged epilogue (store_warp_rows) and the asynchronous
-// one (store_warp_rows_async).
+// folding partials in (add_planes, add_planes_v4; a split-K fold: fold_planes), the staged
+// epilogue (store_warp_rows) and the asynchronous one (store_warp_rows_async).
 #pragma once
 #include "sm90.cuh"
 
@@ -83,13 +83,41 @@ __device__ __forceinline__ unsigned add_planes(unsigned w, unsigned long long ad
     return *reinterpret_cast<unsigned *>(&v);
 }
 
-// add_planes for 8 bf16 (16 bytes, 16-byte aligned): one vector load per plane.
+// 16 bytes of global memory through L2 only (ld.global.cg): partials that another block or GPU
+// wrote during this kernel, behind a flag the calling thread acquired. Volatile: never hoisted
+// above that acquire; the loads of a batch still issue back to back (nothing waits for one
+// until its value is used).
+__device__ __forceinline__ uint4 ld_global_cg_v4(const void *p) {
+    uint4 v;
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+// f[0..7] += the 8 bf16 of x (x.x's low half first: element order in memory)
+__device__ __forceinline__ void add_bf16x8(float (&f)[8], uint4 x) {
+    const unsigned w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f[2 * i] += __uint_as_float(w[i] << 16);
+        f[2 * i + 1] += __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
+    return make_uint4(pack_bf16x2(f[0], f[1]), pack_bf16x2(f[2], f[3]), pack_bf16x2(f[4], f[5]),
+                      pack_bf16x2(f[6], f[7]));
+}
+
+// add_planes for 8 bf16 (16 bytes, 16-byte aligned): one 16-byte load per plane, up to four
+// planes' loads in flight before the first is added (one memory round trip per four planes,
+// not one per plane and element pair).
 __device__ __forceinline__ uint4 add_planes_v4(uint4 v, unsigned long long addend, int adds,
                                                long long plane_elems, long long off) {
     const __nv_bfloat16 *base = (const __nv_bfloat16 *)addend + off;
-    unsigned w[4] = {v.x, v.y, v.z, v.w};
     if (adds == 1) {
         const uint4 x = *(const uint4 *)(base + plane_elems);
+        unsigned w[4] = {v.x, v.y, v.z, v.w};
         const unsigned xw[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -97,11 +125,76 @@ __device__ __forceinline__ uint4 add_planes_v4(uint4 v, unsigned long long adden
                                        *reinterpret_cast<const __nv_bfloat162 *>(&xw[i]));
             w[i] = *reinterpret_cast<unsigned *>(&s);
         }
-    } else {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) w[i] = add_planes(w[i], addend, adds, plane_elems, off + 2 * i);
+        return make_uint4(w[0], w[1], w[2], w[3]);
     }
-    return make_uint4(w[0], w[1], w[2], w[3]);
+    float f[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    add_bf16x8(f, v);
+#pragma unroll 1
+    for (int p = 1; p <= adds; p += 4) {
+        uint4 x[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+            x[q] = p + q <= adds ? ld_global_cg_v4(base + (p + q) * plane_elems)
+                                 : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) add_bf16x8(f, x[q]);
+    }
+    return pack_bf16x8(f);
+}
+
+// A tile that is a sum of partials only (a split-K fold, kernels/gemm.py: no K of its own, so no
+// product to add them to): rows [row0, +BM) and columns [col0, +BN) of ``out`` (indexed by global
+// row, ldc elements per row), bounded by m and n, := planes 1..adds of ``addend`` ([P, m, n])
+// summed in fp32, rounded once. Threads tid < THREADS each take one column of 8 elements (16
+// bytes; a warp covers 512 contiguous bytes of a row) in every THREADS / (BN / 8)-th row, V rows
+// and P planes at a time: V * P 16-byte loads in flight per thread before the first add. (The
+// accumulator epilogue's add_planes_v4 waits for memory once per 16 bytes it stores: 16 dependent
+// round trips per thread and batch of planes; here VECS / V per P planes.)
+template <int BM, int BN, int THREADS>
+__device__ __forceinline__ void fold_planes(__nv_bfloat16 *out, int ldc,
+                                            unsigned long long addend, int adds,
+                                            long long plane_elems, int row0, int col0, int m,
+                                            int n, int tid) {
+    constexpr int PER_ROW = BN / 8, STEP = THREADS / PER_ROW, VECS = BM / STEP;
+    // V rows, P planes: 16 loads in flight, and no spill in the linked kernels (more rows, e.g.
+    // 8 x 2, spilled the split kernel's registers, capped at 168 by 288 threads)
+    constexpr int V = VECS < 4 ? VECS : 4, P = 4;
+    static_assert(THREADS % PER_ROW == 0 && BM % STEP == 0 && VECS % V == 0, "whole rows");
+    const int col = col0 + 8 * (tid % PER_ROW);
+    if (col >= n) return;  // n is a multiple of 8 (the op checks): 8 columns fit or none
+    const int row1 = row0 + tid / PER_ROW;  // then every STEP-th row
+    const __nv_bfloat16 *src =
+        (const __nv_bfloat16 *)addend + plane_elems + (long long)row1 * n + col;
+    __nv_bfloat16 *dst = out + (long long)row1 * ldc + col;
+#pragma unroll 1
+    for (int i0 = 0; i0 < VECS; i0 += V) {
+        float f[V][8];
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+#pragma unroll
+            for (int i = 0; i < 8; ++i) f[v][i] = 0.f;
+        const int rows = m - (row1 + STEP * i0);  // rows v < this of the batch exist
+#pragma unroll 1
+        for (int p = 0; p < adds; p += P) {
+            uint4 x[P][V];
+#pragma unroll
+            for (int q = 0; q < P; ++q)
+#pragma unroll
+                for (int v = 0; v < V; ++v)
+                    x[q][v] = STEP * v < rows && p + q < adds
+                                  ? ld_global_cg_v4(src + (p + q) * plane_elems +
+                                                    (long long)STEP * (i0 + v) * n)
+                                  : make_uint4(0, 0, 0, 0);
+#pragma unroll
+            for (int q = 0; q < P; ++q)
+#pragma unroll
+                for (int v = 0; v < V; ++v) add_bf16x8(f[v], x[q][v]);
+        }
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+            if (STEP * v < rows)
+                *(uint4 *)(dst + (long long)STEP * (i0 + v) * ldc) = pack_bf16x8(f[v]);
+    }
 }
 
 // Four 8 x 8 bf16 matrices into shared memory: lane l gives the address of row l % 8 of matrix

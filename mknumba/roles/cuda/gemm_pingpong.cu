@@ -30,7 +30,7 @@
 //   with 1 warpgroup 1 never runs a main loop; the last tile's arrival is never waited on and
 //   stays pending when the kernel ends, which is harmless. The producer needs no handoff: it
 //   only waits for empty slots, which the main loops free in k-step order.
-// The epilogue is MK_EPILOGUE 2's (gemm_common.cuh store_warp_rows, 2 KB of staging per warp,
+// The epilogue is the sm90 tile's (gemm_common.cuh store_warp_rows, 2 KB of staging per warp,
 // private to the warp): the two warpgroups' epilogues need no ordering. The owning warpgroup's
 // thread 0 returns 1 after a named barrier of its 128 threads (barrier 1 + wg).
 

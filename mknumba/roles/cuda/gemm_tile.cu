@@ -116,7 +116,8 @@ extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned lo
 // One 128 x 256 output tile; every thread of the block calls it for every tile.
 //   c, ldc: bf16 output (row-major, ldc elements per row) holding global rows from c_row0 on;
 //   m, n bound the stores. adds > 0: add planes 1..adds of ``addend`` ([P, m, n] bf16, plane
-//   stride m * n) at the same element before storing (add_planes).
+//   stride m * n) at the same element before storing (add_planes); with k_iters 0 as well (a
+//   split-K fold) the tile is their sum alone, read with no accumulator (fold_planes).
 //   tile_m, tile_n: tile coordinates; k_iters = ceil(K / 64); seq: tiles this block already ran.
 // Returns 1 in exactly one thread (consumer thread 0, or the publisher's lane 0) once all of this
 // tile's stores are issued by every consumer thread: that thread publishes the tile's completion
@@ -146,60 +147,69 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
         return 0;
     }
 
-    // ---- consumers: warpgroup wg multiplies its 64 rows of A against all 256 columns of B
-    const int wg = tid / 128;
-    float d[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) d[i] = 0.f;
-    fence_operands(d);
-
-    for (int kk = 0; kk < k_iters; ++kk) {
-        const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
-        mbar_wait(r.full + 8 * s, phase);
-        const unsigned a = r.a + s * A_BYTES + wg * 64 * 128, b = r.b + s * B_BYTES;
-        wgmma_fence();
-        // k16: 16 bf16 = 32 bytes along A's swizzled rows; with MK_B_KN 16 rows (2 KB) down
-        // every box of B
-#pragma unroll
-        for (int k16 = 0; k16 < BK / 16; ++k16)
-#if MK_B_KN
-            wgmma_m64n256k16<1>(d, smem_desc(a + 32 * k16),
-                                smem_desc_mn(b + 16 * 128 * k16, B_BOX_BYTES));
-#else
-            wgmma_m64n256k16(d, smem_desc(a + 32 * k16), smem_desc(b + 32 * k16));
-#endif
-        wgmma_commit();
-        // Keep one k-step of MMAs in flight; the previous step's slot can be refilled now.
-        wgmma_wait<1>();
-        fence_operands(d);
-        if (kk > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g - 1) % STAGES));
-    }
-    wgmma_wait<0>();
-    fence_operands(d);
-    if (k_iters > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g0 + k_iters - 1) % STAGES));
-
-    // ---- epilogue: fp32 -> bf16. Thread layout of m64nNk16: warp w of the warpgroup holds rows
-    // 16w + lane/4 (+8), and d[4j..4j+3] are columns 8j + 2*(lane%4) (+1) of those two rows.
-    const int lane = tid % 32, warp = (tid % 128) / 32;
     __nv_bfloat16 *out = (__nv_bfloat16 *)c - (long long)c_row0 * ldc;  // indexed by global row
     const long long plane_elems = (long long)m * n;
-#if MK_ASYNC_STORE
-    const unsigned stage = r.staging + (tid / 32) * WARP_ASYNC_STAGING;
-    if (adds == 0) {
-        store_warp_rows_async<ASYNC_ROW>(d, stage, lane, out, ldc,
-                                         tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n);
+    if (k_iters == 0 && adds > 0) {
+        // ---- a split-K fold (kernels/gemm.py): no K of its own, the tile is the planes' sum,
+        // read straight from memory with many loads in flight (fold_planes), no accumulator
+        fold_planes<BM, BN, CONSUMER_THREADS>(out, ldc, addend, adds, plane_elems, tile_m * BM,
+                                              tile_n * BN, m, n, tid);
     } else {
-        staging_free(lane);
-        store_warp_rows(d, stage, lane, out, ldc, tile_m * BM + wg * 64 + warp * 16,
-                        tile_n * BN, m, n, addend, adds, plane_elems);
-    }
+        // ---- consumers: warpgroup wg multiplies its 64 rows of A against all 256 columns of B
+        const int wg = tid / 128;
+        float d[128];
+#pragma unroll
+        for (int i = 0; i < 128; ++i) d[i] = 0.f;
+        fence_operands(d);
+
+        for (int kk = 0; kk < k_iters; ++kk) {
+            const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
+            mbar_wait(r.full + 8 * s, phase);
+            const unsigned a = r.a + s * A_BYTES + wg * 64 * 128, b = r.b + s * B_BYTES;
+            wgmma_fence();
+            // k16: 16 bf16 = 32 bytes along A's swizzled rows; with MK_B_KN 16 rows (2 KB) down
+            // every box of B
+#pragma unroll
+            for (int k16 = 0; k16 < BK / 16; ++k16)
+#if MK_B_KN
+                wgmma_m64n256k16<1>(d, smem_desc(a + 32 * k16),
+                                    smem_desc_mn(b + 16 * 128 * k16, B_BOX_BYTES));
 #else
-    // the warp's 16 rows, 64 columns at a time through its 2 KB of staging (gemm_common.cuh)
-    store_warp_rows(d, r.staging + (tid / 32) * WARP_STAGING, lane, out, ldc,
-                    tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n, addend, adds,
-                    plane_elems);
+                wgmma_m64n256k16(d, smem_desc(a + 32 * k16), smem_desc(b + 32 * k16));
 #endif
+            wgmma_commit();
+            // Keep one k-step of MMAs in flight; the previous step's slot can be refilled now.
+            wgmma_wait<1>();
+            fence_operands(d);
+            if (kk > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g - 1) % STAGES));
+        }
+        wgmma_wait<0>();
+        fence_operands(d);
+        if (k_iters > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g0 + k_iters - 1) % STAGES));
+
+        // ---- epilogue: fp32 -> bf16. Thread layout of m64nNk16: warp w of the warpgroup holds
+        // rows 16w + lane/4 (+8), and d[4j..4j+3] are columns 8j + 2*(lane%4) (+1) of those two
+        // rows.
+        const int lane = tid % 32, warp = (tid % 128) / 32;
+#if MK_ASYNC_STORE
+        const unsigned stage = r.staging + (tid / 32) * WARP_ASYNC_STAGING;
+        if (adds == 0) {
+            store_warp_rows_async<ASYNC_ROW>(d, stage, lane, out, ldc,
+                                             tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n);
+        } else {
+            staging_free(lane);
+            store_warp_rows(d, stage, lane, out, ldc, tile_m * BM + wg * 64 + warp * 16,
+                            tile_n * BN, m, n, addend, adds, plane_elems);
+        }
+#else
+        // the warp's 16 rows, 64 columns at a time through its 2 KB of staging (gemm_common.cuh)
+        store_warp_rows(d, r.staging + (tid / 32) * WARP_STAGING, lane, out, ldc,
+                        tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n, addend, adds,
+                        plane_elems);
+#endif
+    }
 #if MK_PUBLISHER
+    const int lane = tid % 32;
     // Hand the tile to the publisher and go on. Waiting first until tile seq - 1 was published
     // keeps the two barriers' phases from running more than one tile apart.
     if (seq > 0) mbar_wait(r.published, (seq - 1) & 1);

@@ -1,0 +1,148 @@
+"""Where split-K's time goes in mk.Gemm (diagnostic, one process, one GPU).
+
+    python benchmarks/probe_split_k.py [--splits 2,4,8] [--layouts nk,kn] [--out PATH]
+        [m,n,k ...]
+
+Per shape and layout of B, microseconds per call (median of repetitions of back-to-back calls,
+as bench_gemm.py times) of:
+
+- ``torch``: torch.matmul (cuBLAS) on the same operands;
+- ``unsplit``: ``Gemm(split_k=1)``, the kernel without split-K;
+- ``split1``: the split-K kernel running whole tiles (one slice: every unit a tile into C),
+  i.e. what the split kernel's code alone costs (generic stores, its registers);
+- per S in ``--splits``: ``sS`` the op with ``split_k=S`` (slices and folds), ``sS.sl`` the
+  same plan with the folds left out of the work order (the slices alone; C is not written, so
+  it is not checked), and ``sS.fold`` = sS - sS.sl: what the folds add to the critical path.
+
+The slices-only and split1 runs patch the module's plan-time helpers inside this probe only
+(``kernels.gemm.split_order`` and ``kernels.gemm._build``); the library has no such switch.
+Full runs are checked against an fp32 reference (relative Frobenius error). Also printed: how
+many slices ``split_k_for`` picks (``rule``).
+"""
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from mknumba.kernels import gemm as G  # noqa: E402
+from mknumba.sched.tiles import cdiv  # noqa: E402
+
+SHAPES = [(512, 1024, 14336), (1024, 1024, 8192), (2048, 1024, 4096), (512, 4096, 4096),
+          (1024, 4096, 8192), (512, 1024, 1024), (512, 1024, 4096)]
+
+
+@contextlib.contextmanager
+def slices_only():
+    """Plans made inside leave every fold out of the work order."""
+    orig = G.split_order
+
+    def no_folds(order, slices):
+        return orig(order, slices)[:len(order) * slices]
+    G.split_order = no_folds
+    try:
+        yield
+    finally:
+        G.split_order = orig
+
+
+@contextlib.contextmanager
+def split_kernel_unsplit():
+    """Plans made inside run the split-K kernel even with one slice."""
+    orig = G._build
+    G._build = lambda kind, split=False: orig(kind, True)
+    try:
+        yield
+    finally:
+        G._build = orig
+
+
+def time_us(fn, reps=7, target_s=0.005):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    iters = max(5, min(400, int(target_s * 1e3 / max(s.elapsed_time(e), 1e-3))))
+    times = []
+    for _ in range(reps):
+        s.record()
+        for _ in range(iters):
+            fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / iters)
+    return sorted(times)[len(times) // 2]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--splits", default="2,4,8")
+    p.add_argument("--layouts", default="nk,kn")
+    p.add_argument("--out", default=None, help="JSON of the rows")
+    p.add_argument("shapes", nargs="*", help="m,n,k")
+    args = p.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes] or SHAPES
+    splits = [int(s) for s in args.splits.split(",")]
+    torch.manual_seed(0)
+    blocks = torch.cuda.get_device_properties(0).multi_processor_count   # all SMs compute
+    bm, bn = 128, 256     # the sm90 tile (roles.compute.SM90_TILE)
+    rows = []
+    cols = ["torch", "unsplit", "split1"] + [f"s{s}{x}" for s in splits
+                                             for x in ("", ".sl", ".fold")]
+    print(f"{'shape':>16} {'B':>2} {'tiles':>5} {'rule':>4} " +
+          " ".join(f"{c:>8}" for c in cols) + "   (us per call; err of each full run)",
+          flush=True)
+    for m, n, k in shapes:
+        tiles = cdiv(m, bm) * cdiv(n, bn)
+        rule = G.split_slices(k, G.split_k_for(tiles, k, blocks))[0]
+        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        ref = a.float() @ w.float().T
+        c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+        for layout in args.layouts.split(","):
+            b = w.T if layout == "nk" else w.T.contiguous()    # [k, n]: a view, or row-major
+            row = dict(m=m, n=n, k=k, layout=layout, tiles=tiles, rule=rule, errs={})
+
+            def run(key, op, ctx=contextlib.nullcontext(), check=True):
+                c.fill_(float("nan"))
+                with ctx:                     # the first call plans
+                    op(a, b, out=c)
+                torch.cuda.synchronize()
+                if check:
+                    row["errs"][key] = ((c.float() - ref).norm() / ref.norm()).item()
+                row[key] = time_us(lambda: op(a, b, out=c))
+
+            run("torch", lambda a, b, out: torch.matmul(a, b, out=out))
+            run("unsplit", G.Gemm(split_k=1))
+            run("split1", G.Gemm(split_k=1), split_kernel_unsplit())
+            for s in splits:
+                run(f"s{s}", G.Gemm(split_k=s))
+                run(f"s{s}.sl", G.Gemm(split_k=s), slices_only(), check=False)
+                row[f"s{s}.fold"] = row[f"s{s}"] - row[f"s{s}.sl"]
+            rows.append(row)
+            bad = [key for key, e in row["errs"].items() if not e <= 1e-2]   # NaN: unwritten
+            print(f"{m}x{n}x{k:<6} {layout:>2} {tiles:>5} {rule:>4} " +
+                  " ".join(f"{row[c_]:8.1f}" for c_ in cols) +
+                  f"   max err {max(row['errs'].values()):.1e}" +
+                  (f" FAIL {bad}" if bad else ""), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    print("\nfastest split per shape beside the rule's:")
+    for r in rows:
+        times = [(1, r["unsplit"])] + [(s, r[f"s{s}"]) for s in splits]
+        best = min(times, key=lambda x: x[1])
+        print(f"  {r['m']}x{r['n']}x{r['k']} {r['layout']}: best s={best[0]} "
+              f"({best[1]:.1f} us), rule s={r['rule']}")
+
+
+if __name__ == "__main__":
+    main()
