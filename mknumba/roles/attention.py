@@ -1,7 +1,7 @@
 """Attention compute role: FlashAttention's forward, one KV slice at a time.
 
 Two builds of the same role. On sm_90a the linked tile ``cuda/attention_tile.cu`` (TMA +
-wgmma, 128 query rows per tile, 288 threads: see its header); its numba wrappers are
+wgmma, 128 query rows per tile, 384 threads: see its header); its numba wrappers are
 :func:`sm90_functions`. Elsewhere (the simulator, other GPUs, head dims other than 64 and 128)
 the SIMT twin below: a block takes one tile of query rows of one (batch, head); each thread owns one query row and
 keeps its running state in fp32 registers: the row maximum ``m``, the softmax denominator ``l``
@@ -33,7 +33,7 @@ HEAD_DIM_MAX = 128     # the per-thread accumulator's size (registers on the GPU
 SM90_HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda",
                            "attention_tile.cu")
 SM90_ROWS = 128                 # query rows per tile, and keys per KV tile
-SM90_THREADS = 288              # two consumer warpgroups + the producer warp
+SM90_THREADS = 384              # two consumer warpgroups + the producer warpgroup
 SM90_CONSUMERS = 256
 SM90_HEAD_DIMS = (64, 128)
 SM90_SMEM_BYTES = 7 * 128 * 256 + 128 + 1024  # Q, K x 3, V x 3, barriers, 1 KB alignment
@@ -87,9 +87,10 @@ _SM90 = []
 
 
 def sm90_functions():
-    """``(init, load_q, load_kv, tile)`` device functions around ``cuda/attention_tile.cu``
-    (declared on first use). Launch with ``SM90_THREADS`` threads and ``SM90_SMEM_BYTES`` of
-    dynamic shared memory; ``smem`` is that memory, map arguments are tensor-map addresses."""
+    """``(init, producer_regs, consumer_regs, load_q, load_kv, tile)`` device functions around
+    ``cuda/attention_tile.cu`` (declared on first use). Launch with ``SM90_THREADS`` threads
+    and ``SM90_SMEM_BYTES`` of dynamic shared memory; ``smem`` is that memory, map arguments
+    are tensor-map addresses."""
     if _SM90:
         return _SM90[0]
     helper = linked_source(SM90_HELPER)
@@ -105,6 +106,11 @@ def sm90_functions():
         "mk_attn_sm90_tile",
         i32(u64, u64, u64, i32, i32, i32, i32, i32, i32, u64, u64, i32, i32, f32, i32, i32),
         link=[helper], abi="c")
+    # setmaxnreg: the first thing on the producer warpgroup's path (all of its threads) and on
+    # the consumers'; the two paths must never rejoin (ptxas then drops both, C7507)
+    producer_regs, consumer_regs = (
+        cuda.declare_device(f"mk_attn_sm90_{role}_regs", i32(), link=[helper], abi="c")
+        for role in ("producer", "consumer"))
     i = np.int32
 
     @cuda.jit(device=True)
@@ -133,5 +139,6 @@ def sm90_functions():
                        i(seq), i(d), i(row0), q_run, kv_runs, i(slices), i(causal),
                        np.float32(scale_log2), i(kv_seq), i(q_seq))
 
-    _SM90.append((attn_init, attn_load_q, attn_load_kv, attn_tile))
+    _SM90.append((attn_init, producer_regs, consumer_regs, attn_load_q, attn_load_kv,
+                  attn_tile))
     return _SM90[0]

@@ -137,7 +137,8 @@ def compute_sm90_role():
     """The compute role on the sm_90a tile (``roles/cuda/attention_tile.cu``): the producer
     lane waits for each slice and queues its KV tiles; the consumers fold every slice into a
     query tile of 128 rows held in registers."""
-    attn_init, attn_load_q, attn_load_kv, attn_tile = sm90_functions()
+    (attn_init, attn_producer_regs, attn_consumer_regs, attn_load_q, attn_load_kv,
+     attn_tile) = sm90_functions()
 
     @cuda.jit(device=True)
     def compute_sm90(worker, workers, q, k, v, out, lse, kv, user_maps, slot_maps, runs, flags,
@@ -158,7 +159,8 @@ def compute_sm90_role():
         tid = cuda.threadIdx.x
         q_seq = 0
         kv_seq = 0
-        if tid >= SM90_CONSUMERS:                        # the producer warp: one lane
+        if tid >= SM90_CONSUMERS:                   # the producer warpgroup: one lane
+            attn_producer_regs()
             if tid != SM90_CONSUMERS:
                 return
             live = 1
@@ -182,6 +184,7 @@ def compute_sm90_role():
                                           row0, q_run, q_run + RUN_BYTES * (j + 1), causal,
                                           kv_seq, live)
             return
+        attn_consumer_regs()
         for n in range(tiles * batch * heads):                # the consumers
             b, h, row0 = query_tile(n, worker, workers, batch, heads, tiles, SM90_ROWS, causal)
             if b == batch:
@@ -200,7 +203,8 @@ def make_kernel(tile):
     if tile in _KERNELS:
         return _KERNELS[tile]
     compute = compute_sm90_role() if tile == "sm90" else compute_simt
-    # one block of the sm90 tile per SM: ptxas may take up to 65536 / 288 registers a thread
+    # one block of the sm90 tile per SM: 65536 / 384 registers a thread at launch, then
+    # moved from the producer warpgroup to the consumers (attention_tile.cu)
     bounds = {"launch_bounds": (SM90_THREADS, 1)} if tile == "sm90" else {}
 
     @cuda.jit(**bounds)

@@ -1,16 +1,18 @@
 // Hopper (sm_90a) attention tile for mknumba's Ring Attention: FlashAttention's forward pass for
 // one tile of 128 query rows of one (batch, head), folding in tiles of 128 keys as they arrive.
 //
-// Linked into numba kernels like gemm_tile.cu. A block of 288 threads runs it:
+// Linked into numba kernels like gemm_tile.cu. A block of 384 threads runs it:
 //   warps 0-7  two consumer warpgroups; warpgroup w owns query rows [64w, 64w + 64) of the tile.
 //              Per KV tile: S = Q K^T on wgmma (m64n128k16, both operands in shared memory),
 //              the online softmax of S in fp32 registers, then O += P V on wgmma with P taken
 //              from registers (S's accumulator layout is the A-fragment layout of the next MMA,
 //              so P never touches shared memory) and V from shared memory as a transposed
-//              (MN-major) B. O, the row maxima and the denominators stay in registers for the
+//              (MN-major) B; S of the next KV tile is in flight during this one's softmax
+//              (consume). O, the row maxima and the denominators stay in registers for the
 //              whole query tile, over every KV slice: the partial results merge exactly as a
 //              log-sum-exp merge would, in fp32, and O is rounded to bf16 once.
-//   warp 8     the producer: one lane issues the bulk tensor copies (TMA) of Q, K and V.
+//   warps 8-11 the producer warpgroup: it gives most of its registers to the consumers
+//              (setmaxnreg), then one lane issues the bulk tensor copies (TMA) of Q, K and V.
 // Operands are bf16, described by 3-D CUtensorMaps {all heads' columns, sequence, batch} with
 // boxes of 64 columns x 128 rows and 128B swizzle; a head of 128 is two boxes side by side.
 // Shared memory, from a 1024-byte-aligned base:
@@ -31,14 +33,15 @@
 
 namespace {
 
-// A second Q slot (the next query tile loading while this one runs) takes the consumers past
-// the 168 registers ptxas grants a 288-thread block that uses wgmma (it counts 3 warpgroups),
-// and ptxas spills: one Q slot, three KV slots.
+// One Q slot, three KV slots (the pipelined loop reads two KV tiles at once).
 constexpr int BQ = 128, BKV = 128, Q_STAGES = 1, KV_STAGES = 3;
 constexpr unsigned BOX_BYTES = 128 * 128;       // 128 rows x 64 bf16
 constexpr unsigned TILE_BYTES = 2 * BOX_BYTES;  // 128 rows of a head of up to 128
 constexpr unsigned K_OFFSET = Q_STAGES * TILE_BYTES, V_OFFSET = K_OFFSET + KV_STAGES * TILE_BYTES;
 constexpr unsigned BAR_OFFSET = V_OFFSET + KV_STAGES * TILE_BYTES;
+// Registers a thread after setmaxnreg (see mk_attn_sm90_producer_regs). The producer's numba
+// loop spills below 56; below ~200 ptxas serializes the consumers' pipelined MMAs (C7512).
+constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
 constexpr float LN2 = 0.6931471805599453f;
 // -inf (NVRTC has no <math.h> INFINITY)
 __device__ __forceinline__ float neg_inf() { return __int_as_float((int)0xff800000u); }
@@ -226,13 +229,12 @@ __device__ __forceinline__ void rescale(float (&o)[D / 2], float corr_lo, float 
     }
 }
 
-// The consumers' work on one query tile (see mk_attn_sm90_tile): per KV tile S = Q K^T, its
-// softmax, O += P V, each MMA waited for before the next step; the two warpgroups overlap each
-// other's softmax with their MMAs. (FlashAttention-3's pipelining within a warpgroup, S of the
-// next tile in flight during this one's softmax, needs ~200 registers a thread: the
-// setmaxnreg that grants them is dropped in numba's link, and at 168 ptxas serializes the
-// MMAs; measured slower, benchmarks/NOTES.md.) Slot g of the KV ring is released once its
-// P V retired. Returns the updated kv_seq.
+// The consumers' work on one query tile (see mk_attn_sm90_tile), FlashAttention-3's pipelining
+// within a warpgroup: S = Q K^T of the next KV tile is issued before this tile's O += P V, and
+// its softmax runs while P V is still in flight, so the tensor cores work through the softmax
+// (the two warpgroups also overlap each other). S, P and O together need ~200 registers a
+// thread: the producer warpgroup hands its registers over (mk_attn_sm90_consumer_regs). Slot g
+// of the KV ring is released once its P V retired. Returns the updated kv_seq.
 template <int D>
 __device__ __forceinline__ int consume(const Smem &sm, unsigned long long out,
                                        unsigned long long lse, int b, int h, int heads, int seq,
@@ -269,22 +271,28 @@ __device__ __forceinline__ int consume(const Smem &sm, unsigned long long out,
         fence_operands(d);
         softmax(d, st, c, seq, q_first, causal, scale_log2, lane, corr_lo, corr_hi);
         to_fragments(d, p);
-        for (;;) {
-            mbar_wait(sm.v_full + 8 * slot(g), phase(g));
-            pv_mma<D>(o, p, sm.v + slot(g) * TILE_BYTES);
-            wgmma_wait<0>();
-            fence_operands(o);
-            if (tid % 128 == 0) mbar_arrive(sm.kv_empty + 8 * slot(g));
+        // S of tile g + 1 is computed while P V of tile g runs
+        while (advance(c, qr, row0, seq, kv_runs, slices, causal)) {
             ++g;
-            if (!advance(c, qr, row0, seq, kv_runs, slices, causal)) break;
             mbar_wait(sm.k_full + 8 * slot(g), phase(g));
             qk_mma<D>(d, q, sm.k + slot(g) * TILE_BYTES);
-            wgmma_wait<0>();
+            mbar_wait(sm.v_full + 8 * slot(g - 1), phase(g - 1));
+            pv_mma<D>(o, p, sm.v + slot(g - 1) * TILE_BYTES);
+            wgmma_wait<1>();  // groups retire in order: S, not yet P V
             fence_operands(d);
             softmax(d, st, c, seq, q_first, causal, scale_log2, lane, corr_lo, corr_hi);
+            wgmma_wait<0>();
+            fence_operands(o);
+            if (tid % 128 == 0) mbar_arrive(sm.kv_empty + 8 * slot(g - 1));
             rescale<D>(o, corr_lo, corr_hi);
             to_fragments(d, p);
         }
+        mbar_wait(sm.v_full + 8 * slot(g), phase(g));
+        pv_mma<D>(o, p, sm.v + slot(g) * TILE_BYTES);
+        wgmma_wait<0>();
+        fence_operands(o);
+        if (tid % 128 == 0) mbar_arrive(sm.kv_empty + 8 * slot(g));
+        ++g;
     }
     if (tid % 128 == 0) mbar_arrive(sm.q_empty + 8 * qs);  // every MMA that read Q retired
 
@@ -321,6 +329,20 @@ __device__ __forceinline__ int consume(const Smem &sm, unsigned long long out,
 }
 
 }  // namespace
+
+// After the block's first __syncthreads(): the producer warpgroup (all four warps: setmaxnreg is
+// per warpgroup) hands registers to the two consumer warpgroups. A 384-thread block starts at
+// 168 a thread (65536 / 384, rounded down to ptxas's unit of 8); 2 x CONSUMER_REGS +
+// PRODUCER_REGS must stay within 3 x 168 = 504.
+extern "C" __device__ int mk_attn_sm90_producer_regs() {
+    regs_dec<PRODUCER_REGS>();
+    return 0;
+}
+
+extern "C" __device__ int mk_attn_sm90_consumer_regs() {
+    regs_inc<CONSUMER_REGS>();
+    return 0;
+}
 
 // Once per block, before the first tile; thread 0 initialises the barriers, the caller then
 // runs __syncthreads().

@@ -208,6 +208,17 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs(float (&d)[32], unsigned a0, 
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db));
 }
 
+// ---- register reallocation between warpgroups ----------------------------------------------
+// Every warp of a warpgroup executes the same one. ptxas honours them only when it assembles the
+// whole kernel at once (numba's LTO link into a cubin); assembled as a separate compilation
+// unit (PTX handed to nvJitLink, or ptxas -c) it drops them (C7504).
+template <int N> __device__ __forceinline__ void regs_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(N));
+}
+template <int N> __device__ __forceinline__ void regs_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(N));
+}
+
 // Keeps the compiler from moving accumulator reads/writes across the asynchronous MMAs.
 template <int N> __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #pragma unroll
