@@ -271,11 +271,14 @@ __device__ __forceinline__ int consume(const Smem &sm, unsigned long long out,
         fence_operands(d);
         softmax(d, st, c, seq, q_first, causal, scale_log2, lane, corr_lo, corr_hi);
         to_fragments(d, p);
-        // S of tile g + 1 is computed while P V of tile g runs
+        // S of tile g + 1 is computed while P V of tile g runs; O is rescaled for the new
+        // maxima while S is, before its P V
         while (advance(c, qr, row0, seq, kv_runs, slices, causal)) {
             ++g;
             mbar_wait(sm.k_full + 8 * slot(g), phase(g));
             qk_mma<D>(d, q, sm.k + slot(g) * TILE_BYTES);
+            fence_operands(o);
+            rescale<D>(o, corr_lo, corr_hi);
             mbar_wait(sm.v_full + 8 * slot(g - 1), phase(g - 1));
             pv_mma<D>(o, p, sm.v + slot(g - 1) * TILE_BYTES);
             wgmma_wait<1>();  // groups retire in order: S, not yet P V
@@ -284,9 +287,9 @@ __device__ __forceinline__ int consume(const Smem &sm, unsigned long long out,
             wgmma_wait<0>();
             fence_operands(o);
             if (tid % 128 == 0) mbar_arrive(sm.kv_empty + 8 * slot(g - 1));
-            rescale<D>(o, corr_lo, corr_hi);
             to_fragments(d, p);
         }
+        rescale<D>(o, corr_lo, corr_hi);
         mbar_wait(sm.v_full + 8 * slot(g), phase(g));
         pv_mma<D>(o, p, sm.v + slot(g) * TILE_BYTES);
         wgmma_wait<0>();
