@@ -42,6 +42,9 @@ constexpr unsigned BAR_OFFSET = V_OFFSET + KV_STAGES * TILE_BYTES;
 // Registers a thread after setmaxnreg (see mk_attn_sm90_producer_regs). The producer's numba
 // loop spills below 56; below ~200 ptxas serializes the consumers' pipelined MMAs (C7512).
 constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+// what the producer warpgroup gives up is all the consumers' setmaxnreg.inc can take (more:
+// it waits forever) from a block of 384 threads at 168 registers each
+static_assert(2 * CONSUMER_REGS + PRODUCER_REGS <= 3 * 168, "setmaxnreg: more than the block has");
 constexpr float LN2 = 0.6931471805599453f;
 // -inf (NVRTC has no <math.h> INFINITY)
 __device__ __forceinline__ float neg_inf() { return __int_as_float((int)0xff800000u); }
