@@ -22,8 +22,6 @@ The persistent GEMM is timed with variants of the tile beside cuBLAS (torch.matm
   staged-publisher  both changes
   pingpong        the ping-pong tile ("sm90:pp", cuda/gemm_pingpong.cu): 128 x 128 tiles, each
                   warpgroup a whole tile, one warpgroup's epilogue under the other's MMAs
-  async           the async store tile ("sm90:as"): stmatrix into 4 KB of staging per warp,
-                  bulk copies out of it, and the consumers go on to the next tile's MMAs
 
 (The direct and no-store epilogues are ``benchmarks/cuda/gemm_epilogues.cu``: the library's
 ``roles/cuda/gemm_tile.cu`` with its epilogue swapped, ``PROBE_EPILOGUE``; the publisher warp is
@@ -53,7 +51,7 @@ VARIANTS = {"direct": ("sm90:e0p0", True), "direct-noflag": ("sm90:e0p0", False)
             "nostore": ("sm90:e1p0", True), "nostore-noflag": ("sm90:e1p0", False),
             "staged": ("sm90", True), "staged-noflag": ("sm90", False),
             "publisher": ("sm90:e0p1", True), "staged-publisher": ("sm90:e2p1", True),
-            "pingpong": ("sm90:pp", True), "async": ("sm90:as", True)}
+            "pingpong": ("sm90:pp", True)}
 
 
 def _without_flag(tile):

@@ -99,10 +99,10 @@ SIM_SCRIPT = textwrap.dedent("""
         assert op.calls() == (2, 2) and len(flags) == tiles and (flags == 2).all(), flags
         print("ok", m, n, k, layout, reserved, err)
 
-    # the sm_90a builds, the opt-in ones among them, are refused by name before any launch
+    # the sm_90a builds, the ping-pong tile among them, are refused by name before any launch
     from mknumba.errors import MkValueError
     from mknumba.kernels.gemm import gemm
-    for tile in ("sm90", "sm90:kn", "sm90:pp", "sm90:pp:kn", "sm90:as", "sm90:as:kn"):
+    for tile in ("sm90", "sm90:kn", "sm90:pp", "sm90:pp:kn"):
         try:
             Gemm(tile=tile)(cuda.to_device(a), cuda.to_device(a), b_layout="nk")
         except MkValueError as e:
@@ -117,7 +117,7 @@ SIM_SCRIPT = textwrap.dedent("""
 
 def test_simt_twin_in_simulator():
     out = run_python(SIM_SCRIPT)
-    assert out.count("ok") == 4 and out.count("refused") == 6, out
+    assert out.count("ok") == 4 and out.count("refused") == 4, out
 
 
 # ---- split-K (few output tiles, long K) -------------------------------------------------------
@@ -280,10 +280,12 @@ COMPILE_SCRIPT = textwrap.dedent("""
     print("linked", len(bytes(cubin.code)))
 """)
 
-#: the fused ops' tile build -> how its epilogue stores, in the linked PTX (the plain GEMM's
-#: builds and their ":kn" twins: tests/test_compile.py GEMM_STORES; the probe's other builds,
+#: the library's tile builds -> how their epilogue stores, in the linked PTX (their ":kn" twins
+#: read B as [k, n]: tests/test_compile.py; the probe's other builds,
 #: benchmarks/probe_gemm_tile.py, are compiled when it runs)
-STORES = {"sm90:e2p1": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"]}
+STORES = {"sm90": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"],
+          "sm90:e2p1": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"],
+          "sm90:pp": ["stmatrix.sync.aligned.m8n8.x4.shared.b16", "st.global.v4.u32"]}
 
 
 def _ptxas():
@@ -296,8 +298,8 @@ def _ptxas():
 @pytest.mark.parametrize("name", list(STORES))
 @pytest.mark.slow
 def test_sm90_kernel_compiles_and_links(tmp_path, name):
-    """The fused ops' tile build in the plain GEMM's kernel: links through nvJitLink LTO,
-    stores as its header says, and keeps its accumulators in registers."""
+    """The library's tile builds (the plain GEMM's and the fused ops'): each links through
+    nvJitLink LTO, stores as its header says, and keeps its accumulators in registers."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     ptx_path = str(tmp_path / "gemm_sm90.ptx")
     assert "linked" in run_python(COMPILE_SCRIPT, ptx_path, name, simulator=False)
@@ -354,7 +356,7 @@ def test_tile_builds_for_b_as_kn():
     threads and shared memory; a build without one (a probe's) is refused by name."""
     from mknumba._compat import SIMULATOR
     from mknumba.roles import compute
-    for kind in ("simt",) + (() if SIMULATOR else ("sm90", "sm90:e2p1", "sm90:pp", "sm90:as")):
+    for kind in ("simt",) + (() if SIMULATOR else ("sm90", "sm90:e2p1", "sm90:pp")):
         base, kn = compute.tile_build(kind), compute.tile_build(compute.kn_kind(kind))
         assert kn.b_kn and not base.b_kn and kn.tile is not base.tile
         assert (kn.shape, kn.threads, kn.smem_bytes, kn.tma, kn.gemm_only) == \
@@ -384,29 +386,6 @@ def test_pingpong_build_is_its_own_shape_and_gemm_only(monkeypatch):
         with pytest.raises(MkValueError, match="mknumba.Gemm only"):
             G.fused_tile(tile, "GemmReduce")
     assert G.fused_tile("sm90", "GemmReduce")[0] == "sm90"
-
-
-def test_async_store_build_fits_and_is_gemm_only(monkeypatch):
-    """The async store tile ("sm90:as"): the sm90 tile's shape and threads, its staging
-    (4.2 KB per consumer warp) and ring within an H200 block's 227 KB (232448 B, with the few
-    bytes of static shared memory the kernel declares), a drain of its own; mk.Gemm only (the
-    fused ops refuse it) and without split-K (refused before anything is planned)."""
-    from mknumba._compat import SIMULATOR
-    from mknumba.kernels import gemm as G
-    from mknumba.roles import compute
-    if SIMULATOR:
-        pytest.skip("the sm_90a builds are made outside the simulator")
-    base, asy = compute.tile_build("sm90"), compute.tile_build("sm90:as")
-    assert (asy.shape, asy.threads, asy.tma, asy.gemm_only) == (base.shape, base.threads, True,
-                                                                True)
-    assert asy.drain is not base.drain and base.drain is compute.no_drain
-    assert base.smem_bytes < asy.smem_bytes <= 232448 - 32
-    monkeypatch.setattr(G, "kind_for", lambda tile, op="": tile)     # no GPU asked here
-    for tile in ("sm90:as", "sm90:as:kn"):
-        with pytest.raises(MkValueError, match="mknumba.Gemm only"):
-            G.fused_tile(tile, "GemmReduce")
-    with pytest.raises(MkValueError, match="takes no split_k"):
-        G._Plan(G.Gemm(tile="sm90:as", split_k=2), 512, 1024, 8192, "nk", None)
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------
@@ -504,22 +483,16 @@ def test_gemm_rejects_wrong_dtype_on_gpu():
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("layout", ["nk", "kn", "kn_view"])
-@pytest.mark.parametrize("tile", ["sm90:pp", "sm90:as"])
-def test_pingpong_gemm_matches_fp32_reference(tile, layout):
-    """The opt-in tiles of mk.Gemm, each also as its ":kn" twin for row-major B: the ping-pong
-    tile ("sm90:pp") and the async store tile ("sm90:as"). 20 calls back to back (one sync at
-    the end), each with fresh random inputs into its own poisoned output, over shapes with 2,
-    4, 136, 525 and 2079 tiles of 128 x 128 (2, 2, 72, 270, 1056 of 128 x 256): on an H200
-    (132 blocks) blocks with 0, 1, 2, 3, 4, 15 and 16 tiles (the ping-pong warpgroups' turns at
-    every parity; the async tile's staging reused across tiles and drained at the end), ragged
-    edges in m, n (a last tile whose second half of columns is past n, one 8 columns wide) and
-    k; each result against an fp32 reference of its own inputs, and every tile flag at the
-    last epoch."""
+def test_pingpong_gemm_matches_fp32_reference(layout):
+    """The ping-pong tile ("sm90:pp", its ":kn" twin for row-major B): 20 calls back to back
+    (one sync at the end), each with fresh random inputs into its own poisoned output, over
+    shapes with 2, 4, 136, 525 and 2079 tiles of 128 x 128: on an H200 (132 blocks) blocks
+    with 0, 1, 2, 3, 4, 15 and 16 tiles (the warpgroups' turns at every parity), ragged edges
+    in m, n and k; each result against an fp32 reference of its own inputs, and every tile
+    flag at the last epoch."""
     torch = pytest.importorskip("torch")
     from mknumba.kernels.gemm import Gemm
-    from mknumba.roles.compute import tile_build
-    op = Gemm(tile=tile)
-    bm, bn = tile_build(tile).shape
+    op = Gemm(tile="sm90:pp")
     shapes = [(130, 8, 8), (200, 136, 72), (1000, 2168, 1096), (1920, 4480, 200),
               (4160, 8056, 1032)]
     torch.manual_seed(23)
@@ -543,5 +516,5 @@ def test_pingpong_gemm_matches_fp32_reference(tile, layout):
         mode = "nk" if layout == "nk" else "kn"
         flags = op.tile_flags(m, n, k, mode).copy_to_host()
         calls, epoch = op.calls()
-        assert len(flags) == -(-m // bm) * -(-n // bn) and (flags == epoch).all(), (m, n, k)
+        assert len(flags) == -(-m // 128) * -(-n // 128) and (flags == epoch).all(), (m, n, k)
     assert op.calls()[0] == 20 * len(shapes)

@@ -21,10 +21,8 @@ only folds, which touch no ring slot, so the sm_90a ring's phases (``seq * k_ite
 ``k_iters`` for every slice) stay right.
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (opt-in:
-the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K),
-``"sm90:as"`` (opt-in: the sm90 tile whose stores leave by bulk copies it does not wait for,
-``roles.compute.SM90_ASYNC_TILE``; no split-K, since a fold would read partials its slices' flags
-announced before they were written) or ``"simt"`` (the generic twin: the CUDA simulator and GPUs without sm_90a), each reading B as
+the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K) or
+``"simt"`` (the generic twin: the CUDA simulator and GPUs without sm_90a), each reading B as
 given: [n, k] (or a ``w.T`` view of one), or row-major [k, n] through its ``":kn"`` build
 (``kernels.gemm_inputs``). Calls go through the launch frame (``kernels.launch``): planned once
 per shape and layout of B, then an address bind and one driver launch.
@@ -226,7 +224,7 @@ def fused_tile(tile, op):
     """``(kind, TileBuild)`` a fused op runs for its ``tile=`` option: :func:`kind_for`, with
     "auto" on sm_90a the build whose own warp publishes tile flags
     (``roles.compute.SM90_FUSED_TILE``); a timing-only build, or one for mk.Gemm only (the
-    ping-pong and async store tiles), is refused."""
+    ping-pong tile), is refused."""
     kind = kind_for(tile, op)
     if tile == "auto" and kind == "sm90":
         kind = compute.SM90_FUSED_TILE
@@ -444,9 +442,6 @@ class _Plan:
         self.b_kn = b_kn(mode)
         kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
         build, kernel = _build(kind)
-        if build.gemm_only and (op.split_k or 1) > 1:
-            raise MkValueError(f"{op.name}: tile={op.tile!r} takes no split_k (it computes "
-                               "whole tiles only); pass split_k=None or 1")
         compiled, bps = compile_kernel(kernel, build.threads, build.smem_bytes)
         sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         try:
@@ -457,6 +452,9 @@ class _Plan:
         tiles_m, tiles_n = cdiv(m, bm), cdiv(n, bn)
         tiles, blocks = tiles_m * tiles_n, grid.compute_blocks
         group_m = op.group_m or default_group_m(tiles_m, tiles_n, blocks)
+        if build.gemm_only and (op.split_k or 1) > 1:
+            raise MkValueError(f"{op.name}: tile={op.tile!r} takes no split_k (its ping-pong "
+                               "schedule is for whole tiles); pass split_k=None or 1")
         self.slices, self.kc = split_slices(k, 1 if build.gemm_only else split_k_for(
             tiles, k, blocks) if op.split_k is None else op.split_k)
         if SIMULATOR and not _sim_safe(tiles, self.slices, blocks):

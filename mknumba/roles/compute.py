@@ -23,7 +23,7 @@ block-level barrier among the storing threads, so it can publish the tile's comp
 release (``primitives.st_release``). Threads may leave a call before its tile is done (the sm_90a
 producer warp once its loads are queued; in the ping-pong tile the warpgroup that does not own
 the tile at once), so whatever a caller does per tile it does per thread, with no block barrier
-between tiles. After its last tile a block calls the build's ``drain(smem)`` (every thread).
+between tiles.
 
 Implementations:
 - ``gemm_tile_sm90``: Hopper only (sm_90a). The linked helper ``cuda/gemm_tile.cu`` does TMA into a
@@ -34,10 +34,6 @@ Implementations:
   calling sequence with 128 x 128 tiles, each computed whole by one consumer warpgroup; the two
   warpgroups take alternate tiles (``seq`` odd or even) and turns in the main loop, so one's
   epilogue runs while the other's MMAs do. A 6-stage ring; 288 threads.
-- ``SM90_ASYNC_TILE`` (opt-in, mk.Gemm without split-K only): ``cuda/gemm_tile.cu`` built with
-  ``MK_ASYNC_STORE=1``: the tile's rows leave shared memory by bulk copies that the consumers
-  do not wait for (the copies are issued, not complete, when the tile returns 1: no flag
-  reader may rely on the data), and ``drain`` waits for their reads of shared memory.
 - ``gemm_tile_simt``: the generic twin (simulator, GPUs without sm_90a): plain loads, one fp32 dot
   product per output element, ``SIMT_TILE`` tiles, any block size.
 """
@@ -75,23 +71,15 @@ SM90_FUSED_TILE = "sm90:e2p1"
 SM90_PINGPONG_TILE = "sm90:pp"
 SM90_PINGPONG_SHAPE = (128, 128)    # BM, BN: must match gemm_pingpong.cu
 SM90_PINGPONG_STAGES = 6
-#: the async store tile (``cuda/gemm_tile.cu`` with MK_ASYNC_STORE): the consumers leave each
-#: tile's stores to bulk copies and go on to the next tile's MMAs. Opt-in, mk.Gemm only and
-#: without split-K: its tile flags go out before the copies complete (nothing in the kernel
-#: may wait for them).
-SM90_ASYNC_TILE = "sm90:as"
-#: its staging: 16 rows of 128 columns per consumer warp, rows 272 B apart (gemm_tile.cu)
-SM90_ASYNC_STAGING = 8 * (15 * 272 + 256)
 
 
-def sm90_smem_bytes(pingpong=False, async_store=False):
-    """Dynamic shared memory of the sm90 tile (or the ping-pong tile, or the async store
-    tile): the ring, the epilogue's staging, the barriers (two per slot and two more) and 1 KB
-    to align the base for the 128B swizzle."""
+def sm90_smem_bytes(pingpong=False):
+    """Dynamic shared memory of the sm90 tile (or the ping-pong tile): the ring, the
+    epilogue's staging, the barriers (two per slot and two more) and 1 KB to align the base
+    for the 128B swizzle."""
     (bm, bn), stages = ((SM90_PINGPONG_SHAPE, SM90_PINGPONG_STAGES) if pingpong else
                         (SM90_TILE, SM90_STAGES))
-    staging = SM90_ASYNC_STAGING if async_store else SM90_STAGING
-    return stages * (bm + bn) * SM90_BK * 2 + staging + 16 * stages + 16 + 1024
+    return stages * (bm + bn) * SM90_BK * 2 + SM90_STAGING + 16 * stages + 16 + 1024
 
 
 def sm90_threads(publisher=False):
@@ -106,32 +94,22 @@ SIMT_THREADS = 128
 
 
 # ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
-_SM90_BUILDS = {}   # (publisher, b_kn, pingpong, async_store, helper, defines) -> functions
+_SM90_BUILDS = {}   # (publisher, b_kn, pingpong, helper, defines) -> (init, tile)
 
 
-@cuda.jit(device=True)
-def no_drain(smem):
-    """Nothing outstanding after a block's last tile (:class:`TileBuild`'s ``drain``)."""
-    pass
-
-
-def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, async_store=False,
-                        helper=None, defines=""):
-    """``(init, tile, drain)`` device functions around ``cuda/gemm_tile.cu`` built with
-    ``MK_PUBLISHER=publisher``, ``MK_B_KN=b_kn`` and ``MK_ASYNC_STORE=async_store`` (see the
-    helper's header; b_kn: B is [k, n], not [n, k]; drain: the async store tile's, else
-    :func:`no_drain`), or with ``pingpong`` around ``cuda/gemm_pingpong.cu`` (no publisher;
+def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None, defines=""):
+    """``(init, tile)`` device functions around ``cuda/gemm_tile.cu`` built with
+    ``MK_PUBLISHER=publisher`` and ``MK_B_KN=b_kn`` (see the helper's header; b_kn: B is
+    [k, n], not [n, k]), or with ``pingpong`` around ``cuda/gemm_pingpong.cu`` (no publisher;
     the same calling sequence). ``helper``: another source with gemm_tile.cu's entry points
     (a probe's variant, e.g. ``benchmarks/cuda/gemm_epilogues.cu``, which may include the
     library's files by name: :func:`linked_source`), ``defines`` prepended to it. Launch with
-    ``sm90_smem_bytes(pingpong, async_store)`` and ``sm90_threads(publisher)``."""
-    if sum(map(bool, (publisher, pingpong, async_store))) > 1:
-        raise MkValueError("the publisher warp, the ping-pong tile and the async store tile "
-                           "are separate builds")
-    key = (bool(publisher), bool(b_kn), bool(pingpong), bool(async_store), helper, defines)
+    ``sm90_smem_bytes(pingpong)`` and ``sm90_threads(publisher)``."""
+    if pingpong and publisher:
+        raise MkValueError("the ping-pong tile is built without a publisher warp")
+    key = (bool(publisher), bool(b_kn), bool(pingpong), helper, defines)
     if key not in _SM90_BUILDS:
         defines += "#define MK_PUBLISHER 1\n" if publisher else ""
-        defines += "#define MK_ASYNC_STORE 1\n" if async_store else ""
         helper = linked_source(helper or (PINGPONG_HELPER if pingpong else HELPER),
                                defines + ("#define MK_B_KN 1\n" if b_kn else ""))
         prefix = "mk_gemm_sm90pp" if pingpong else "mk_gemm_sm90"
@@ -158,17 +136,7 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, async_store
                            np.int32(c_row0), data_ptr(addend), np.int32(adds), np.int32(m),
                            np.int32(n), np.int32(tile_m), np.int32(tile_n), np.int32(k_iters),
                            np.int32(seq))
-        if async_store:
-            drain_fn = cuda.declare_device(f"{prefix}_drain", i32(u64), link=[helper],
-                                           abi="c")
-
-            @cuda.jit(device=True)
-            def gemm_drain(smem):
-                """After the block's last tile: its bulk stores have read shared memory."""
-                drain_fn(data_ptr(smem))
-        else:
-            gemm_drain = no_drain
-        _SM90_BUILDS[key] = (gemm_init, gemm_tile, gemm_drain)
+        _SM90_BUILDS[key] = (gemm_init, gemm_tile)
     return _SM90_BUILDS[key]
 
 
@@ -212,7 +180,7 @@ def linked_source(helper, defines=""):
 
 
 if not SIMULATOR:
-    gemm_init_sm90, gemm_tile_sm90, _ = sm90_tile_functions()
+    gemm_init_sm90, gemm_tile_sm90 = sm90_tile_functions()
 
 
 # ---- bf16 <-> fp32 on raw bits -----------------------------------------------------------------
@@ -328,7 +296,7 @@ def make_compute_role(build, destination, grouped=None, stamps=None, units=None)
     ``units``: the entries of ``order`` are work units, not tiles (see :func:`make_compute_tile`).
     """
     work = grouped[0] if grouped is not None else all_tiles
-    tile_init, drain = build.init, build.drain
+    tile_init = build.init
     compute_tile = make_compute_tile(build, destination, grouped, units)
     mark = stamp if stamps is not None else no_stamp
     start, done = stamps if stamps is not None else (0, 0)
@@ -346,7 +314,6 @@ def make_compute_role(build, destination, grouped=None, stamps=None, units=None)
             mark(tr, trace, done, i)
             i += blocks
             seq += 1
-        drain(smem)     # the tile's asynchronous work on shared memory, before the block exits
 
     if stamps is not None:
         @cuda.jit(device=True)
@@ -477,12 +444,11 @@ TO_OWNER = (to_owner, inbox_ready)
 #: init/tile: the device functions (tile contract above); shape: (BM, BN); threads per block;
 #: smem_bytes: dynamic shared memory per block; tma: reads A and B through tensor maps (sm_90a);
 #: timing_only: leaves the output unwritten (probes; the fused ops refuse it); b_kn: B is [k, n]
-#: (row-major, N contiguous), not [n, k]; gemm_only: only mk.Gemm without split-K runs it (the
-#: fused ops refuse it); drain(smem): once per block after its last tile (make_compute_role;
-#: kernels that call make_compute_tile themselves run no build that needs one).
+#: (row-major, N contiguous), not [n, k]; gemm_only: only mk.Gemm runs it (the fused ops
+#: refuse it).
 TileBuild = namedtuple("TileBuild",
-                       "init tile shape threads smem_bytes tma timing_only b_kn gemm_only drain",
-                       defaults=(False, False, no_drain))
+                       "init tile shape threads smem_bytes tma timing_only b_kn gemm_only",
+                       defaults=(False, False))
 _BUILDS = {"simt": TileBuild(gemm_init_simt, gemm_tile_simt, SIMT_TILE, SIMT_THREADS, 0, False,
                              False),
            "simt:kn": TileBuild(gemm_init_simt, gemm_tile_simt_kn, SIMT_TILE, SIMT_THREADS, 0,
@@ -516,18 +482,14 @@ def threads_of(build):
     return 32 if SIMULATOR and not build.tma else build.threads
 
 
-def sm90_build(publisher=False, b_kn=False, pingpong=False, async_store=False, helper=None,
-               defines=""):
+def sm90_build(publisher=False, b_kn=False, pingpong=False, helper=None, defines=""):
     """The :class:`TileBuild` of :func:`sm90_tile_functions` with these arguments (sm_90a).
     The library runs gemm_tile.cu without and, in the fused ops, with the publisher warp, each
-    also with b_kn, and on request the ping-pong tile or the async store tile (mk.Gemm only);
-    ``benchmarks/probe_gemm_tile.py`` registers variants from its own sources (``helper``;
-    :func:`register_tile`)."""
-    init, tile, drain = sm90_tile_functions(publisher, b_kn, pingpong, async_store, helper,
-                                            defines)
-    return TileBuild(init, tile, SM90_PINGPONG_SHAPE if pingpong else SM90_TILE,
-                     sm90_threads(publisher), sm90_smem_bytes(pingpong, async_store), True,
-                     False, b_kn, pingpong or async_store, drain)
+    also with b_kn, and on request the ping-pong tile; ``benchmarks/probe_gemm_tile.py``
+    registers variants from its own sources (``helper``; :func:`register_tile`)."""
+    return TileBuild(*sm90_tile_functions(publisher, b_kn, pingpong, helper, defines),
+                     SM90_PINGPONG_SHAPE if pingpong else SM90_TILE, sm90_threads(publisher),
+                     sm90_smem_bytes(pingpong), True, False, b_kn, pingpong)
 
 
 #: the library's sm_90a builds other than "sm90" -> sm90_build's arguments, made on first use
@@ -535,9 +497,7 @@ _SM90_LAZY = {"sm90:kn": (False, True),
               SM90_FUSED_TILE: (True, False),
               f"{SM90_FUSED_TILE}:kn": (True, True),
               SM90_PINGPONG_TILE: (False, False, True),
-              f"{SM90_PINGPONG_TILE}:kn": (False, True, True),
-              SM90_ASYNC_TILE: (False, False, False, True),
-              f"{SM90_ASYNC_TILE}:kn": (False, True, False, True)}
+              f"{SM90_PINGPONG_TILE}:kn": (False, True, True)}
 
 
 def is_sm90_name(name):
@@ -548,8 +508,8 @@ def is_sm90_name(name):
 
 def tile_build(name):
     """The tile build called ``name``: ``"simt"``, ``"sm90"`` (the library's Hopper tile),
-    ``SM90_FUSED_TILE``, ``SM90_PINGPONG_TILE``, ``SM90_ASYNC_TILE`` (made on first use), or
-    one added with :func:`register_tile`; any of the first five with ``":kn"`` appended (:func:`kn_kind`):
+    ``SM90_FUSED_TILE``, ``SM90_PINGPONG_TILE`` (made on first use), or one added with
+    :func:`register_tile`; any of the first four with ``":kn"`` appended (:func:`kn_kind`):
     the same tile reading B as [k, n]. Raises MkValueError for anything else, and in the
     simulator for the sm_90a builds."""
     if name not in _BUILDS and is_sm90_name(name):
@@ -587,7 +547,7 @@ def register_tile(name, build):
 
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
-           "SM90_PINGPONG_TILE", "SM90_PINGPONG_SHAPE", "SM90_ASYNC_TILE", "is_sm90_name",
+           "SM90_PINGPONG_TILE", "SM90_PINGPONG_SHAPE", "is_sm90_name",
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions", "sm90_build",
            "gemm_init_simt", "gemm_tile_simt", "gemm_tile_simt_kn", "bf16_to_f32",

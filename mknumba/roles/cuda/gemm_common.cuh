@@ -1,6 +1,6 @@
 // What the Hopper GEMM tiles (gemm_tile.cu, gemm_pingpong.cu) share after their main loops:
-// folding partials in (add_planes, add_planes_v4; a split-K fold: fold_planes), the staged
-// epilogue (store_warp_rows) and the asynchronous one (store_warp_rows_async).
+// folding partials in (add_planes, add_planes_v4; a split-K fold: fold_planes) and the staged
+// epilogue (store_warp_rows).
 #pragma once
 #include "sm90.cuh"
 
@@ -246,55 +246,6 @@ __device__ __forceinline__ void store_warp_rows(const float (&d)[N], unsigned st
             }
         }
         __syncwarp();  // the chunk is read before the next one overwrites it
-    }
-}
-
-// The lanes of a warp that issue its bulk stores (store_warp_rows_async: lane r, row r), and
-// what every lane runs before the warp writes its staging again: those lanes wait until their
-// copies have read it, the warp syncs.
-__device__ __forceinline__ void staging_free(int lane) {
-    if (lane < 16) bulk_wait_read<0>();
-    __syncwarp();
-}
-
-// store_warp_rows without the wait for the stores (no planes to add): the warp's 16 rows leave in
-// two halves of N columns (N / 2 floats per thread each) through ``stage`` (16 rows, ROW_BYTES apart: 2N bytes of a half
-// row and padding, so that stmatrix's 8-row matrices hit every bank once), each half by one
-// bulk copy per row (cp.async.bulk, lane r copies row r), and the warp goes on: the copies read
-// shared memory and write global memory on their own. Before writing the staging (the second
-// half; the first: the previous tile's copies), staging_free. Rows >= m are skipped, columns
-// cut at n (a multiple of 8: whole 16 bytes); out + row * ldc + col0 16-byte aligned.
-template <unsigned ROW_BYTES, int N>
-__device__ __forceinline__ void store_warp_rows_async(const float (&d)[N], unsigned stage,
-                                                      int lane, __nv_bfloat16 *out, int ldc,
-                                                      int row0, int col0, int m, int n) {
-    constexpr int HALF = N;  // columns per half: N floats per thread hold 2N columns
-    const int mat = lane / 8, mrow = lane % 8;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        staging_free(lane);
-#pragma unroll
-        for (int cc = 0; cc < HALF / 64; ++cc) {
-#pragma unroll
-            for (int p = 0; p < 4; ++p) {  // matrices as in store_warp_rows, unswizzled
-                const int j = HALF / 8 * h + 8 * cc + 2 * p;
-                const int unit = 2 * p + mat / 2, row = 8 * (mat % 2) + mrow;
-                stmatrix_x4(stage + row * ROW_BYTES + 128 * cc + 16 * unit,
-                            pack_bf16x2(d[4 * j], d[4 * j + 1]),
-                            pack_bf16x2(d[4 * j + 2], d[4 * j + 3]),
-                            pack_bf16x2(d[4 * j + 4], d[4 * j + 5]),
-                            pack_bf16x2(d[4 * j + 6], d[4 * j + 7]));
-            }
-        }
-        fence_proxy_async_shared();  // this lane's stmatrix before the copies read them
-        __syncwarp();
-        if (lane < 16) {
-            const int grow = row0 + lane, gcol = col0 + HALF * h;
-            if (grow < m && gcol < n)
-                bulk_store(out + (long long)grow * ldc + gcol, stage + lane * ROW_BYTES,
-                           2 * min(HALF, n - gcol));
-            bulk_commit();
-        }
     }
 }
 

@@ -24,17 +24,6 @@
 // A finished tile leaves the registers through 2 KB of staging per consumer warp (gemm_common.cuh
 // store_warp_rows: stmatrix, then 16-byte loads and stores that cover whole 128-byte rows).
 // benchmarks/probe_gemm_tile.py times it against other epilogues (benchmarks/cuda/).
-// MK_ASYNC_STORE 1 (mk.Gemm's opt-in "sm90:as"): the consumers do not wait for their stores.
-// Each warp stages half a row block (16 rows x 128 columns, 4.2 KB) at a time with stmatrix, and
-// 16 of its lanes copy the rows out with bulk copies (gemm_common.cuh store_warp_rows_async); the
-// warp then goes on to the next tile's MMAs while the copies run. The staging is written again
-// only once the copies that read it say so (cp.async.bulk.wait_group.read): the second half
-// waits for the first half's copies, the next tile's first half for this tile's second half
-// (long done by then), and mk_gemm_sm90_drain for the last, before the block exits. The tile
-// returns 1 once the copies are ISSUED, not complete: a flag published then does not cover
-// the tile's data, so this build is for mk.Gemm without split-K (nothing in the kernel reads
-// the flags; the host reads them, and C, after the kernel ends). Tiles with planes to add
-// (adds > 0) take the staged epilogue, in the first 2 KB of the warp's staging.
 // MK_PUBLISHER 1 (the fused ops' build, compute.SM90_FUSED_TILE) adds a tenth warp (320 threads)
 // that publishes tile flags: consumers arrive on an mbarrier after their stores and go on; the
 // publisher waits on it and returns 1, so the fence before the flag (which waits for the tile's
@@ -49,12 +38,6 @@
 #ifndef MK_B_KN
 #define MK_B_KN 0
 #endif
-#ifndef MK_ASYNC_STORE
-#define MK_ASYNC_STORE 0
-#endif
-#if MK_ASYNC_STORE && MK_PUBLISHER
-#error "the async store epilogue has no publisher warp"
-#endif
 
 namespace {
 
@@ -65,13 +48,7 @@ constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A
 #if MK_B_KN
 constexpr unsigned B_BOX_BYTES = BK * 128;   // one box of B: 64 k-rows of 64 N-columns
 #endif
-#if MK_ASYNC_STORE
-// per consumer warp: 16 rows of 128 columns (256 B), 16 B of padding between rows
-constexpr unsigned ASYNC_ROW = 256 + 16, WARP_ASYNC_STAGING = 15 * ASYNC_ROW + 256;
-constexpr unsigned STAGING_BYTES = CONSUMER_THREADS / 32 * WARP_ASYNC_STAGING;
-#else
 constexpr unsigned STAGING_BYTES = CONSUMER_THREADS / 32 * WARP_STAGING;
-#endif
 // Layout from the 1024-byte-aligned base (128B swizzle repeats every 1024 B):
 //   [A slot 0..3][B slot 0..3][epilogue staging][full 0..3][empty 0..3][staged][published]
 constexpr unsigned B_OFFSET = STAGES * A_BYTES;
@@ -191,22 +168,10 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
         // rows 16w + lane/4 (+8), and d[4j..4j+3] are columns 8j + 2*(lane%4) (+1) of those two
         // rows.
         const int lane = tid % 32, warp = (tid % 128) / 32;
-#if MK_ASYNC_STORE
-        const unsigned stage = r.staging + (tid / 32) * WARP_ASYNC_STAGING;
-        if (adds == 0) {
-            store_warp_rows_async<ASYNC_ROW>(d, stage, lane, out, ldc,
-                                             tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n);
-        } else {
-            staging_free(lane);
-            store_warp_rows(d, stage, lane, out, ldc, tile_m * BM + wg * 64 + warp * 16,
-                            tile_n * BN, m, n, addend, adds, plane_elems);
-        }
-#else
         // the warp's 16 rows, 64 columns at a time through its 2 KB of staging (gemm_common.cuh)
         store_warp_rows(d, r.staging + (tid / 32) * WARP_STAGING, lane, out, ldc,
                         tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n, addend, adds,
                         plane_elems);
-#endif
     }
 #if MK_PUBLISHER
     const int lane = tid % 32;
@@ -221,12 +186,3 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     return tid == 0;
 #endif
 }
-
-#if MK_ASYNC_STORE
-// Once per block, after its last tile, in every thread: this thread's bulk stores have read
-// the staging (the block's shared memory must not be left while they read it).
-extern "C" __device__ int mk_gemm_sm90_drain(unsigned long long smem) {
-    bulk_wait_read<0>();
-    return 0;
-}
-#endif

@@ -1,5 +1,5 @@
 // Hopper (sm_90a) building blocks shared by the linked tiles (gemm_tile.cu, attention_tile.cu):
-// mbarriers, bulk tensor copies (TMA), bulk stores, wgmma and its shared-memory descriptors.
+// mbarriers, bulk tensor copies (TMA), wgmma and its shared-memory descriptors.
 // A tile's source names this file in an #include line; compute.linked_source pastes it in
 // (NVRTC, as numba drives it, searches no directory of ours).
 #pragma once
@@ -66,31 +66,6 @@ __device__ __forceinline__ void prefetch_tensormap(unsigned long long tmap) {
 // including what it acquired from other GPUs' stores, are ordered before its later TMA reads.
 __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.global;" ::: "memory");
-}
-
-// ---- bulk copies from shared to global memory (the async store epilogue) ----------------------
-// Between this thread's generic-proxy writes to shared memory (st.shared, stmatrix) and the
-// async proxy's reads of it (a bulk copy issued after a barrier, by this or another thread).
-__device__ __forceinline__ void fence_proxy_async_shared() {
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-// ``bytes`` (a multiple of 16; both addresses 16-byte aligned) from shared ``src`` to global
-// ``dst``, in this thread's current bulk group (bulk_commit closes it).
-__device__ __forceinline__ void bulk_store(void *dst, unsigned src, unsigned bytes) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
-                 "r"(src), "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit() {
-    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
-
-// Until at most N of this thread's bulk groups still read their shared-memory sources (the
-// copies' global writes may still be in flight).
-template <int N> __device__ __forceinline__ void bulk_wait_read() {
-    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
 // ---- wgmma ---------------------------------------------------------------------------------
