@@ -142,7 +142,7 @@ def split_units(build, split=True):
         need."""
         slices, kc, tiles = where[3], where[4], where[5]
         j = prim.udiv32(u, tiles)
-        lo = j * kc
+        lo = j * kc if j < slices else 0
         hi = lo + kc if j < slices else lo
         row = j if j < slices else 0
         if tma:
