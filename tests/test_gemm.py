@@ -123,17 +123,14 @@ def test_simt_twin_in_simulator():
 # ---- split-K (few output tiles, long K) -------------------------------------------------------
 def test_split_k_rule_and_order():
     """The rule splits only few tiles over long K; slices are whole k-steps, none empty; the
-    units are every slice of every tile, then the folds' bands; the simulator's block order is
+    units are every slice of every tile, then the folds; the simulator's block order is
     checked (a fold must not wait on a later block there)."""
     from mknumba.kernels.gemm import _sim_safe, split_k_for, split_order, split_slices
     assert split_k_for(16, 14336, 132) == 8          # 512 x 1024: 132 // 16 slices
-    assert split_k_for(32, 8192, 132) == 4           # 1024 x 1024: 132 // 32
-    assert split_k_for(32, 2048, 132) == 2           # 32 k-steps: 2 slices of 16
-    assert split_k_for(16, 4096, 132) == 4           # 64 k-steps: 4 slices of 16, not 8 of 8
+    assert split_k_for(32, 2048, 132) == 4           # 1024 x 1024: 32 k-steps, 8 per slice
     assert split_k_for(64, 4096, 132) == 2           # 2048 x 1024, 512 x 4096
-    assert split_k_for(16, 2048, 132) == 2
-    assert split_k_for(16, 1984, 132) == 1           # K too short: 31 k-steps
-    assert split_k_for(16, 1024, 132) == 1
+    assert split_k_for(16, 1000, 132) == 2           # 16 k-steps: 2 slices of 8
+    assert split_k_for(16, 960, 132) == 1            # K too short: 15 k-steps
     assert split_k_for(67, 14336, 132) == 1          # more than half the blocks have a tile
     assert split_k_for(2048, 8192, 132) == 1
     assert split_slices(4096, 8) == (8, 512)
@@ -145,12 +142,10 @@ def test_split_k_rule_and_order():
     order = np.array([0, 2, 1, 3], np.int32)
     units = split_order(order, 3)
     assert units.dtype == np.int32 and list(units[:4]) == [0, 2, 1, 3]
-    assert list(units[8:12]) == [8, 10, 9, 11] and list(units[12:16]) == [12, 14, 13, 15]
-    assert len(units) == 24 and list(units[20:]) == [20, 22, 21, 23]     # 3 bands per tile
+    assert list(units[8:12]) == [8, 10, 9, 11] and list(units[12:]) == [12, 14, 13, 15]
     assert split_order(order, 1) is order
-    assert _sim_safe(1, 3, 6) and _sim_safe(4, 3, 4) and _sim_safe(2, 2, 2)
-    # a band of a fold on a block before one of its slices'
-    assert not _sim_safe(2, 2, 4) and not _sim_safe(1, 3, 4) and not _sim_safe(1, 2, 2)
+    assert _sim_safe(1, 3, 4) and _sim_safe(4, 3, 4) and _sim_safe(2, 2, 2)
+    assert not _sim_safe(2, 2, 4) and not _sim_safe(1, 4, 4)
 
 
 def test_split_k_option_is_checked():
@@ -200,12 +195,11 @@ SPLIT_SCRIPT = textwrap.dedent("""
 
     # (m, n, k, B's layout, split_k, blocks of the simulated GPU, slices expected): ragged m, n
     # and K (no K a multiple of slices * 64), B as [n, k], row-major [k, n] and a w.T view;
-    # None: the op's rule (one tile, K of 33 k-steps: 2 slices); 3 slices: bands of 11 rows
-    # (32-row tiles), m = 20 ends in the second, the third holds none; blocks=2: each block
-    # runs two slices and then two bands (of 16 rows; the second tile row's second: none)
+    # None: the op's rule (one tile, K of 17 k-steps: 2 slices); blocks=2: each block runs
+    # two slices and then a fold
     for m, n, k, layout, split, blocks, slices in [
-            (2, 8, 2056, "nk", None, 4, 2), (20, 8, 264, "kn", 3, 6, 3),
-            (3, 16, 136, "kn_view", 2, 4, 2), (40, 8, 136, "nk", 2, 2, 2)]:
+            (2, 8, 1032, "nk", None, 4, 2), (4, 16, 264, "kn", 3, 4, 3),
+            (3, 16, 136, "kn_view", 2, 4, 2), (8, 40, 136, "nk", 2, 2, 2)]:
         G._SIM_SMS = blocks
         op = G.Gemm(split_k=split)
         plan, err = run(op, m, n, k, layout)
@@ -217,15 +211,14 @@ SPLIT_SCRIPT = textwrap.dedent("""
         print("ok", m, n, k, layout, split, slices, f"{err:.1e}")
 
     # across the 2**32 wrap of the call counter: epochs 2**32 - 1, then 1
-    G._SIM_SMS = 6
+    G._SIM_SMS = 4
     op = G.Gemm(split_k=3)
-    plan, err = run(op, 4, 8, 264, "kn", calls=3, start=2**32 - 2)
+    plan, err = run(op, 4, 16, 264, "kn", calls=3, start=2**32 - 2)
     assert op.calls() == (0, 1), op.calls()
     assert (plan.flags.copy_to_host() == 1).all(), plan.flags.copy_to_host()
     print("ok wrap", f"{err:.1e}")
 
     # a fold that would wait on a later block of the simulator is refused before any launch
-    G._SIM_SMS = 4
     try:
         run(G.Gemm(split_k=2), 8, 40, 136, "nk", calls=1)
     except MkValueError as e:
@@ -235,7 +228,6 @@ SPLIT_SCRIPT = textwrap.dedent("""
     # a fold whose slices do not come (moved ahead of them): its wait ends at the deadline
     # and is recorded; the op raises it (calls(), and the next call, before it launches)
     os.environ["MKNUMBA_TIMEOUT_S"] = "0.2"        # read when the op plans a shape
-    G._SIM_SMS = 6
     op = G.Gemm(split_k=3)
     plan, _ = run(op, 2, 8, 136, "nk", calls=1)
     plan.order.copy_to_device(np.roll(plan.order.copy_to_host(), 1))

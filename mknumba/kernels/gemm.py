@@ -10,22 +10,15 @@ the fused kernels they run the communication roles and consume those flags.
 Split-K (:func:`split_k_for`): when the output has few tiles for the compute blocks and K is
 long, each tile's K is cut into ``s`` slices. The work units are then (tile t, slice j), each
 computing its slice into plane ``1 + j`` of a bf16 workspace and publishing ``flags[(1 + j) *
-tiles + t] = epoch``, and then ``s`` fold units per tile (tile t, band j), which read no K:
-each waits for the tile's ``s`` flags and sums its band of ``ceil(BM / s)`` rows of the planes
-into C (the tile contract's ``addend`` with no K, into a ``c`` that holds the band's rows: an
+tiles + t] = epoch``, and then one fold unit per tile, which reads no K: it waits for the
+tile's ``s`` flags and sums the planes into C (the tile contract's ``addend`` with no K: an
 fp32 sum, rounded once; the sm_90a tile reads them with no accumulator, many 16-byte loads in
-flight per thread, ``fold_planes`` in ``roles/cuda/gemm_common.cuh``). Bands, not one fold per
-tile: a fold is a memory round trip (its SM reads the s planes' rows it sums and writes them
-once), so one SM folding a whole tile reads s tiles of partials on the critical path; cut in
-s bands, every SM of a tile's folds reads one tile's worth, all at once. Each band publishes
-the tile's flag ``flags[t] = epoch`` once its rows are stored: the flag means the whole tile
-only when every band has written it, which holds after the call (nothing inside mk.Gemm's
-kernel waits for a tile flag). A fold takes no slice of its own because the compute role
-waits before a tile starts: its slice would begin only once the others were done. The folds
-come after every slice in the order, and a block takes a unit only after its last one, so a
-fold waits on units that run or ran, never on one queued behind it; and after a fold a block
-runs only folds, which touch no ring slot, so the sm_90a ring's phases (``seq * k_iters``,
-equal ``k_iters`` for every slice) stay right.
+flight per thread, ``fold_planes`` in ``roles/cuda/gemm_common.cuh``). A fold takes no slice of its own because the compute role waits
+before a tile starts: its slice would begin only once the others were done. The folds come
+after every slice in the order, and a block takes a unit only after its last one, so a fold
+waits on units that run or ran, never on one queued behind it; and after a fold a block runs
+only folds, which touch no ring slot, so the sm_90a ring's phases (``seq * k_iters``, equal
+``k_iters`` for every slice) stay right.
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (opt-in:
 the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K) or
@@ -63,22 +56,18 @@ _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 
 #: split-K: K is cut in whole k-steps of the sm_90a tile (the SIMT tile takes the same cuts)
 SPLIT_BK = compute.SM90_BK
-#: the fewest k-steps a slice gets from :func:`split_k_for`: a split pays a fixed cost per slice
-#: and fold (the slice's ring filling and partial tile stored, the fold's read of the partials:
-#: together about what 12-16 k-steps of the sm90 tile take), so a slice carries at least that
-SPLIT_MIN_STEPS = 16
+#: the fewest k-steps a slice gets from :func:`split_k_for`: a slice pays a fixed cost (its
+#: ring filling, its partial tile stored and read back by the fold) that few k-steps don't carry
+SPLIT_MIN_STEPS = 8
 
 
 def split_k_for(tiles, k, blocks):
     """Slices of K per output tile when ``split_k`` is left to the op: one output tile per
     compute block leaves ``blocks - tiles`` SMs idle, so when ``tiles`` is at most half of
     ``blocks``, each tile's K is cut into ``blocks // tiles`` slices (every slice of every tile
-    then runs at once, in one turn of the blocks: a second turn of slices cost more than it
-    saved), but no slice shorter than ``SPLIT_MIN_STEPS`` k-steps, so K of fewer than ``2 *
-    SPLIT_MIN_STEPS`` k-steps is not split (its unsplit time is mostly fixed costs, which a
-    split adds to). Chosen from ``benchmarks/probe_split_k.py``'s timings on an H200
-    (benchmarks/NOTES.md); 1: no split. ``Gemm(split_k=s)`` forces s
-    (``benchmarks/bench_gemm.py --split-k``)."""
+    then runs at once; the folds, one per tile, take the blocks left or a second turn), but
+    no slice shorter than ``SPLIT_MIN_STEPS`` k-steps. 1: no split. A rule, not a
+    measurement: ``Gemm(split_k=s)`` forces s (``benchmarks/bench_gemm.py --split-k``)."""
     return max(1, min(blocks // tiles, cdiv(k, SPLIT_BK) // SPLIT_MIN_STEPS))
 
 
@@ -93,13 +82,12 @@ def split_slices(k, s):
 
 def split_order(order, slices):
     """The work units of a split in the order blocks take them: every slice of every tile
-    (unit ``j * tiles + t``, slice j of tile t, tiles in ``order``'s order), then the folds,
-    band by band (``(slices + j) * tiles + t``, band j of tile t). One slice: ``order``
-    itself."""
+    (unit ``j * tiles + t``, slice j of tile t, tiles in ``order``'s order), then each tile's
+    fold (``slices * tiles + t``). One slice: ``order`` itself."""
     if slices == 1:
         return order
     tiles = len(order)
-    return np.concatenate([order + j * tiles for j in range(2 * slices)]).astype(np.int32)
+    return np.concatenate([order + j * tiles for j in range(slices + 1)]).astype(np.int32)
 
 
 def _sim_safe(tiles, slices, blocks):
@@ -108,8 +96,8 @@ def _sim_safe(tiles, slices, blocks):
     if slices == 1:
         return True       # no folds
     for i in range(tiles):
-        last = max((j * tiles + i) % blocks for j in range(slices))
-        if any(((slices + j) * tiles + i) % blocks < last for j in range(slices)):
+        fold = (slices * tiles + i) % blocks
+        if any((j * tiles + i) % blocks > fold for j in range(slices)):
             return False
     return True
 
@@ -125,24 +113,23 @@ def whole_tiles(where, u, tm):
 def split_units(build, split=True):
     """``(units, place, ready)`` of the compute role (``roles.compute.make_compute_tile``)
     for the units of :func:`split_order`, with ``where = (c, flags, ws, slices, kc, tiles,
-    timeout_ns, err)``: ``flags`` [(slices + 1) * tiles], the tiles' (each band of a fold
-    announces its tile) then the slices'; ``ws`` [slices + 1, m, n] bf16, plane 1 + j slice
-    j's partials (one slice: any [P, m, n] array, never read); a fold waits at most ``timeout_ns`` for a flag, then writes the error record
+    timeout_ns, err)``: ``flags`` [(slices + 1) * tiles], the tiles' then the slices'; ``ws``
+    [slices + 1, m, n] bf16, plane 1 + j slice j's partials (one slice: any [P, m, n] array,
+    never read); a fold waits at most ``timeout_ns`` for a flag, then writes the error record
     ``err`` (:data:`ROLE_COMPUTE`). ``split`` False: every unit a whole tile (one slice)."""
     if not split:
         return compute.whole_tile, whole_tiles, compute.nothing_to_wait
-    tma, kn, words, bm = build.tma, build.b_kn, TensorMaps.ROW, build.shape[0]
+    tma, kn, words = build.tma, build.b_kn, TensorMaps.ROW
 
     @cuda.jit(device=True, inline=True)
     def unit(where, u, a, b, tmaps):
         """Tile and operands of unit u: slice j reads K from j * kc, ``kc`` deep (the SIMT
-        tile: to the end of K at most); a fold (j >= slices: band j - slices) reads none. The
-        sm_90a tile reads through slice j's tensor maps, so its views carry only the depth:
-        every slice runs the same k-steps (the maps read zeros past K), as the ring's phases
-        need."""
+        tile: to the end of K at most); a fold (j == slices) reads none. The sm_90a tile reads
+        through slice j's tensor maps, so its views carry only the depth: every slice runs the
+        same k-steps (the maps read zeros past K), as the ring's phases need."""
         slices, kc, tiles = where[3], where[4], where[5]
         j = prim.udiv32(u, tiles)
-        lo = j * kc if j < slices else 0
+        lo = j * kc
         hi = lo + kc if j < slices else lo
         row = j if j < slices else 0
         if tma:
@@ -152,19 +139,13 @@ def split_units(build, split=True):
 
     @cuda.jit(device=True, inline=True)
     def place(where, u, tm):
-        """Slice j of several: into plane 1 + j, announced in ``flags[tiles + u]``. The one
-        slice: into C, announced in ``flags[t]``. Band j of a fold: its ``ceil(BM / slices)``
-        rows of the tile in C (none when earlier bands cover the tile), announced in
-        ``flags[t]``; it adds planes 1..slices."""
+        """Slice j of several: into plane 1 + j, announced in ``flags[tiles + u]``. A fold, or
+        the one slice: into C, announced in ``flags[t]``; a fold adds planes 1..slices."""
         c, flags, ws, slices, tiles = where[0], where[1], where[2], where[3], where[5]
         j = prim.udiv32(u, tiles)
-        if slices == 1:
-            return c, 0, ws, 0, flags, u, False
-        if j < slices:
+        if slices > 1 and j < slices:
             return ws[1 + j], 0, ws, 0, flags, tiles + u, False      # flags: this GPU's
-        rows = prim.udiv32(bm + slices - 1, slices)
-        lo = tm * bm + (j - slices) * rows      # the tile bounds the band by its rows and m
-        return c[lo:lo + rows], lo, ws, slices, flags, u - j * tiles, False
+        return c, 0, ws, slices if slices > 1 else 0, flags, u - j * tiles, False
 
     @cuda.jit(device=True, inline=True)
     def ready(where, u, adds, epoch):

@@ -14,8 +14,7 @@ every thread of the block):
        [tile_m*BM, +BM) and cols [tile_n*BN, +BN) land in c[row - c_row0, col]
     addend: [P, m, n] bf16 bits; adds > 0: planes 1..adds are added to the tile before it is
        stored (the fused ReduceScatter's owner folds the delivered partials in, ``to_owner``;
-       with k == 0 the tile is their sum alone: a split-K fold, ``kernels.gemm``, which
-       writes only the tile's rows that c holds: c may be one band of the tile's rows)
+       with k == 0 the tile is their sum alone: a split-K fold, ``kernels.gemm``)
     smem: the block's dynamic shared memory (uint8); tmaps: uint64[32], the two CUtensorMaps
     seq: how many tiles this block has already computed (the sm_90a ring's phase follows from it)
 
@@ -119,7 +118,7 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
                                       abi="c")
         tile_fn = cuda.declare_device(
             f"{prefix}_tile",
-            i32(u64, u64, u64, i32, i32, i32, u64, i32, i32, i32, i32, i32, i32, i32),
+            i32(u64, u64, u64, i32, i32, u64, i32, i32, i32, i32, i32, i32, i32),
             link=[helper], abi="c")
 
         @cuda.jit(device=True)
@@ -134,7 +133,7 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
             read through ``tmaps`` (B's layout is the build's: MK_B_KN)."""
             k_iters = (k + SM90_BK - 1) // SM90_BK
             return tile_fn(data_ptr(smem), data_ptr(tmaps), data_ptr(c), np.int32(c.shape[1]),
-                           np.int32(c_row0), np.int32(c.shape[0]), data_ptr(addend), np.int32(adds), np.int32(m),
+                           np.int32(c_row0), data_ptr(addend), np.int32(adds), np.int32(m),
                            np.int32(n), np.int32(tile_m), np.int32(tile_n), np.int32(k_iters),
                            np.int32(seq))
         _SM90_BUILDS[key] = (gemm_init, gemm_tile)
@@ -240,11 +239,11 @@ def _simt_tile(b_kn):
         """One SIMT_TILE tile of C = A @ B^T: threads stride over its elements, fp32 dot
         products (plus ``adds`` planes of ``addend``: the product rounded to bf16 first, as
         the sm90 tile's partial is, then the sum rounded once)."""
-        r0 = max(tile_m * SIMT_TILE[0], c_row0)      # the tile's rows that c holds
+        r0 = tile_m * SIMT_TILE[0]
         c0 = tile_n * SIMT_TILE[1]
-        rows = min(tile_m * SIMT_TILE[0] + SIMT_TILE[0], m, c_row0 + c.shape[0]) - r0
+        rows = min(SIMT_TILE[0], m - r0)
         cols = min(SIMT_TILE[1], n - c0)
-        for e in range(cuda.threadIdx.x, max(rows, 0) * cols, cuda.blockDim.x):
+        for e in range(cuda.threadIdx.x, rows * cols, cuda.blockDim.x):
             i = r0 + e // cols
             j = c0 + e % cols
             acc = np.float32(0.0)

@@ -143,20 +143,18 @@ __device__ __forceinline__ uint4 add_planes_v4(uint4 v, unsigned long long adden
 }
 
 // A tile that is a sum of partials only (a split-K fold, kernels/gemm.py: no K of its own, so no
-// product to add them to), or a band of its rows: rows [row0, min(row0 + BM, row_end)) (the
-// caller bounds row_end by m) and columns [col0, +BN) of ``out`` (indexed by global row, ldc
-// elements per row), bounded by n, := planes 1..adds of ``addend`` ([P, m, n]) summed in fp32,
-// rounded once. Threads tid < THREADS each take one column of 8 elements (16 bytes; a warp
-// covers 512 contiguous bytes of a row) in every THREADS / (BN / 8)-th row, V rows and P planes
-// at a time: V * P 16-byte loads in flight per thread before the first add. (The accumulator
-// epilogue's add_planes_v4 waits for memory once per 16 bytes it stores: 16 dependent round
-// trips per thread and batch of planes; here VECS / V per P planes, the batches past a band's
-// rows load nothing.)
+// product to add them to): rows [row0, +BM) and columns [col0, +BN) of ``out`` (indexed by global
+// row, ldc elements per row), bounded by m and n, := planes 1..adds of ``addend`` ([P, m, n])
+// summed in fp32, rounded once. Threads tid < THREADS each take one column of 8 elements (16
+// bytes; a warp covers 512 contiguous bytes of a row) in every THREADS / (BN / 8)-th row, V rows
+// and P planes at a time: V * P 16-byte loads in flight per thread before the first add. (The
+// accumulator epilogue's add_planes_v4 waits for memory once per 16 bytes it stores: 16 dependent
+// round trips per thread and batch of planes; here VECS / V per P planes.)
 template <int BM, int BN, int THREADS>
 __device__ __forceinline__ void fold_planes(__nv_bfloat16 *out, int ldc,
                                             unsigned long long addend, int adds,
-                                            long long plane_elems, int row0, int col0,
-                                            int row_end, int n, int tid) {
+                                            long long plane_elems, int row0, int col0, int m,
+                                            int n, int tid) {
     constexpr int PER_ROW = BN / 8, STEP = THREADS / PER_ROW, VECS = BM / STEP;
     // V rows, P planes: 16 loads in flight, and no spill in the linked kernels (more rows, e.g.
     // 8 x 2, spilled the split kernel's registers, capped at 168 by 288 threads)
@@ -175,7 +173,7 @@ __device__ __forceinline__ void fold_planes(__nv_bfloat16 *out, int ldc,
         for (int v = 0; v < V; ++v)
 #pragma unroll
             for (int i = 0; i < 8; ++i) f[v][i] = 0.f;
-        const int rows = row_end - (row1 + STEP * i0);  // rows v < this of the batch exist
+        const int rows = m - (row1 + STEP * i0);  // rows v < this of the batch exist
 #pragma unroll 1
         for (int p = 0; p < adds; p += P) {
             uint4 x[P][V];

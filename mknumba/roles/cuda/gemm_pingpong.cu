@@ -82,7 +82,7 @@ extern "C" __device__ int mk_gemm_sm90pp_init(unsigned long long smem, unsigned 
 // every thread of that warpgroup has issued its stores of the tile; the other warpgroup returns
 // 0 at once, the producer warp once it has queued the loads.
 extern "C" __device__ int mk_gemm_sm90pp_tile(unsigned long long smem, unsigned long long tmaps,
-                                              unsigned long long c, int ldc, int c_row0, int c_rows,
+                                              unsigned long long c, int ldc, int c_row0,
                                               unsigned long long addend, int adds, int m, int n,
                                               int tile_m, int tile_n, int k_iters, int seq) {
     const Ring r = ring_at(smem);

@@ -91,17 +91,16 @@ extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned lo
 }
 
 // One 128 x 256 output tile; every thread of the block calls it for every tile.
-//   c, ldc: bf16 output (row-major, ldc elements per row) holding global rows from c_row0 on,
-//   c_rows of them; m, n bound the stores. adds > 0: add planes 1..adds of ``addend`` ([P, m, n]
-//   bf16, plane stride m * n) at the same element before storing (add_planes); with k_iters 0 as
-//   well (a split-K fold) the tile is their sum alone, read with no accumulator (fold_planes),
-//   and only the tile's rows that c holds are written (a fold of one band of them).
+//   c, ldc: bf16 output (row-major, ldc elements per row) holding global rows from c_row0 on;
+//   m, n bound the stores. adds > 0: add planes 1..adds of ``addend`` ([P, m, n] bf16, plane
+//   stride m * n) at the same element before storing (add_planes); with k_iters 0 as well (a
+//   split-K fold) the tile is their sum alone, read with no accumulator (fold_planes).
 //   tile_m, tile_n: tile coordinates; k_iters = ceil(K / 64); seq: tiles this block already ran.
 // Returns 1 in exactly one thread (consumer thread 0, or the publisher's lane 0) once all of this
 // tile's stores are issued by every consumer thread: that thread publishes the tile's completion
 // flag. Other threads return 0; the producer warp returns as soon as it has queued the loads.
 extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned long long tmaps,
-                                            unsigned long long c, int ldc, int c_row0, int c_rows,
+                                            unsigned long long c, int ldc, int c_row0,
                                             unsigned long long addend, int adds, int m, int n,
                                             int tile_m, int tile_n, int k_iters, int seq) {
     const Ring r = ring_at(smem);
@@ -129,12 +128,9 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     const long long plane_elems = (long long)m * n;
     if (k_iters == 0 && adds > 0) {
         // ---- a split-K fold (kernels/gemm.py): no K of its own, the tile is the planes' sum,
-        // read straight from memory with many loads in flight (fold_planes), no accumulator;
-        // the rows c holds of the tile's: the fold's band
-        const int row_lo = max(tile_m * BM, c_row0);
-        const int row_hi = min(min(tile_m * BM + BM, m), c_row0 + c_rows);
-        fold_planes<BM, BN, CONSUMER_THREADS>(out, ldc, addend, adds, plane_elems, row_lo,
-                                              tile_n * BN, row_hi, n, tid);
+        // read straight from memory with many loads in flight (fold_planes), no accumulator
+        fold_planes<BM, BN, CONSUMER_THREADS>(out, ldc, addend, adds, plane_elems, tile_m * BM,
+                                              tile_n * BN, m, n, tid);
     } else {
         // ---- consumers: warpgroup wg multiplies its 64 rows of A against all 256 columns of B
         const int wg = tid / 128;
