@@ -127,10 +127,11 @@ def test_split_k_rule_and_order():
     checked (a fold must not wait on a later block there)."""
     from mknumba.kernels.gemm import _sim_safe, split_k_for, split_order, split_slices
     assert split_k_for(16, 14336, 132) == 8          # 512 x 1024: 132 // 16 slices
-    assert split_k_for(32, 2048, 132) == 4           # 1024 x 1024: 32 k-steps, 8 per slice
+    assert split_k_for(32, 8192, 132) == 4           # 1024 x 1024: 128 k-steps
+    assert split_k_for(32, 2048, 132) == 2           # 32 k-steps: 2 slices of 16
     assert split_k_for(64, 4096, 132) == 2           # 2048 x 1024, 512 x 4096
-    assert split_k_for(16, 1000, 132) == 2           # 16 k-steps: 2 slices of 8
-    assert split_k_for(16, 960, 132) == 1            # K too short: 15 k-steps
+    assert split_k_for(16, 4096, 132) == 4           # 512 x 1024 x 4096: 64 k-steps
+    assert split_k_for(16, 1984, 132) == 1           # K too short: 31 k-steps
     assert split_k_for(67, 14336, 132) == 1          # more than half the blocks have a tile
     assert split_k_for(2048, 8192, 132) == 1
     assert split_slices(4096, 8) == (8, 512)
@@ -195,10 +196,10 @@ SPLIT_SCRIPT = textwrap.dedent("""
 
     # (m, n, k, B's layout, split_k, blocks of the simulated GPU, slices expected): ragged m, n
     # and K (no K a multiple of slices * 64), B as [n, k], row-major [k, n] and a w.T view;
-    # None: the op's rule (one tile, K of 17 k-steps: 2 slices); blocks=2: each block runs
+    # None: the op's rule (one tile, K of 33 k-steps: 2 slices); blocks=2: each block runs
     # two slices and then a fold
     for m, n, k, layout, split, blocks, slices in [
-            (2, 8, 1032, "nk", None, 4, 2), (4, 16, 264, "kn", 3, 4, 3),
+            (2, 8, 2056, "nk", None, 4, 2), (4, 16, 264, "kn", 3, 4, 3),
             (3, 16, 136, "kn_view", 2, 4, 2), (8, 40, 136, "nk", 2, 2, 2)]:
         G._SIM_SMS = blocks
         op = G.Gemm(split_k=split)

@@ -56,18 +56,23 @@ _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 
 #: split-K: K is cut in whole k-steps of the sm_90a tile (the SIMT tile takes the same cuts)
 SPLIT_BK = compute.SM90_BK
-#: the fewest k-steps a slice gets from :func:`split_k_for`: a slice pays a fixed cost (its
-#: ring filling, its partial tile stored and read back by the fold) that few k-steps don't carry
-SPLIT_MIN_STEPS = 8
+#: the fewest k-steps a slice gets from :func:`split_k_for`: a split pays a fixed cost per slice
+#: and fold (the slice's ring filling and partial tile stored, the fold's wait and read of the
+#: partials: together about what 12-16 k-steps of the sm90 tile take), so a slice carries at
+#: least that
+SPLIT_MIN_STEPS = 16
 
 
 def split_k_for(tiles, k, blocks):
     """Slices of K per output tile when ``split_k`` is left to the op: one output tile per
     compute block leaves ``blocks - tiles`` SMs idle, so when ``tiles`` is at most half of
     ``blocks``, each tile's K is cut into ``blocks // tiles`` slices (every slice of every tile
-    then runs at once; the folds, one per tile, take the blocks left or a second turn), but
-    no slice shorter than ``SPLIT_MIN_STEPS`` k-steps. 1: no split. A rule, not a
-    measurement: ``Gemm(split_k=s)`` forces s (``benchmarks/bench_gemm.py --split-k``)."""
+    then runs at once; the folds, one per tile, take the blocks left or a second turn), but no
+    slice shorter than ``SPLIT_MIN_STEPS`` k-steps, so K of fewer than ``2 * SPLIT_MIN_STEPS``
+    k-steps is not split (its unsplit time is mostly fixed costs, which a split adds to).
+    Chosen from ``benchmarks/probe_split_k.py``'s timings on an H200, where it picks the
+    fastest split at each of the probe's seven shapes (benchmarks/NOTES.md); 1: no split.
+    ``Gemm(split_k=s)`` forces s (``benchmarks/bench_gemm.py --split-k``)."""
     return max(1, min(blocks // tiles, cdiv(k, SPLIT_BK) // SPLIT_MIN_STEPS))
 
 
