@@ -180,8 +180,16 @@ def _hopper_kernel(name):
         _, threads, kernel = K.build(SM90_FUSED_TILE)
         return kernel, threads
     from mknumba.kernels.ring_attention import make_kernel
-    from mknumba.roles.attention import SM90_THREADS
+    from mknumba.roles.attention import SM90_THREADS, register_sm90_build
+    if name == "ring_attention_variants":   # the probe's (benchmarks/probe_attention_tile.py)
+        register_sm90_build("sm90:pp+qe", ATTENTION_VARIANTS)
+        return make_kernel("sm90:pp+qe"), SM90_THREADS
     return make_kernel("sm90"), SM90_THREADS
+
+
+#: the attention tile's variants off in the library's build, all in one build (their code must
+#: keep linking as the library's does)
+ATTENTION_VARIANTS = "#define MK_ATTN_PINGPONG 1\n#define MK_ATTN_Q_EARLY 1\n"
 
 
 #: the plain GEMM's kernels here -> (tile build (roles.compute.tile_build), split-K kernel)
@@ -197,7 +205,7 @@ GEMM_REGISTERS = {"sm90": 160, "sm90:pp": 168, "split": 168}
 
 @pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_pp", "gemm_pp_kn", "gemm_split",
                                   "gemm_split_kn", "gemm_reduce", "gemm_reduce_adaptive",
-                                  "ring_attention"])
+                                  "ring_attention", "ring_attention_variants"])
 @pytest.mark.slow
 def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     """No wgmma of a Hopper kernel is serialized. ptxas serializes all of a kernel's wgmma when
@@ -209,10 +217,11 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     [n, k] and [k, n] (MK_B_KN: a transposed wgmma B, tnspB = 1, from TMA boxes of 64
     N-columns), and the split-K kernel: no spills, registers within GEMM_REGISTERS; the split
     kernel's folds load 16 bytes at a time. Those and the ring kernel (the attention tile:
-    setmaxnreg, S and P V overlapped) are checked on ptxas's log of the link numba does on a
-    GPU (``_link_sm90a(as_launched=True)``)."""
+    setmaxnreg, S and P V overlapped; also built with the variants a probe times,
+    ATTENTION_VARIANTS) are checked on ptxas's log of the link numba does on a GPU
+    (``_link_sm90a(as_launched=True)``)."""
     ptx, log = _link_sm90a(*_hopper_kernel(name), fake_sm90,
-                           as_launched=name in GEMM_BUILDS or name == "ring_attention")
+                           as_launched=name in GEMM_BUILDS or name.startswith("ring_attention"))
     assert "wgmma.mma_async" in ptx
     assert "serialized" not in log, log
     assert not re.search(r"\b(div|rem)\.[su]64\b", ptx), "a 64-bit divide"
@@ -221,7 +230,7 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
                       "fence.acq_rel.sys"):
             assert instr in ptx, instr
         assert "multimem" not in ptx
-    if name == "ring_attention":
+    if name.startswith("ring_attention"):
         # the attention tile's producer warpgroup gives registers to its consumers, whose
         # pipelined loop (S of the next KV tile in flight during this one's softmax) needs them:
         # ptxas keeps both setmaxnreg (it drops them where the two roles' paths rejoin, C7507,
@@ -232,6 +241,8 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         # the block's registers, which the consumers' setmaxnreg.inc counts on (attention_tile.cu)
         assert "Used 168 registers" in log, log
         assert ptx.count("wgmma.wait_group.sync.aligned 1;") >= 2, "S and P V not overlapped"
+        # the variants' ping-pong turns (named barriers), the library's none
+        assert ("bar.arrive" in ptx) == (name == "ring_attention_variants")
     if name in GEMM_BUILDS:
         pingpong = name.startswith("gemm_pp")
         # wgmma's scale-d (1, or the ping-pong tile's predicate p) and imm-trans-b

@@ -39,9 +39,29 @@ constexpr unsigned BOX_BYTES = 128 * 128;       // 128 rows x 64 bf16
 constexpr unsigned TILE_BYTES = 2 * BOX_BYTES;  // 128 rows of a head of up to 128
 constexpr unsigned K_OFFSET = Q_STAGES * TILE_BYTES, V_OFFSET = K_OFFSET + KV_STAGES * TILE_BYTES;
 constexpr unsigned BAR_OFFSET = V_OFFSET + KV_STAGES * TILE_BYTES;
+// Variants a probe builds (benchmarks/probe_attention_tile.py; each off in the library's build):
+//   MK_ATTN_PINGPONG  the two consumer warpgroups take turns issuing the steady-state MMAs
+//                     (FlashAttention-3's inter-warpgroup overlap: consume)
+//   MK_ATTN_Q_EARLY   the Q slot is released once the query tile's last S = Q K^T retired, not
+//                     after its last P V, so the next Q loads under the last softmax, P V and
+//                     the epilogue
+//   MK_ATTN_PRODUCER_REGS / MK_ATTN_CONSUMER_REGS  the setmaxnreg split
+#ifndef MK_ATTN_PINGPONG
+#define MK_ATTN_PINGPONG 0
+#endif
+#ifndef MK_ATTN_Q_EARLY
+#define MK_ATTN_Q_EARLY 0
+#endif
+#ifndef MK_ATTN_PRODUCER_REGS
+#define MK_ATTN_PRODUCER_REGS 56
+#endif
+#ifndef MK_ATTN_CONSUMER_REGS
+#define MK_ATTN_CONSUMER_REGS 224
+#endif
+constexpr bool PINGPONG = MK_ATTN_PINGPONG, Q_EARLY = MK_ATTN_Q_EARLY;
 // Registers a thread after setmaxnreg (see mk_attn_sm90_producer_regs). The producer's numba
 // loop spills below 56; below ~200 ptxas serializes the consumers' pipelined MMAs (C7512).
-constexpr int PRODUCER_REGS = 56, CONSUMER_REGS = 224;
+constexpr int PRODUCER_REGS = MK_ATTN_PRODUCER_REGS, CONSUMER_REGS = MK_ATTN_CONSUMER_REGS;
 // what the producer warpgroup gives up is all the consumers' setmaxnreg.inc can take (more:
 // it waits forever) from a block of 384 threads at 168 registers each
 static_assert(2 * CONSUMER_REGS + PRODUCER_REGS <= 3 * 168, "setmaxnreg: more than the block has");
@@ -125,6 +145,29 @@ __device__ __forceinline__ bool advance(Cursor &c, const Runs &qr, int row0, int
         }
     }
     return false;
+}
+
+// The KV tiles the query tile at row0 sees over all ``slices`` slices (those advance walks).
+__device__ __forceinline__ int tiles_seen(const Runs &qr, int row0, int seq,
+                                          unsigned long long kv_runs, int slices, int causal) {
+    int n = 0;
+    for (int s = 0; s < slices; ++s)
+        n += kv_tiles(qr, row0, seq, runs_at(kv_runs + 12ull * s), seq, causal);
+    return n;
+}
+
+// MK_ATTN_PINGPONG: warpgroup w issues its steady-state MMAs only in its turn, which it takes at
+// named barrier 1 + w (256 threads: its own 128 waiting, the other warpgroup's 128 passing)
+// and passes to the other once they are issued, so one warpgroup's softmax runs under the
+// other's MMAs. Both warpgroups walk the same KV tiles (a warpgroup whose rows are all masked
+// still takes every turn), so they take equally many turns; warpgroup 1 hands warpgroup 0 the
+// first turn once per launch, and the turns run on across query tiles (the last pass of a
+// launch is left unmatched, as in FlashAttention-3).
+__device__ __forceinline__ void turn_take(int wg) {
+    asm volatile("bar.sync %0, 256;" ::"r"(1 + wg) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int wg) {
+    asm volatile("bar.arrive %0, 256;" ::"r"(1 + (wg ^ 1)) : "memory");
 }
 
 // S = Q K^T for one KV tile (issued and committed, not waited for): D / 16 MMAs of 16 columns,
@@ -252,6 +295,10 @@ __device__ __forceinline__ int consume(const Smem &sm, unsigned long long out,
     st.m_lo = st.m_hi = neg_inf();
     st.l_lo = st.l_hi = 0.f;
     const int q_first = pos(qr, row0);  // the tile's earliest query position
+    if (PINGPONG && wg == 1 && q_seq == 0) turn_pass(wg);  // the launch's first turn: wg 0's
+    // Q_EARLY: the last KV tile's sequence number, after whose S the Q slot is released
+    const int g_last = Q_EARLY ? kv_seq + tiles_seen(qr, row0, seq, kv_runs, slices, causal) - 1
+                               : -1;
 
     float o[D / 2], d[64], corr_lo, corr_hi;
     unsigned p[32];
@@ -272,6 +319,7 @@ __device__ __forceinline__ int consume(const Smem &sm, unsigned long long out,
         qk_mma<D>(d, q, sm.k + slot(g) * TILE_BYTES);
         wgmma_wait<0>();
         fence_operands(d);
+        if (Q_EARLY && (int)g == g_last && tid % 128 == 0) mbar_arrive(sm.q_empty + 8 * qs);
         softmax(d, st, c, seq, q_first, causal, scale_log2, lane, corr_lo, corr_hi);
         to_fragments(d, p);
         // S of tile g + 1 is computed while P V of tile g runs; O is rescaled for the new
@@ -279,13 +327,19 @@ __device__ __forceinline__ int consume(const Smem &sm, unsigned long long out,
         while (advance(c, qr, row0, seq, kv_runs, slices, causal)) {
             ++g;
             mbar_wait(sm.k_full + 8 * slot(g), phase(g));
+            if constexpr (PINGPONG) {  // no turn held while waiting for the producer
+                mbar_wait(sm.v_full + 8 * slot(g - 1), phase(g - 1));
+                turn_take(wg);
+            }
             qk_mma<D>(d, q, sm.k + slot(g) * TILE_BYTES);
             fence_operands(o);
             rescale<D>(o, corr_lo, corr_hi);
-            mbar_wait(sm.v_full + 8 * slot(g - 1), phase(g - 1));
+            if constexpr (!PINGPONG) mbar_wait(sm.v_full + 8 * slot(g - 1), phase(g - 1));
             pv_mma<D>(o, p, sm.v + slot(g - 1) * TILE_BYTES);
+            if constexpr (PINGPONG) turn_pass(wg);
             wgmma_wait<1>();  // groups retire in order: S, not yet P V
             fence_operands(d);
+            if (Q_EARLY && (int)g == g_last && tid % 128 == 0) mbar_arrive(sm.q_empty + 8 * qs);
             softmax(d, st, c, seq, q_first, causal, scale_log2, lane, corr_lo, corr_hi);
             wgmma_wait<0>();
             fence_operands(o);
@@ -300,7 +354,8 @@ __device__ __forceinline__ int consume(const Smem &sm, unsigned long long out,
         if (tid % 128 == 0) mbar_arrive(sm.kv_empty + 8 * slot(g));
         ++g;
     }
-    if (tid % 128 == 0) mbar_arrive(sm.q_empty + 8 * qs);  // every MMA that read Q retired
+    // every MMA that read Q retired (Q_EARLY: released above, unless there was no KV tile)
+    if ((!Q_EARLY || (int)g == kv_seq) && tid % 128 == 0) mbar_arrive(sm.q_empty + 8 * qs);
 
     // ---- epilogue: O / l in bf16, lse = ln(sum of e^(scaled score)) in fp32
     const float l_lo = quad_sum(st.l_lo), l_hi = quad_sum(st.l_hi);
