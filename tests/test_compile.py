@@ -209,10 +209,11 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     [n, k] and [k, n] (MK_B_KN: a transposed wgmma B, tnspB = 1, from TMA boxes of 64
     N-columns), and the split-K kernel: no spills, registers within GEMM_REGISTERS; the split
     kernel's folds load 16 bytes at a time. Those and the ring kernel (the attention tile:
-    setmaxnreg, S and P V overlapped) are checked on ptxas's log of the link numba does on a
-    GPU (``_link_sm90a(as_launched=True)``)."""
+    setmaxnreg, S and P V overlapped, the consumer warpgroups' turns) are checked on ptxas's
+    log of the link numba does on a GPU
+    (``_link_sm90a(as_launched=True)``)."""
     ptx, log = _link_sm90a(*_hopper_kernel(name), fake_sm90,
-                           as_launched=name in GEMM_BUILDS or name == "ring_attention")
+                           as_launched=name in GEMM_BUILDS or name.startswith("ring_attention"))
     assert "wgmma.mma_async" in ptx
     assert "serialized" not in log, log
     assert not re.search(r"\b(div|rem)\.[su]64\b", ptx), "a 64-bit divide"
@@ -221,7 +222,7 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
                       "fence.acq_rel.sys"):
             assert instr in ptx, instr
         assert "multimem" not in ptx
-    if name == "ring_attention":
+    if name.startswith("ring_attention"):
         # the attention tile's producer warpgroup gives registers to its consumers, whose
         # pipelined loop (S of the next KV tile in flight during this one's softmax) needs them:
         # ptxas keeps both setmaxnreg (it drops them where the two roles' paths rejoin, C7507,
@@ -232,6 +233,8 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         # the block's registers, which the consumers' setmaxnreg.inc counts on (attention_tile.cu)
         assert "Used 168 registers" in log, log
         assert ptx.count("wgmma.wait_group.sync.aligned 1;") >= 2, "S and P V not overlapped"
+        # the consumer warpgroups' ping-pong turns (named barriers)
+        assert "bar.arrive" in ptx and "bar.sync" in ptx
     if name in GEMM_BUILDS:
         pingpong = name.startswith("gemm_pp")
         # wgmma's scale-d (1, or the ping-pong tile's predicate p) and imm-trans-b

@@ -23,6 +23,7 @@ import os
 import numpy as np
 from numba import cuda, types
 
+from ..errors import MkValueError
 from ..primitives import data_ptr
 from ..sched.sequence import position
 from .compute import bf16_to_f32, f32_to_bf16, linked_source
@@ -83,17 +84,33 @@ def store_row(out, lse, acc, m, l, b, row, h, d):
 
 
 # ---- sm_90a: thin numba wrappers around the linked tile -----------------------------------------
-_SM90 = []
+#: the sm_90a builds of the tile: name -> defines prepended to ``cuda/attention_tile.cu``. The
+#: library runs "sm90"; a probe adds variants (:func:`register_sm90_build`), which the ops then
+#: take as ``tile=``
+SM90_BUILDS = {"sm90": ""}
+_SM90 = {}      # build name -> its device functions
 
 
-def sm90_functions():
+def register_sm90_build(name, defines):
+    """Add a build of the tile under ``name`` (``"sm90:..."``) with ``defines`` (lines such
+    as ``"#define MK_ATTN_X 1\n"`` put before attention_tile.cu, for code it guards with
+    ``#if``), for probes that time variants against each other
+    (``benchmarks/probe_attention_tile.py``)."""
+    if not name.startswith("sm90:"):
+        raise MkValueError(f"an sm90 attention build's name starts with 'sm90:', got {name!r}")
+    if SM90_BUILDS.get(name, defines) != defines:
+        raise MkValueError(f"sm90 attention build {name!r} exists with other defines")
+    SM90_BUILDS[name] = defines
+
+
+def sm90_functions(build="sm90"):
     """``(init, producer_regs, consumer_regs, load_q, load_kv, tile)`` device functions around
-    ``cuda/attention_tile.cu`` (declared on first use). Launch with ``SM90_THREADS`` threads
-    and ``SM90_SMEM_BYTES`` of dynamic shared memory; ``smem`` is that memory, map arguments
-    are tensor-map addresses."""
-    if _SM90:
-        return _SM90[0]
-    helper = linked_source(SM90_HELPER)
+    ``cuda/attention_tile.cu`` as ``build`` (a name in ``SM90_BUILDS``) compiles it, declared
+    on first use. Launch with ``SM90_THREADS`` threads and ``SM90_SMEM_BYTES`` of dynamic
+    shared memory; ``smem`` is that memory, map arguments are tensor-map addresses."""
+    if build in _SM90:
+        return _SM90[build]
+    helper = linked_source(SM90_HELPER, SM90_BUILDS[build])
     u64, i32, f32 = types.uint64, types.int32, types.float32
     init_fn = cuda.declare_device("mk_attn_sm90_init", i32(u64), link=[helper], abi="c")
     load_q_fn = cuda.declare_device("mk_attn_sm90_load_q", i32(u64, u64, i32, i32, i32, i32, i32),
@@ -139,6 +156,6 @@ def sm90_functions():
                        i(seq), i(d), i(row0), q_run, kv_runs, i(slices), i(causal),
                        np.float32(scale_log2), i(kv_seq), i(q_seq))
 
-    _SM90.append((attn_init, producer_regs, consumer_regs, attn_load_q, attn_load_kv,
-                  attn_tile))
-    return _SM90[0]
+    _SM90[build] = (attn_init, producer_regs, consumer_regs, attn_load_q, attn_load_kv,
+                    attn_tile)
+    return _SM90[build]

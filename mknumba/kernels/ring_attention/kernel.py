@@ -7,8 +7,9 @@ from numba import cuda, types
 
 from ... import primitives as prim
 from ...errors import ROLE_COMPUTE, ROLE_RECV
-from ...roles.attention import (HEAD_DIM_MAX, LOG2E, RUN_BYTES, SM90_CONSUMERS, SM90_ROWS,
-                                SM90_THREADS, attend_slice, load_row, sm90_functions, store_row)
+from ...roles.attention import (HEAD_DIM_MAX, LOG2E, RUN_BYTES, SM90_BUILDS, SM90_CONSUMERS,
+                                SM90_ROWS, SM90_THREADS, attend_slice, load_row, sm90_functions,
+                                store_row)
 from ...roles.blocks import begin, copy_tile, publish, wait
 from ...roles.send import enqueue
 from ...sched.sequence import position
@@ -133,12 +134,13 @@ def compute_simt(worker, workers, q, k, v, out, lse, kv, user_maps, slot_maps, r
             store_row(out, lse, acc, m, lsum, b, row, h, d)
 
 
-def compute_sm90_role():
-    """The compute role on the sm_90a tile (``roles/cuda/attention_tile.cu``): the producer
-    lane waits for each slice and queues its KV tiles; the consumers fold every slice into a
-    query tile of 128 rows held in registers."""
+def compute_sm90_role(build="sm90"):
+    """The compute role on the sm_90a tile (``roles/cuda/attention_tile.cu`` as ``build``, a
+    name in ``roles.attention.SM90_BUILDS``, compiles it): the producer lane waits for each
+    slice and queues its KV tiles; the consumers fold every slice into a query tile of 128
+    rows held in registers."""
     (attn_init, attn_producer_regs, attn_consumer_regs, attn_load_q, attn_load_kv,
-     attn_tile) = sm90_functions()
+     attn_tile) = sm90_functions(build)
 
     @cuda.jit(device=True)
     def compute_sm90(worker, workers, q, k, v, out, lse, kv, user_maps, slot_maps, runs, flags,
@@ -199,13 +201,15 @@ _KERNELS = {}
 
 
 def make_kernel(tile):
-    """The Ring Attention kernel with the compute role of ``tile`` ("sm90" or "simt")."""
+    """The Ring Attention kernel with the compute role of ``tile`` ("simt", or a build of the
+    sm90 tile: "sm90" or another name in ``roles.attention.SM90_BUILDS``)."""
     if tile in _KERNELS:
         return _KERNELS[tile]
-    compute = compute_sm90_role() if tile == "sm90" else compute_simt
+    sm90 = tile in SM90_BUILDS
+    compute = compute_sm90_role(tile) if sm90 else compute_simt
     # one block of the sm90 tile per SM: 65536 / 384 registers a thread at launch, then
     # moved from the producer warpgroup to the consumers (attention_tile.cu)
-    bounds = {"launch_bounds": (SM90_THREADS, 1)} if tile == "sm90" else {}
+    bounds = {"launch_bounds": (SM90_THREADS, 1)} if sm90 else {}
 
     @cuda.jit(**bounds)
     def ring_attention_kernel(q: Bits4D, k: Bits4D, v: Bits4D, out: Bits4D, lse: F32x3,

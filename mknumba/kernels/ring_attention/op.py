@@ -9,8 +9,8 @@ from numba import cuda
 from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, ERR_WORDS, MkError, MkValueError, raise_if_timed_out
-from ...roles.attention import (HEAD_DIM_MAX, SM90_HEAD_DIMS, SM90_ROWS, SM90_SMEM_BYTES,
-                                SM90_THREADS)
+from ...roles.attention import (HEAD_DIM_MAX, SM90_BUILDS, SM90_HEAD_DIMS, SM90_ROWS,
+                                SM90_SMEM_BYTES, SM90_THREADS)
 from ...sched.sequence import check_layout, runs
 from ...sched.tiles import arrival_order
 from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, is_capturing,
@@ -69,7 +69,8 @@ class RingAttention:
         self.device = comm.device_id if comm is not None else (
             None if SIMULATOR else cuda.get_current_device().id)
         self.tile = self._tile_for(tile)
-        if self.tile == "sm90":
+        sm90 = self.tile in SM90_BUILDS
+        if sm90:
             if threads is not None:
                 raise MkValueError(f"{self.name}: threads= sets the SIMT twin's rows per block; "
                                    f"the sm90 tile runs {SM90_THREADS} threads")
@@ -86,7 +87,7 @@ class RingAttention:
         sms = 2 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         comm_blocks = self.parts * (2 if self.nodes > 1 else 1)
         # the sm90 tile takes a whole SM (shared memory): one block per SM beside the movers
-        fit = max(1, sms - comm_blocks) if self.tile == "sm90" else 4 * sms
+        fit = max(1, sms - comm_blocks) if sm90 else 4 * sms
         self.compute_blocks = int(compute_blocks or min(tiles, fit))
         self._allocate()
         self.streams = StreamOrder(self.name)
@@ -94,7 +95,7 @@ class RingAttention:
         compiled, bps = compile_kernel(kernel, self.threads, smem)
         grid = comm_blocks + self.compute_blocks
         self.frame = Frame(grid)
-        if not SIMULATOR and (self.parts or self.tile == "sm90") and grid > bps * sms:
+        if not SIMULATOR and (self.parts or sm90) and grid > bps * sms:
             raise MkValueError(f"{self.name}: {grid} blocks are more than fit on the GPU at "
                                f"once ({bps} per SM)")
         cfg = pack(CFG_FIELDS, batch=self.batch, seq=self.seq, heads=self.heads,
@@ -113,15 +114,19 @@ class RingAttention:
         self.freed = False
 
     def _tile_for(self, tile):
-        if tile not in ("auto", "sm90", "simt"):
+        """The tile to run for ``tile``: "auto", "simt", or an sm90 build ("sm90", or one a
+        probe registered: ``roles.attention.register_sm90_build``)."""
+        if tile not in ("auto", "simt") and tile not in SM90_BUILDS:
             raise MkValueError(f"{self.name}: tile must be 'auto', 'sm90' or 'simt', got {tile!r}")
         cc = None if SIMULATOR else tuple(cuda.get_current_device().compute_capability)
         fits = cc == (9, 0) and self.d in SM90_HEAD_DIMS
-        if tile == "sm90" and not fits:
-            raise MkValueError(f"{self.name}: the sm90 tile needs a Hopper GPU (here: "
+        if tile in SM90_BUILDS and not fits:
+            raise MkValueError(f"{self.name}: the {tile} tile needs a Hopper GPU (here: "
                                f"{'the simulator' if cc is None else cc}) and head_dim 64 or "
                                f"128 (here: {self.d})")
-        return "sm90" if tile == "sm90" or (tile == "auto" and fits) else "simt"
+        if tile in SM90_BUILDS:
+            return tile
+        return "sm90" if tile == "auto" and fits else "simt"
 
     def _tile_args(self):
         """The sm90 tile's launch arguments: the caller's q, k, v tensor maps (one row per
@@ -131,7 +136,7 @@ class RingAttention:
         table = [runs(self.me, self.seq, W, layout)]
         table += [runs(int(src), self.seq, W, layout) for src in self.order()]
         args = dict(runs=cuda.to_device(np.array(table, np.int32).ravel()))
-        if self.tile != "sm90":
+        if self.tile not in SM90_BUILDS:
             self.user_maps = None
             dummy = cuda.to_device(np.zeros(MAP_WORDS, np.uint64))
             return dict(args, user_maps=dummy, slot_maps=dummy)

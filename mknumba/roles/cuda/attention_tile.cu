@@ -8,7 +8,9 @@
 //              from registers (S's accumulator layout is the A-fragment layout of the next MMA,
 //              so P never touches shared memory) and V from shared memory as a transposed
 //              (MN-major) B; S of the next KV tile is in flight during this one's softmax
-//              (consume). O, the row maxima and the denominators stay in registers for the
+//              (consume), and the two warpgroups take turns issuing their MMAs (ping-pong:
+//              named barriers 1 and 2), so one's softmax runs under the other's MMAs. O, the
+//              row maxima and the denominators stay in registers for the
 //              whole query tile, over every KV slice: the partial results merge exactly as a
 //              log-sum-exp merge would, in fp32, and O is rounded to bf16 once.
 //   warps 8-11 the producer warpgroup: it gives most of its registers to the consumers
@@ -125,6 +127,20 @@ __device__ __forceinline__ bool advance(Cursor &c, const Runs &qr, int row0, int
         }
     }
     return false;
+}
+
+// Ping-pong: warpgroup w issues its steady-state MMAs only in its turn, which it takes at
+// named barrier 1 + w (256 threads: its own 128 waiting, the other warpgroup's 128 passing)
+// and passes to the other once they are issued, so one warpgroup's softmax runs under the
+// other's MMAs. Both warpgroups walk the same KV tiles (a warpgroup whose rows are all masked
+// still takes every turn), so they take equally many turns; warpgroup 1 hands warpgroup 0 the
+// first turn once per launch, and the turns run on across query tiles (the last pass of a
+// launch is left unmatched, as in FlashAttention-3).
+__device__ __forceinline__ void turn_take(int wg) {
+    asm volatile("bar.sync %0, 256;" ::"r"(1 + wg) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int wg) {
+    asm volatile("bar.arrive %0, 256;" ::"r"(1 + (wg ^ 1)) : "memory");
 }
 
 // S = Q K^T for one KV tile (issued and committed, not waited for): D / 16 MMAs of 16 columns,
@@ -252,6 +268,7 @@ __device__ __forceinline__ int consume(const Smem &sm, unsigned long long out,
     st.m_lo = st.m_hi = neg_inf();
     st.l_lo = st.l_hi = 0.f;
     const int q_first = pos(qr, row0);  // the tile's earliest query position
+    if (wg == 1 && q_seq == 0) turn_pass(wg);  // the launch's first turn: warpgroup 0's
 
     float o[D / 2], d[64], corr_lo, corr_hi;
     unsigned p[32];
@@ -279,11 +296,14 @@ __device__ __forceinline__ int consume(const Smem &sm, unsigned long long out,
         while (advance(c, qr, row0, seq, kv_runs, slices, causal)) {
             ++g;
             mbar_wait(sm.k_full + 8 * slot(g), phase(g));
+            // no turn held while waiting for the producer
+            mbar_wait(sm.v_full + 8 * slot(g - 1), phase(g - 1));
+            turn_take(wg);
             qk_mma<D>(d, q, sm.k + slot(g) * TILE_BYTES);
             fence_operands(o);
             rescale<D>(o, corr_lo, corr_hi);
-            mbar_wait(sm.v_full + 8 * slot(g - 1), phase(g - 1));
             pv_mma<D>(o, p, sm.v + slot(g - 1) * TILE_BYTES);
+            turn_pass(wg);
             wgmma_wait<1>();  // groups retire in order: S, not yet P V
             fence_operands(d);
             softmax(d, st, c, seq, q_first, causal, scale_log2, lane, corr_lo, corr_hi);
