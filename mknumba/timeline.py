@@ -50,6 +50,17 @@ class Timeline(NamedTuple):
     meta: dict
 
 
+def decision_log(rows, events, blocks, entries):
+    """Every block's controller decisions from the trace rows ``rows`` of a kernel with
+    ``events`` stamp rows, the last of them the count of entries (``roles.controller.log``,
+    at most ``entries`` kept): per block [(time, role, target)]."""
+    n = len(events)
+    count = rows[n - 1]
+    return [[(int(rows[n + 2 * j, b]), int(rows[n + 2 * j + 1, b]) & 15,
+              int(rows[n + 2 * j + 1, b]) >> 4) for j in range(min(int(count[b]), entries))]
+            for b in range(blocks)]
+
+
 def segments_from_log(start, end, log, names):
     """A block's role segments from its decision log ``[(time, role, target)]``: each role
     from its entry to the next, the last to ``end`` (``names``: role number -> name)."""

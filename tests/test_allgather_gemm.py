@@ -50,8 +50,10 @@ def test_tile_order_follows_arrival(shard, bm):
 def test_sim_1x2_every_check():
     """3 calls back to back (b row-major and as w.T, the gathered A into a buffer of the
     caller's), a and b updated in place, bad input, ranks that disagree, the wrap of the call
-    counter, alternating with an AllGather, a peer that never calls: one launch."""
-    checks = ("calls", "inplace", "bad", "disagree", "wrap", "alternate", "timeout")
+    counter, alternating with an AllGather, comm_sms="adaptive" (3 calls across the wrap), a
+    peer that never calls: one launch."""
+    checks = ("calls", "inplace", "bad", "disagree", "wrap", "alternate", "adaptive",
+              "timeout")
     out = run_mpi("allgather_gemm_checks.py", 2, ",".join(checks), *SIM, "calls=3")
     for check in checks:
         _passes(out, check, 2)
@@ -94,6 +96,17 @@ def test_gpu_1x2_twenty_calls_torch():
                   "arrays=torch", simulator=False, env=GPU_ENV)
     for check in checks:
         _passes(out, check, 2)
+
+
+@pytest.mark.gpu
+def test_gpu_1x2_adaptive():
+    """comm_sms="adaptive" (``roles.controller``): 20 calls back to back across the wrap,
+    fresh inputs, poisoned outputs, each against the reference; the controller's log,
+    measurements and queues after them."""
+    out = run_mpi("allgather_gemm_checks.py", 2, "adaptive", *GPU_SHAPE, "calls=20",
+                  simulator=False, env=dict(GPU_ENV, MKNUMBA_ALLOW_SHARED_GPU="1"))
+    _passes(out, "adaptive", 2)
+    assert out.count("adaptive=1") == 2, out[-4000:]
 
 
 @pytest.mark.gpu

@@ -171,9 +171,9 @@ def _hopper_kernel(name):
         from mknumba.kernels.gemm_reduce import kernel as K
         _, threads, kernel = K.build(SM90_FUSED_TILE, name.endswith("adaptive"))
         return kernel, threads
-    if name == "allgather_gemm":
+    if name.startswith("allgather_gemm"):   # allgather_gemm_adaptive: the controller's
         from mknumba.kernels.allgather_gemm import kernel as K
-        _, threads, kernel = K.build(SM90_FUSED_TILE)
+        _, threads, kernel = K.build(SM90_FUSED_TILE, name.endswith("adaptive"))
         return kernel, threads
     if name == "moe_dispatch_gemm":
         from mknumba.kernels.moe_dispatch import kernel as K
@@ -253,15 +253,17 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
 
 
 @pytest.mark.slow
-def test_allgather_gemm_kernel_compiles_for_sm90a(fake_sm90):
+@pytest.mark.parametrize("name", ["allgather_gemm", "allgather_gemm_adaptive"])
+def test_allgather_gemm_kernel_compiles_for_sm90a(fake_sm90, name):
     """AllGatherGemm's kernel around the fused ops' Hopper tile (TMA + wgmma, a publisher
     warp), compiled for its own declaration and linked with the tile's helper: its waits poll
     with acquire loads, each followed by the proxy fence that orders them before the tile's
     TMA loads of the gathered A; the send role's commit to the proxy ring; no multicast; no
-    serialized wgmma."""
+    serialized wgmma. The same for the build with the controller's split
+    (``comm_sms="adaptive"``), whose queues and measurements are relaxed GPU atomics."""
     from mknumba.kernels.allgather_gemm import kernel as K
     from mknumba.kernels.launch import signature
-    ptx, log = _link_sm90a(*_hopper_kernel("allgather_gemm"), fake_sm90)
+    ptx, log = _link_sm90a(*_hopper_kernel(name), fake_sm90)
     assert "serialized" not in log, log
     assert not re.search(r"\b(div|rem)\.[su]64\b", ptx), "a 64-bit divide"
     assert ptx.count("wgmma.mma_async") >= 4, "wgmma missing"
@@ -271,6 +273,9 @@ def test_allgather_gemm_kernel_compiles_for_sm90a(fake_sm90):
     # the compute role's wait: the proxy fence follows the poll's acquire loads
     assert ptx.index("fence.proxy.async.global") > ptx.index("ld.acquire.sys")
     assert "multimem" not in ptx                  # never NVLink multicast
+    if name.endswith("adaptive"):                 # queue tickets, the controller's sums
+        assert "atom.add.relaxed.gpu.u32" in ptx and "atom.global.add.u64" in ptx
+        return
     # the SIMT twin (GPUs without sm_90a) compiles too
     _, _, simt = K.build("simt")
     assert "ld.acquire.sys" in _ptx(simt.py_func, signature(simt), fake_sm90)

@@ -31,6 +31,7 @@ from .. import primitives as prim
 COMPUTE, COMM = 0, 1                     # the two roles a flexible block can take
 (CTL_NS_COMPUTE, CTL_N_COMPUTE, CTL_NS_COMM, CTL_N_COMM, CTL_ACTIVE_COMM) = range(5)
 CTL_WORDS = 8
+CTL_LOG = 32                       # decisions logged per block and call (log)
 
 
 @cuda.jit(device=True)

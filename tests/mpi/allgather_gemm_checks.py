@@ -44,6 +44,15 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
             ``calls`` replays, each with fresh a and b copied into the captured inputs and
             out, out2 and the gathered A poisoned, each checked; an ordinary call half-way;
             the call counter counts every launch.
+  adaptive  one op planned with comm_sms="adaptive" (``roles.controller``), gathered=True and
+            trace=True, started at ``_start_at(2**32 - 2)``: ``calls`` calls back to back
+            across the wrap of the call counter, the epoch and the work queues' tickets, as in
+            ``calls`` (fresh inputs, poisoned outputs, b alternately row-major and w.T, the
+            gathered A on odd and last calls), each against the float64 reference; then the
+            last call's trace as ``calls`` checks it, every flexible block's decision log,
+            every item's block among the flexible ones, the controller's measurements of both
+            kinds and no block left counted in the communication role; the frame, the flags
+            and the queues' tickets read back.
   timeout   (2+ ranks) only rank 0 calls, with a 3 s bound: its compute role's wait for the
             other ranks' rows expires, and synchronize() raises MkTimeoutError naming the op,
             the rank, the role and the flag within the bound (plus the simulator's slack);
@@ -97,8 +106,12 @@ def b_arg(A, b_bits, layout):
 
 # ---- calls --------------------------------------------------------------------------------------
 def check_calls(comm, opts, A):
+    run_calls(comm, opts, A, make_op(comm, opts, gathered=True, trace=True))
+
+
+def run_calls(comm, opts, A, op, start=0, check="calls"):
+    """``calls`` checked calls of ``op``, whose call counter is at ``start``; the trace."""
     m, n, k = opts["m"], opts["n"], opts["k"]
-    op = make_op(comm, opts, gathered=True, trace=True)
     results = []
     keep = []                       # inputs stay alive until the calls are done
     for call in range(opts["calls"]):
@@ -122,12 +135,48 @@ def check_calls(comm, opts, A):
             want = gathered_ref(comm, opts, *key)
             assert np.array_equal(got, want), \
                 f"call {key[1]}: gathered A differs in {np.sum(got != want)} of {got.size}"
-    assert op.frame.read() == (opts["calls"], opts["calls"]), op.frame.read()
+    want = expected_after(start, opts["calls"])
+    assert op.frame.read() == want, (op.frame.read(), want)
     check_trace(comm, op)
+    if op.adaptive:
+        check_controller(op, start, opts["calls"])
     op.free()
-    say("calls", comm, f"m={m} n={n} k={k} calls={opts['calls']} parts={op.parts} "
-                       f"part_rows={op.part_rows} roles={op.role_blocks} arrays={A.kind} "
-                       f"max_rel_err={worst:.2e}")
+    say(check, comm, f"m={m} n={n} k={k} calls={opts['calls']} parts={op.parts} "
+                     f"part_rows={op.part_rows} roles={op.role_blocks} arrays={A.kind} "
+                     f"adaptive={int(op.adaptive)} max_rel_err={worst:.2e}")
+
+
+def check_adaptive(comm, opts, A, start=2 ** 32 - 2):
+    op = make_op(comm, opts, gathered=True, trace=True, comm_sms="adaptive")
+    comm.barrier()                   # no peer is still in a call that writes our flags
+    op._start_at(start)
+    comm.barrier()                   # nobody's next call publishes before every rank is set
+    run_calls(comm, opts, A, op, start, "adaptive")
+
+
+def check_controller(op, start, calls):
+    """An adaptive op after ``calls`` calls from ``_start_at(start)``, synchronised."""
+    from mknumba.kernels.allgather_gemm.kernel import Q_COMM, Q_COMPUTE
+    from mknumba.roles import controller as C
+    ev = op.trace_events()
+    rb = op.role_blocks
+    flex0 = rb["send"] + rb["forward"]
+    flex = range(flex0, flex0 + rb["compute"])
+    for b in flex:                   # every flexible block decided at least once, in order
+        log = ev["controller"][b]
+        assert log and all(t1 <= t2 for (t1, _, _), (t2, _, _) in zip(log, log[1:])), (b, log)
+        assert all(r in (C.COMPUTE, C.COMM) and 0 <= w <= rb["compute"] for _, r, w in log)
+    for row, n in (("tile_block", len(op.order)), ("push_block", op.ncomm - op.nstage),
+                   ("send_block", op.nstage)):
+        assert all(ev[row][i] in flex for i in range(n)), (row, ev[row][:n], list(flex))
+    ctl = op.ctl.copy_to_host()
+    assert ctl[C.CTL_ACTIVE_COMM] == 0, f"blocks left in the communication role: {ctl}"
+    assert ctl[C.CTL_N_COMPUTE] == len(op.order) * calls, ctl   # every item measured
+    assert ctl[C.CTL_N_COMM] == op.ncomm * calls, ctl
+    q = op.queue.copy_to_host().astype(np.int64)
+    for i, n in ((Q_COMPUTE, len(op.order)), (Q_COMM, op.ncomm)):
+        if n:                        # a queue with no items is never drawn
+            assert q[i] == (start + calls) * (n + rb["compute"]) % 2 ** 32, (i, q[i], n)
 
 
 def check_trace(comm, op):
@@ -136,7 +185,8 @@ def check_trace(comm, op):
     P, rb, me = op.parts, op.role_blocks, comm.rank
     assert (ev["block_start"][:op.grid] > 0).all(), "a block has no start stamp"
     assert (ev["block_end"][:op.grid] >= ev["block_start"][:op.grid]).all()
-    pairs = [("send_start", "send_staged", P), ("push_start", "push_done", P),
+    pushes = P if comm.local_size > 1 or not op.adaptive else 0   # adaptive: items only
+    pairs = [("send_start", "send_staged", P), ("push_start", "push_done", pushes),
              ("collect_ready", "collect_done", op.world * P),
              ("tile_start", "tile_done", len(op.order))]
     if rb["forward"]:
@@ -357,7 +407,7 @@ def check_timeout(comm, opts, A, bound_s=3.0):
 
 CHECKS = dict(calls=check_calls, inplace=check_inplace, bad=check_bad, disagree=check_disagree,
               wrap=check_wrap, alternate=check_alternate, graph=check_graph,
-              timeout=check_timeout)
+              timeout=check_timeout, adaptive=check_adaptive)
 
 
 def main():

@@ -16,7 +16,8 @@ from ... import primitives as prim
 from ..._compat import SIMULATOR
 from ...errors import ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV
 from ...roles import compute
-from ...roles.blocks import launch_context, publish, stamp, wait
+from ...roles import controller as ctl_
+from ...roles.blocks import launch_context, poll, publish, record, stamp, take, wait
 from ...roles.reduce import copy_tile_2d
 from ...roles.send import enqueue_rail
 from ..launch import array_type
@@ -29,25 +30,32 @@ Cfg, Record, Trace = array_type(np.int64, 1), array_type(np.int64, 1), array_typ
 #: rank, local: rank in the node of g GPUs; shard: rows per rank (m / world); rows: rows per
 #: part of a shard (its last part may be shorter), parts: parts per shard; *_end: the roles'
 #: block ranges; win_*: the proxy's windows; collect: this call fills the caller's gathered A;
-#: trace: stamp the roles' items.
+#: trace: stamp the roles' items. The adaptive build (``comm_sms="adaptive"``) reads pool_end:
+#: the end of its flexible blocks (from forward_end; collect after them), nstage / ncomm: its
+#: communication items (parts to store here, then parts to push), init_comm: its blocks that
+#: start in the communication role.
 CFG_FIELDS = ("m", "n", "k", "shard", "rows", "parts", "me", "local", "g", "nodes", "world",
               "tiles_n", "send_end", "forward_end", "collect_end", "win_gathered",
-              "win_flags", "collect", "trace")
+              "win_flags", "collect", "trace", "pool_end", "nstage", "ncomm", "init_comm")
 (C_M, C_N, C_K, C_SHARD, C_ROWS, C_PARTS, C_ME, C_LOCAL, C_G, C_NODES, C_WORLD, C_TILES_N,
  C_SEND_END, C_FORWARD_END, C_COLLECT_END, C_WIN_GATHERED, C_WIN_FLAGS,
- C_COLLECT, C_TRACE) = range(len(CFG_FIELDS))
+ C_COLLECT, C_TRACE, C_POOL_END, C_NSTAGE, C_NCOMM, C_INIT_COMM) = range(len(CFG_FIELDS))
+Q_COMPUTE, Q_COMM = 0, 1             # the adaptive build's work queues (roles.blocks.take)
+QUEUES = 2
 
 # trace rows (``trace=True``): globaltimer stamps, one row per event, indexed by block
 # (block_*), by part of this rank's shard (send_*: stored in this GPU's gathered A, flag
 # published, between nodes handed to the proxy; push_*: stored into every other GPU of the
 # node), by rail peer and part (forward_*: i * parts + p), by collect item and by position
-# in the tile order (tile_*)
+# in the tile order (tile_*); the adaptive build adds which block did a tile, a part stored
+# here and a part pushed (*_block) and its controller's decision log (roles.controller.log)
 (T_BLOCK_START, T_BLOCK_END, T_SEND_START, T_SEND_STAGED, T_PUSH_START, T_PUSH_DONE,
  T_FORWARD_READY, T_FORWARD_DONE, T_COLLECT_READY, T_COLLECT_DONE, T_TILE_START,
- T_TILE_DONE) = range(12)
+ T_TILE_DONE, T_TILE_BLOCK, T_SEND_BLOCK, T_PUSH_BLOCK, T_CTL_N) = range(16)
 TRACE_EVENTS = ("block_start", "block_end", "send_start", "send_staged", "push_start",
                 "push_done", "forward_ready", "forward_done", "collect_ready", "collect_done",
-                "tile_start", "tile_done")
+                "tile_start", "tile_done", "tile_block", "send_block", "push_block", "ctl_n")
+TRACE_ROWS = len(TRACE_EVENTS) + 2 * ctl_.CTL_LOG
 
 _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 
@@ -59,9 +67,10 @@ def part_rows(cfg, p):
     return r0, min(cfg[C_ROWS], cfg[C_SHARD] - r0)
 
 
-def make_kernel(build, threads):
-    """The persistent kernel around one tile build (``roles.compute.TileBuild``). Each role is
-    a device function below; the kernel at the end hands blocks to them in block order."""
+def make_kernel(build, threads, adaptive=False):
+    """The persistent kernel around one tile build (``roles.compute.TileBuild``), with the
+    static split or (``adaptive``) the controller's. Each role is a device function below; the
+    kernel at the end hands blocks to them in block order."""
     bm = build.shape[0]
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
 
@@ -188,6 +197,155 @@ def make_kernel(build, threads):
             stamp(tr, trace, T_COLLECT_DONE, it)
         return True
 
+
+    # ---- the adaptive split (roles.controller) -------------------------------------------------
+    # Flexible blocks take tiles from the compute queue and parts of this rank's shard from the
+    # communication queue: on one node each part first stored here (nstage items), then each
+    # part pushed into every other GPU of the node; between nodes the fixed send blocks store
+    # and hand the parts to the proxy, and the pool pushes. No communication item waits (a part
+    # comes from ``a``), so a block that holds a tile whose rows have not arrived does one
+    # instead, while any are left; then the tile's per-thread waits are the bounded ones of the
+    # static role. One call site of the tile (it is inlined where it is called).
+    compute_tile = compute.make_compute_tile(build, (into_out, rows_ready))
+    tile_init = build.init
+
+    @cuda.jit(device=True, inline=True)
+    def rows_arrived(where, t, epoch):
+        """Block-wide, no wait: whether every part of a shard that tile ``t`` reads rows of
+        has arrived (:func:`rows_ready`'s flags)."""
+        flags, tiles_n, m, shard, rows, parts = where[3:9]
+        r = prim.udiv32(t, tiles_n) * bm
+        end = min(m, r + bm)
+        while r < end:
+            src = prim.udiv32(r, shard)
+            p = prim.udiv32(r - src * shard, rows)
+            if not poll(flags, src * parts + p, epoch):
+                return False
+            r = src * shard + min((p + 1) * rows, shard)
+        return True
+
+    @cuda.jit(device=True, inline=True)
+    def part_into(cfg, a, p, dst, dst_flags, row0, epoch):
+        """Part ``p`` of this rank's shard into ``dst`` (a gathered A: this GPU's or a peer's
+        view, this call's rows from ``row0``), then its flag in ``dst_flags`` (system scope:
+        peers and the proxy read them)."""
+        kw = cfg[C_K] // 4
+        r0, rows = part_rows(cfg, p)
+        copy_tile_2d(a, r0 * kw, kw, dst, (row0 + r0) * kw, kw, rows, kw)
+        publish(dst_flags, cfg[C_ME] * cfg[C_PARTS] + p, epoch)
+
+    @cuda.jit(device=True, inline=True)
+    def stage_only(cfg, a, gathered, flags, rail, proxy, first, step, ctx, trace):
+        """Between nodes, the fixed send blocks of the adaptive split: parts ``first, first +
+        step, ...`` of this rank's shard stored here (:func:`part_into`), each then handed to
+        the proxy, one command per rail peer; the pushes inside the node are the pool's."""
+        epoch, call, deadline, err, rank = ctx
+        tr = cfg[C_TRACE] != 0
+        kw = cfg[C_K] // 4
+        row0 = (call & 1) * cfg[C_M] + cfg[C_ME] * cfg[C_SHARD]
+        for jp in range(prim.steps(first, cfg[C_PARTS], step)):
+            p = first + jp * step
+            stamp(tr, trace, T_SEND_START, p)
+            part_into(cfg, a, p, gathered, flags, row0, epoch)
+            r0, rows = part_rows(cfg, p)
+            if not enqueue_rail(proxy, rail, cfg[C_WIN_GATHERED], (row0 + r0) * kw * 8,
+                                rows * kw * 8, p, cfg[C_WIN_FLAGS],
+                                cfg[C_ME] * cfg[C_PARTS] + p, epoch, deadline, err, rank):
+                return False
+            stamp(tr, trace, T_SEND_STAGED, p)
+        return True
+
+    @cuda.jit(device=True, inline=True)
+    def comm_item(cfg, shard_io, it, blk, ctx, trace):
+        """Communication item ``it``: below nstage, part ``it`` stored in this GPU's gathered
+        A; else part ``it - nstage`` pushed into every other GPU of the node (the next GPU
+        first). shard_io: (a, gathered, gathered_ptrs, flags, flag_ptrs)."""
+        a, gathered, gathered_ptrs, flags, flag_ptrs = shard_io
+        epoch, call = ctx[0], ctx[1]
+        tr = cfg[C_TRACE] != 0
+        row0 = (call & 1) * cfg[C_M] + cfg[C_ME] * cfg[C_SHARD]     # my rows in this slot
+        nstage = cfg[C_NSTAGE]
+        if it < nstage:
+            stamp(tr, trace, T_SEND_START, it)
+            record(tr, trace, T_SEND_BLOCK, it, blk)
+            part_into(cfg, a, it, gathered, flags, row0, epoch)
+            stamp(tr, trace, T_SEND_STAGED, it)
+        else:
+            p = it - nstage
+            stamp(tr, trace, T_PUSH_START, p)
+            record(tr, trace, T_PUSH_BLOCK, p, blk)
+            g, local = cfg[C_G], cfg[C_LOCAL]
+            for j in range(1, g):
+                q = prim.peer_after(local, j, g)
+                part_into(cfg, a, p, prim.peer_view(gathered_ptrs, q, gathered),
+                          prim.peer_view(flag_ptrs, q, flags), row0, epoch)
+            stamp(tr, trace, T_PUSH_DONE, p)
+
+    @cuda.jit(device=True, inline=True)
+    def flexible_pool(smem, tmaps, a_slot, b, order, cfg, where, shard_io, queue, ctl, blk,
+                      ctx, trace):
+        """Blocks [forward_end, pool_end): each next item's kind decided by the controller
+        (``roles.controller.decide``); a tile whose rows are not there yet waits behind
+        communication items while any are left. Every block draws both queues until it sees
+        their ends (``take`` counts each worker once past the end)."""
+        epoch, call = ctx[0], ctx[1]
+        tr = cfg[C_TRACE] != 0
+        first = cfg[C_FORWARD_END]
+        flex = cfg[C_POOL_END] - first
+        tiles, ncomm, tiles_n = order.shape[0], cfg[C_NCOMM], cfg[C_TILES_N]
+        tile_init(smem, tmaps)
+        cuda.syncthreads()
+        role = ctl_.COMM if blk - first < cfg[C_INIT_COMM] else ctl_.COMPUTE
+        ctl_.enter(ctl, role)
+        seq, nlog = 0, 0
+        comp_open, comm_open = True, ncomm > 0
+        held = np.int64(-1)           # the position in ``order`` of the tile this block holds
+        while True:
+            do_comm = False
+            if held >= 0:
+                # rows there (or nothing else to do): the tile, below; else a part meanwhile
+                do_comm = comm_open and not rows_arrived(where, order[held], epoch)
+            else:
+                if not (comp_open or comm_open):
+                    break
+                left_p = ctl_.left(queue, Q_COMPUTE, call, tiles, flex)
+                left_s = ctl_.left(queue, Q_COMM, call, ncomm, flex)
+                new, want = ctl_.decide(ctl, role, comp_open, comm_open, left_p, left_s, flex,
+                                        cfg[C_INIT_COMM])
+                if new != role or nlog == 0:
+                    nlog = ctl_.log(tr, trace, T_CTL_N, len(TRACE_EVENTS), blk, nlog,
+                                    ctl_.CTL_LOG, new, want)
+                role = new
+                if role == ctl_.COMM:
+                    do_comm = True
+                else:
+                    i = take(queue, Q_COMPUTE, call, tiles, flex)
+                    if i >= tiles:
+                        comp_open = False
+                    else:
+                        held = i
+                    continue
+            if do_comm:
+                it = take(queue, Q_COMM, call, ncomm, flex)
+                if it >= ncomm:
+                    comm_open = False
+                    continue
+                start = prim.globaltimer()
+                comm_item(cfg, shard_io, it, blk, ctx, trace)
+                cuda.syncthreads()        # every thread's stores, then the item's cost
+                ctl_.account(ctl, ctl_.COMM, start)
+                continue
+            start = prim.globaltimer()
+            stamp(tr, trace, T_TILE_START, held)
+            record(tr, trace, T_TILE_BLOCK, held, blk)
+            compute_tile(smem, tmaps, a_slot, b, order[held], tiles_n, seq, epoch, where)
+            cuda.syncthreads()            # every thread's part of the tile, then its cost
+            stamp(tr, trace, T_TILE_DONE, held)
+            ctl_.account(ctl, ctl_.COMPUTE, start)
+            seq += 1
+            held = -1
+        ctl_.leave(ctl, role)
+
     @cuda.jit(**bounds)
     def allgather_gemm_kernel(
             a: Words, b: Bits2D, tmaps: Words, tmaps_odd: Words, gathered: Bits3D,
@@ -236,8 +394,57 @@ def make_kernel(build, threads):
         if ok:                        # a timed-out role's block has no end stamp
             stamp(tr, trace, T_BLOCK_END, blk)
 
-    return allgather_gemm_kernel
+    @cuda.jit(**bounds)
+    def allgather_gemm_adaptive(
+            a: Words, b: Bits2D, tmaps: Words, tmaps_odd: Words, gathered: Bits3D,
+            gathered_words: Words, gathered_ptrs: Words, flags: Flags, flag_ptrs: Words,
+            out: Bits2D, gathered_out: Words, tile_flags: Flags, cfg: Cfg, order: Ints,
+            shards: Ints, rail: Ints, ring: Flags, head: Flags, tail: Flags, frame: Words,
+            timeout_ns: types.uint64, err: Record, rank: types.int64, trace: Trace,
+            queue: Flags, ctl: Words):
+        """The kernel with the controller's split: the arguments of the static kernel, and
+        queue uint32 [QUEUES] (the compute and communication queues' ticket counters), ctl
+        uint64 [roles.controller.CTL_WORDS] (its measurements). Blocks in order: send [0,
+        send_end) (between nodes: store each part here and hand it to the proxy), forward,
+        flexible [forward_end, pool_end), collect [pool_end, grid) (last: it waits on the
+        flexible blocks' stores, and the simulator runs blocks in order)."""
+        smem = cuda.shared.array(0, dtype=_BYTE)
+        ctx = launch_context(frame, timeout_ns, err, rank)
+        call, deadline = ctx[1], ctx[2]
+        blk = cuda.blockIdx.x
+        tr = cfg[C_TRACE] != 0
+        stamp(tr, trace, T_BLOCK_START, blk)
+        send_end, forward_end, pool_end = cfg[C_SEND_END], cfg[C_FORWARD_END], cfg[C_POOL_END]
+        ok = True
+        if blk < send_end:
+            ok = stage_only(cfg, a, gathered_words, flags, rail, (ring, head, tail), blk,
+                            send_end, ctx, trace)
+        elif blk < forward_end:
+            ok = forward_role(cfg, gathered_words, gathered_ptrs, flags, flag_ptrs, rail,
+                              blk - send_end, forward_end - send_end, ctx, trace)
+        elif blk < pool_end:
+            slot = call & 1
+            tiles_n = cfg[C_TILES_N]
+            flexible_pool(smem, tmaps_odd if slot else tmaps, gathered[slot], b, order, cfg,
+                          (out, tile_flags, gathered, flags, tiles_n, cfg[C_M], cfg[C_SHARD],
+                           cfg[C_ROWS], cfg[C_PARTS], (deadline, err, rank)),
+                          (a, gathered_words, gathered_ptrs, flags, flag_ptrs), queue, ctl, blk,
+                          ctx, trace)
+        elif cfg[C_COLLECT] != 0:
+            ok = collect_role(cfg, gathered_words, flags, shards, gathered_out,
+                              blk - pool_end, cuda.gridDim.x - pool_end, ctx, trace)
+        if ok:                        # a timed-out role's block has no end stamp
+            stamp(tr, trace, T_BLOCK_END, blk)
+
+    return allgather_gemm_adaptive if adaptive else allgather_gemm_kernel
 
 
-#: (roles.compute.TileBuild, threads per block, kernel) of a tile build name
-build = compute.KernelBuilds(make_kernel)
+#: (roles.compute.TileBuild, threads per block, kernel) of a tile build name, static split
+_BUILDS = {False: compute.KernelBuilds(make_kernel),
+           True: compute.KernelBuilds(lambda b, threads: make_kernel(b, threads, True))}
+
+
+def build(kind, adaptive=False):
+    """(roles.compute.TileBuild, threads per block, kernel) of a tile build name with the
+    static or the adaptive split."""
+    return _BUILDS[bool(adaptive)](kind)

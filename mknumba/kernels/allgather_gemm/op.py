@@ -7,14 +7,16 @@ from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
 from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
-from ...timeline import Timeline, Traced, role_of, spans
+from ...roles.controller import CTL_LOG, CTL_WORDS
+from ...timeline import Timeline, Traced, decision_log, role_of, segments_from_log, spans
 from ..launch import (Frame, OpLifetime, Slot, StreamOrder, outputs_in_capture, pack, param,
                       stream_handle)
-from .kernel import CFG_FIELDS, TRACE_EVENTS, build
+from .kernel import CFG_FIELDS, Q_COMM, Q_COMPUTE, QUEUES, TRACE_EVENTS, TRACE_ROWS, build
 from .plan import AllGatherGemmPlan
 
-#: the roles in block order (``plan._roles``)
-ROLE_ORDER = ("send", "forward", "collect", "compute")
+#: the roles in block order (``plan._roles``), static and adaptive
+ROLE_ORDER = {False: ("send", "forward", "collect", "compute"),
+              True: ("send", "forward", "compute", "collect")}
 
 
 class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
@@ -28,7 +30,12 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
     gathered: plan the collect role, so that calls can also write the gathered A into an
     array of the caller's (``op(a, b, gathered=buf)``; backward passes need it); costs
     ``collect_sms`` SMs (default 4; 1 in the simulator). comm_sms: SMs of the send and
-    forward roles (default 16, not measured yet); part_rows: rows of a shard behind one flag
+    forward roles (default 16, not measured yet), or "adaptive": the compute blocks also
+    move this rank's shard inside the node (store each part here on one node, push it to
+    the node's other GPUs), each next item's kind decided by ``roles.controller``, a block
+    whose next tile's rows have not arrived moving a part meanwhile (between nodes the send
+    blocks stay fixed: they hand the parts to the proxy; forward and collect stay fixed);
+    part_rows: rows of a shard behind one flag
     (default: one tile row, 128 on Hopper; between nodes whole tile rows of about 1 MiB, one
     proxy command each); tile: "auto" (on sm_90a ``roles.compute.SM90_FUSED_TILE``, else
     "simt") | "sm90" | "simt" | another build (``roles.compute.tile_build``); group_m: tile
@@ -85,18 +92,27 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         rb = self.role_blocks
         send_end = rb["send"]
         forward_end = send_end + rb["forward"]
+        ad = self.adaptive
         cfg = dict(m=m, n=n, k=k, shard=self.shard, rows=self.part_rows, parts=P,
                    me=comm.rank, local=comm.local_rank, g=comm.local_size, nodes=comm.nodes,
                    world=W, tiles_n=self.tiles_n, send_end=send_end, forward_end=forward_end,
                    collect_end=forward_end + rb["collect"], win_gathered=wins[0],
-                   win_flags=wins[1], trace=self.tracing)
+                   win_flags=wins[1], trace=self.tracing,
+                   pool_end=forward_end + rb["compute"] if ad else 0,
+                   nstage=self.nstage if ad else 0, ncomm=self.ncomm if ad else 0,
+                   init_comm=self.init_comm)
         # a call that fills the caller's gathered A (collect) or not
         self._cfg = {c: cuda.to_device(pack(CFG_FIELDS, **cfg, collect=c)) for c in (0, 1)}
         self._cfg_ptr = {c: param(x) for c, x in self._cfg.items()}
         self._no_gathered = cuda.to_device(np.zeros(1, np.uint64))    # never read
         items = max(self.grid, P * max(1, len(comm.rail_peers) if comm.nodes > 1 else 1),
                     W * P, len(self.order)) if self.tracing else 1
-        self._trace = cuda.to_device(np.zeros((len(TRACE_EVENTS), items), np.int64))
+        self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
+        # the adaptive split's work queues and the controller's measurements (they grow across
+        # calls: roles.controller)
+        adaptive = dict(queue=cuda.to_device(np.zeros(QUEUES, np.uint32)),
+                        ctl=cuda.to_device(np.zeros(CTL_WORDS, np.uint64))) if ad else {}
+        self.queue, self.ctl = adaptive.get("queue"), adaptive.get("ctl")
         local = self.gathered_buf.local
         values = dict(
             a=Slot((self.shard * k // 4,)), tmaps=Slot((TensorMaps.ROW,)),
@@ -107,9 +123,11 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
             tile_flags=self.tile_flags, cfg=Slot((len(CFG_FIELDS),)),
             order=cuda.to_device(self.order), shards=cuda.to_device(self.arrival), rail=rail,
             ring=ring, head=head, tail=tail, frame=self.frame.words,
-            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, trace=self._trace)
-        self.launches = LayoutLaunches(build, self.kind, values, "b",   # planned for b [k, n]
-                                       {False: (n, k), True: (k, n)}, self.grid, True, self.name)
+            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, trace=self._trace,
+            **adaptive)
+        self.launches = LayoutLaunches(    # planned for b [k, n]
+            lambda kind: build(kind, ad), self.kind, values, "b",
+            {False: (n, k), True: (k, n)}, self.grid, True, self.name)
 
     # -- calls ------------------------------------------------------------------------------------
     def out_shape(self):
@@ -196,9 +214,14 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         send, forward, collect, compute); ``send_*`` and ``push_*`` the parts of this rank's
         shard (stored here and handed to the proxy; stored into the node's other GPUs);
         ``forward_*`` rail peer i's part p at i * parts + p; ``collect_*`` the collect items
-        (shard in arrival order, then part); ``tile_*`` positions in the tile order."""
-        stamps, _ = self._stamps(TRACE_EVENTS)
-        return dict(stamps, role_blocks=dict(self.role_blocks))
+        (shard in arrival order, then part); ``tile_*`` positions in the tile order.
+        Adaptive (send, forward, compute, collect in block order): ``tile_block``,
+        ``send_block`` (one node) and ``push_block``: the block that did the item, and
+        ``controller``: per block its decisions [(ns, role, target)] (role 0 compute, 1 the
+        parts: ``roles.controller``)."""
+        stamps, rows = self._stamps(TRACE_EVENTS)
+        log = decision_log(rows, TRACE_EVENTS, self.grid, CTL_LOG) if self.adaptive else []
+        return dict(stamps, role_blocks=dict(self.role_blocks), controller=log)
 
     def timeline(self):
         """The last traced call as a :class:`mknumba.timeline.Timeline` (this rank): per part
@@ -206,37 +229,67 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         and, with other GPUs in the node, a ``push`` item on the send tracks (stored into
         them); a ``forward`` item per rail peer's part, a ``collect`` item per part of the
         gathered A when the call filled one (items name the part by its flag, ``shard *
-        parts + part``); a
-        ``compute`` item per tile; each block's role from its start to its end stamp. After
-        :meth:`synchronize`."""
+        parts + part``); a ``compute`` item per tile; each block's role from its start to its
+        end stamp (adaptive: a flexible block's from the controller's log, its communication
+        role named ``send``). After :meth:`synchronize`."""
         ev = self.trace_events()
-        rb, P, comm = self.role_blocks, self.parts, self.comm
+        rb, P, comm, ad = self.role_blocks, self.parts, self.comm, self.adaptive
         me, order, n_send = comm.rank, self.order, rb["send"]
         rail = list(comm.rail_peers) if comm.nodes > 1 else []
-        compute0 = self.grid - rb["compute"]
+        layout = [(role, rb[role]) for role in ROLE_ORDER[ad]]
+        first = {role: sum(c for r, c in layout[:i]) for i, (role, _) in enumerate(layout)}
+
+        def block(row, role, step):   # the block of item i: recorded (adaptive) or striding
+            if ad and role == "compute":
+                return lambda i: ev[row][i]
+            return lambda i: first[role] + i % max(1, rb[role] if step is None else step)
+        send_role = "send" if n_send else "compute"       # adaptive, one node: the pool
         items = dict(
             send=spans(ev, "send_start", "send_staged", P, lambda p: me * P + p,
-                       lambda p: p % n_send) + (
+                       block("send_block", send_role, None)) + (
                 spans(ev, "push_start", "push_done", P, lambda p: me * P + p,
-                      lambda p: p % n_send, "push") if comm.local_size > 1 else []),
+                      block("push_block", "compute" if ad else "send", None), "push")
+                if comm.local_size > 1 else []),
             forward=spans(ev, "forward_ready", "forward_done",
                           len(rail) * P if rb["forward"] else 0,
                           lambda i: rail[i // P] * P + i % P,
-                          lambda i: n_send + i % P % max(1, rb["forward"])),
+                          lambda i: first["forward"] + i % P % max(1, rb["forward"])),
             collect=spans(ev, "collect_ready", "collect_done",
                           self.world * P if self._collected else 0,
                           lambda i: self.arrival[i // P] * P + i % P,
-                          lambda i: n_send + rb["forward"] + i % max(1, rb["collect"])),
+                          block(None, "collect", None)),
             compute=spans(ev, "tile_start", "tile_done", len(order), lambda i: order[i],
-                          lambda i: compute0 + i % rb["compute"]))
-        layout = [(role, rb[role]) for role in ROLE_ORDER]
+                          block("tile_block", "compute", None)))
         start, end = ev["block_start"], ev["block_end"]
-        segments = [(b, role_of(b, layout), int(start[b]), int(end[b]))
-                    for b in range(self.grid) if start[b] > 0 and end[b] > 0]
+        segments, decisions = [], []
+        for b in range(self.grid):
+            if start[b] <= 0 or end[b] <= 0:
+                continue
+            role = role_of(b, layout)
+            if ad and role == "compute":
+                log = ev["controller"][b]
+                segments += [(b, r, t0, t1) for r, t0, t1 in
+                             segments_from_log(start[b], end[b], log, ("compute", "send"))]
+                decisions += [(t, b, r, want) for t, r, want in log]
+            else:
+                segments.append((b, role, int(start[b]), int(end[b])))
         meta = dict(op=self.name, m=self.m, n=self.n, k=self.k, topology=self.topology,
                     parts=P, part_rows=self.part_rows, role_blocks=dict(rb),
-                    tiles=len(order), adaptive=False)
-        return Timeline(comm.rank, items, segments, [], meta)
+                    tiles=len(order), adaptive=ad,
+                    controller_log_dropped=sum(max(0, int(ev["ctl_n"][b]) - CTL_LOG)
+                                               for b in range(self.grid)) if ad else 0)
+        return Timeline(comm.rank, items, segments, decisions, meta)
+
+    def _start_at(self, calls):
+        """Tests: as ``OpLifetime._start_at`` (the call counter, every epoch flag), and with
+        the adaptive split the work queues' tickets, as if ``calls`` calls had run."""
+        OpLifetime._start_at(self, calls)
+        if self.adaptive:
+            flex = self.role_blocks["compute"]
+            q = np.zeros(QUEUES, np.uint64)
+            q[Q_COMPUTE] = calls * (len(self.order) + flex)
+            q[Q_COMM] = calls * (self.ncomm + flex)
+            self.queue.copy_to_device((q & 0xFFFFFFFF).astype(np.uint32))
 
 
 def _address(arr):

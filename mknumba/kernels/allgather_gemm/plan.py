@@ -74,10 +74,15 @@ class AllGatherGemmPlan:
 
     def _roles(self, comm_sms, collect_sms, G, nodes):
         """The grid (one block per SM) and its roles in block order: send, forward (between
-        nodes, G > 1), collect (planned with ``gathered``), compute."""
+        nodes, G > 1), collect (planned with ``gathered``), compute; with ``comm_sms=
+        "adaptive"`` send, forward, compute (flexible), collect (:meth:`_adaptive`)."""
         sms = None if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         forward = nodes > 1 and G > 1
-        if comm_sms is None:
+        if isinstance(comm_sms, str) and comm_sms != "adaptive":
+            raise MkValueError(f"{self.name}: comm_sms={comm_sms!r}: a number of SMs, None "
+                               "(the default) or 'adaptive'")
+        self.adaptive = comm_sms == "adaptive"
+        if comm_sms is None or self.adaptive:
             comm_sms = (2 if forward else 1) if SIMULATOR else DEFAULT_COMM_SMS
         comm_sms = int(comm_sms)
         need = 2 if forward else 1
@@ -87,6 +92,8 @@ class AllGatherGemmPlan:
         # a block with no part of its own would idle: at most one per part
         fwd = min(self.parts, comm_sms // 2) if forward else 0
         send = min(self.parts, comm_sms - fwd)
+        if self.adaptive:
+            send = self._adaptive(comm_sms - fwd, send, G, nodes)
         collect = 0
         if self.gathered:
             collect = int(collect_sms if collect_sms is not None else
@@ -104,7 +111,22 @@ class AllGatherGemmPlan:
             raise MkValueError(f"{self.name}: {held} blocks for send, forward and collect "
                                f"leave none of the {grid} SMs to compute")
         self.role_blocks = dict(send=send, forward=fwd, collect=collect, compute=grid - held)
+        self.init_comm = min(self.init_comm, grid - held - 1) if self.adaptive else 0
         self.grid = grid
+
+    def _adaptive(self, comm, send, G, nodes):
+        """comm_sms="adaptive" (``roles.controller``): the compute blocks are flexible, and
+        their communication items are the parts of this rank's shard: on one node each part
+        stored here, then each pushed into the node's other GPUs; between nodes only the
+        pushes, the fixed send blocks storing the parts and handing them to the proxy (forward
+        and collect stay fixed). Sets the items and the flexible blocks that start in the
+        communication role (the static split's ``comm`` blocks); returns the fixed send
+        blocks."""
+        self.nstage = self.parts if nodes == 1 else 0
+        self.ncomm = self.nstage + (self.parts if G > 1 else 0)
+        fixed = send if nodes > 1 else 0
+        self.init_comm = min(max(1, comm - fixed), self.ncomm)
+        return fixed
 
     def _check_agreement(self, comm, fields):
         """Collective: every rank must plan the same exchange (the buffers, flags and offsets

@@ -46,7 +46,7 @@ QUEUES = 3
 TRACE_EVENTS = ("block_start", "block_end", "reduce_ready", "reduce_done", "send_ready",
                 "send_enqueued", "recv_arrived", "recv_done", "pull_done", "pull_ready",
                 "tile_start", "tile_done", "tile_block", "compute_end", "ctl_n")
-CTL_LOG = 32                     # decisions logged per block and call
+CTL_LOG = ctl_.CTL_LOG
 TRACE_ROWS = len(TRACE_EVENTS) + 2 * CTL_LOG
 
 _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8

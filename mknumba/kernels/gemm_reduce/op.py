@@ -9,12 +9,13 @@ from ...errors import ERR_SET, MkError, MkValueError
 from ...sched.reduce import nonempty
 from ..gemm import Gemm
 from ...roles.controller import CTL_WORDS
-from ...timeline import Timeline, Traced, role_of, segments_from_log, spans
+from ...timeline import (Timeline, Traced, decision_log, role_of, segments_from_log,
+                         spans)
 from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
 from ..launch import (Frame, OpLifetime, Slot, StreamOrder, outputs_in_capture, pack, param,
                       stream_handle)
 from .kernel import (CFG_FIELDS, CTL_LOG, Q_COMPUTE, Q_PULL, Q_REDUCE, QUEUES, TRACE_EVENTS,
-                     TRACE_ROWS, T_CTL_N, build)
+                     TRACE_ROWS, build)
 from .plan import GemmReducePlan
 
 
@@ -262,11 +263,7 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         receive, pull); the others index each role's items (reduced tiles, send commands,
         finished tiles, pulled tiles). Call after :meth:`synchronize`."""
         stamps, rows = self._stamps(TRACE_EVENTS)
-        n = len(TRACE_EVENTS)
-        log = [[(int(rows[n + 2 * j, b]), int(rows[n + 2 * j + 1, b]) & 15,
-                 int(rows[n + 2 * j + 1, b]) >> 4)
-                for j in range(min(int(rows[T_CTL_N, b]), CTL_LOG))]
-               for b in range(self.grid)] if self.adaptive else []
+        log = decision_log(rows, TRACE_EVENTS, self.grid, CTL_LOG) if self.adaptive else []
         return dict(stamps, role_blocks=dict(self.role_blocks), controller=log)
 
     def timeline(self):
