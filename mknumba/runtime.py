@@ -147,6 +147,13 @@ class Comm:
         buf.free()
         self._buffers.remove(buf)
 
+    def flags_set(self, arrays, epoch):
+        """Flag arrays of this rank (symmetric buffers' ``local`` arrays) were set to ``epoch``
+        outside the kernels (tests: an op's ``_start_at``); a proxy that publishes flags from
+        the low bits of each epoch takes that as their last value."""
+        if self.proxy is not None:
+            self.proxy.transport.flags_set(arrays, epoch)
+
     def agree(self, what, fields, scope="world"):
         """Collective over ``scope``: every rank must pass the same ``fields`` (a dict of what
         the op was planned with, in the caller's terms); else MkValueError names the ranks and

@@ -73,11 +73,14 @@ def test_sim_2x1_through_the_proxy():
 def test_sim_2x2_forwarded_inside_the_node():
     """Each shard crosses to the other node once, to its rail peer (completion mode: the
     receiving proxy sets the flag), which forwards it to the other GPU of its node. 10 rows
-    per rank: one tile row spans four shards."""
+    per rank: one tile row spans four shards. Then across the wrap of the call counter: the
+    receiving proxy restores each epoch from its low bits and the flag's last value, which
+    ``_start_at`` must set too (``Comm.flags_set``)."""
     env = {"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:completion"}
-    out = run_mpi("allgather_gemm_checks.py", 4, "calls", "m=40", "n=16", "k=8",
+    out = run_mpi("allgather_gemm_checks.py", 4, "calls,wrap", "m=40", "n=16", "k=8",
                   "part_rows=4", "calls=2", env=env)
     _passes(out, "calls", 4)
+    _passes(out, "wrap", 4)
     assert out.count("'forward': 1") == 4, out[-4000:]
 
 

@@ -292,7 +292,7 @@ class AllGather:
         """Tests: set this rank's state as if ``calls`` calls had run (the call counter and
         every flag), e.g. just short of 2**32. Every rank, between calls, after a sync."""
         self.comm.synchronize(self.streams.last or 0)
-        self.frame.start_at(calls, [self.flags.local])
+        self.frame.start_at(calls, [self.flags.local], self.comm)
 
     def free(self):
         """Collective: release the op's symmetric buffers."""

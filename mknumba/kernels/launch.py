@@ -320,14 +320,17 @@ class Frame:
             raise MkValueError(f"call {calls} has epoch {epoch_of_host(calls)}, not {epoch}")
         self.words.copy_to_device(np.array([calls * self.grid], np.uint64))
 
-    def start_at(self, calls, flags=()):
+    def start_at(self, calls, flags=(), comm=None):
         """Set the op's state as if ``calls`` calls had run: the counter (:meth:`set`) and
         every epoch flag array in ``flags`` at the last call's epoch (tests start near the
-        wrap; only between calls, after a synchronisation)."""
+        wrap; only between calls, after a synchronisation). ``comm``: the flags' Comm, whose
+        proxy (if any) is told (``Comm.flags_set``)."""
         epoch = epoch_of_host(calls)
         self.set(calls)
         for f in flags:
             f.copy_to_device(np.full(f.shape, epoch, np.uint32))
+        if comm is not None:
+            comm.flags_set(flags, epoch)
 
 
 # ---- streams ------------------------------------------------------------------------------------
@@ -459,4 +462,4 @@ class OpLifetime:
         Collective in effect: every rank must do it with the same ``calls`` between calls,
         after synchronising."""
         self.comm.synchronize(self.streams.last or 0)
-        self.frame.start_at(calls, self._epoch_flags)
+        self.frame.start_at(calls, self._epoch_flags, self.comm)

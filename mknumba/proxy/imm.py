@@ -86,6 +86,7 @@ class FlagShadow:
     def __init__(self):
         self.values = np.zeros(0, np.int64)
         self.offsets = np.full(MAX_FLAG_WINDOWS, -1, np.int64)
+        self.sizes = np.zeros(MAX_FLAG_WINDOWS, np.int64)
 
     # New arrays rather than in-place changes: a running compiled loop keeps the pair it was
     # given until the proxy hands it the new one (Proxy._retable).
@@ -95,11 +96,18 @@ class FlagShadow:
         offsets[win] = len(self.values)
         self.values = np.concatenate([self.values, np.zeros(n, np.int64)])
         self.offsets = offsets
+        self.sizes[win] = n
 
     def remove_window(self, win):
         offsets = self.offsets.copy()
         offsets[win] = -1        # its values stay behind (a few bytes per flag; ids are reused)
         self.offsets = offsets
+
+    def set_window(self, win, epoch):
+        """Every flag of window ``win`` now holds ``epoch`` (set in place: the running proxy
+        loop reads this array)."""
+        i = self.offsets[win]
+        self.values[i:i + self.sizes[win]] = epoch
 
     def publish(self, imms):
         """Decode immediates in arrival order -> (flag_win, flag_slot, epoch) int64 arrays."""

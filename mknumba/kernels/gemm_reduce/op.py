@@ -330,7 +330,7 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         flags = [self.tile_flags, self.final_flags] + ([self.arrive, self.red_flags,
                                                         self.chunk_ready]
                                                        if self.comm.nodes > 1 else [])
-        self.frame.start_at(calls, [f.local for f in flags])
+        self.frame.start_at(calls, [f.local for f in flags], self.comm)
         rb, p = self.role_blocks, self.plan
         reduce_end = rb["compute"] + rb["reduce"]
         recv_end = reduce_end + rb["send"] + rb["recv"]

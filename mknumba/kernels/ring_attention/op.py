@@ -282,7 +282,7 @@ class RingAttention:
     def _start_at(self, calls):
         """Tests: set this rank's state as if ``calls`` calls had run (see GemmReduce)."""
         self.synchronize()
-        self.frame.start_at(calls, self._flag_arrays)
+        self.frame.start_at(calls, self._flag_arrays, self.comm)
 
     def free(self):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""

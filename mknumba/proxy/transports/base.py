@@ -81,6 +81,16 @@ class Transport:
         while self.windows and self.windows[-1] is None:
             self.windows.pop()
 
+    def flags_set(self, arrays, epoch):
+        """Flag arrays of this rank (SymmetricBuffer ``local`` arrays) were set to ``epoch`` on
+        the device, outside the proxy (an op's ``_start_at``): in completion mode the proxy
+        restores each flag's epoch from its last value (``proxy.imm``), so that value follows."""
+        if self.completion != COMPLETION:
+            return
+        for w in self.windows:
+            if w is not None and w.is_flags and any(a is w.buf.local for a in arrays):
+                self.shadow.set_window(w.id, epoch)
+
     def window_of(self, buf):
         """The id of the window registered for ``buf``, or None."""
         return next((w.id for w in self.windows if w is not None and w.buf is buf), None)
