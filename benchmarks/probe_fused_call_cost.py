@@ -107,7 +107,8 @@ def main():
         if comm.rank == 0:
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(14)
-            print(f"---- cProfile, 2000 calls (gated bursts of 100) of {name}\n" + buf.getvalue(), flush=True)
+            print(f"---- cProfile, 2000 calls (gated bursts of 100) of {name}\n"
+                  + buf.getvalue(), flush=True)
     for op in (rs, ar, agg):
         op.synchronize()
         op.free()

@@ -10,15 +10,15 @@ the fused kernels they run the communication roles and consume those flags.
 Split-K (:func:`split_k_for`): when the output has few tiles for the compute blocks and K is
 long, each tile's K is cut into ``s`` slices. The work units are then (tile t, slice j), each
 computing its slice into plane ``1 + j`` of a bf16 workspace and publishing ``flags[(1 + j) *
-tiles + t] = epoch``, and then one fold unit per tile, which reads no K: it waits for the
-tile's ``s`` flags and sums the planes into C (the tile contract's ``addend`` with no K: an
-fp32 sum, rounded once; the sm_90a tile reads them with no accumulator, many 16-byte loads in
-flight per thread, ``fold_planes`` in ``roles/cuda/gemm_common.cuh``). A fold takes no slice of its own because the compute role waits
-before a tile starts: its slice would begin only once the others were done. The folds come
-after every slice in the order, and a block takes a unit only after its last one, so a fold
-waits on units that run or ran, never on one queued behind it; and after a fold a block runs
-only folds, which touch no ring slot, so the sm_90a ring's phases (``seq * k_iters``, equal
-``k_iters`` for every slice) stay right.
+tiles + t] = epoch``, and then one fold unit per tile, which reads no K: it waits for the tile's
+``s`` flags and sums the planes into C (the tile contract's ``addend`` with no K: an fp32 sum,
+rounded once; the sm_90a tile reads them with no accumulator, many 16-byte loads in flight per
+thread, ``fold_planes`` in ``roles/cuda/gemm_common.cuh``). A fold takes no slice of its own
+because the compute role waits before a tile starts: its slice would begin only once the others
+were done. The folds come after every slice in the order, and a block takes a unit only after
+its last one, so a fold waits on units that run or ran, never on one queued behind it; and after
+a fold a block runs only folds, which touch no ring slot, so the sm_90a ring's phases (``seq *
+k_iters``, equal ``k_iters`` for every slice) stay right.
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (opt-in:
 the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K) or

@@ -161,7 +161,6 @@ class Launch:
         if err != drv.CUresult.CUDA_SUCCESS:
             fn = drv.CUfunction(int(handle))
         self._fn, self._launch = int(fn), _driver_launch()
-        self.bind = self._bind_address
 
     def _flatten(self, name, ty, value):
         """numba's kernel ABI: an array is (meminfo, parent, nitems, itemsize, data, shape...,
@@ -217,12 +216,11 @@ class Launch:
 
     def bind(self, name, x):
         """Point array argument ``name`` at ``x``: an address (GPU), or in the simulator an
-        array already shaped as the parameter is declared (``arrays.Operand.as_param``).
-        (On the GPU the instance's ``_bind_address`` stands in: a call binds several.)"""
-        self.args[name] = x
-
-    def _bind_address(self, name, x):
-        self._data[name].value = x
+        array already shaped as the parameter is declared (``arrays.Operand.as_param``)."""
+        if SIMULATOR:
+            self.args[name] = x
+        else:
+            self._data[name].value = x
 
     def binder(self, *names):
         """``go(stream, *values)``: bind ``names``, in this order, to ``values`` and launch on
@@ -238,7 +236,8 @@ class Launch:
         if SIMULATOR:
             def go(stream, *values):
                 self.args.update(zip(names, values))
-                self(stream)
+                self.kernel[self.grid, self.threads, 0, self.smem](
+                    *[self.args[n] for n in self.names])
             return go
         slots = [self._data[n] for n in names]
         launch, fn, grid, threads = self._launch, self._fn, self.grid, self.threads
@@ -254,14 +253,7 @@ class Launch:
 
     def __call__(self, stream=0):
         """Launch on ``stream`` (a raw stream handle, int) with the bound arguments."""
-        if SIMULATOR:
-            self.kernel[self.grid, self.threads, 0, self.smem](
-                *[self.args[n] for n in self.names])
-            return
-        err = self._launch(self._fn, self.grid, self.threads, self.smem, stream,
-                           self._extra_addr)
-        if err:
-            _launch_failed(err)
+        self.binder()(stream)
 
 
 def _launch_failed(err):

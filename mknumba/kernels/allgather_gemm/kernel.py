@@ -357,9 +357,9 @@ def make_kernel(build, threads, adaptive=False):
         with a ":kn" tile build); tmaps / tmaps_odd: the tensor maps of A (this GPU's gathered
         A, slot 0 / 1) and b (sm_90a; one zero row for the SIMT tile); gathered [2, m, k]
         bf16 bits: the symmetric gathered A, one slot per call parity (gathered_words: the
-        same memory as uint64 words, gathered_ptrs its address table); flags uint32 [world * parts] (symmetric,
-        flag_ptrs its address table): part p of world rank r's shard is here at flags[r *
-        parts + p]; out [m, n] bf16 bits; gathered_out: the caller's [m, k] as words (read
+        same memory as uint64 words, gathered_ptrs its address table); flags uint32 [world *
+        parts] (symmetric, flag_ptrs its address table): part p of world rank r's shard is here
+        at flags[r * parts + p]; out [m, n] bf16 bits; gathered_out: the caller's [m, k] as words (read
         only when cfg[C_COLLECT]); tile_flags uint32 [tiles]; order int32 [tiles]
         (``sched.tiles.gather_order``); shards int32 [world]: world ranks in arrival order;
         rail int32: the rail peers' world ranks; ring/head/tail: the proxy's command ring;
