@@ -1,6 +1,6 @@
 """Where the sm90 GEMM tile's time goes: a per-block timeline of mk.Gemm (diagnostic, one GPU).
 
-    timeout 240 python benchmarks/probe_gemm_stamps.py --out $OUT/gemm_stamps.json
+    timeout 300 python benchmarks/probe_gemm_stamps.py --out $OUT/gemm_stamps.json
         [--variants sm90,st,...] [--shapes m,n,k[,split] ...]
 
 Builds the library's tile with its probe hooks defined (``benchmarks/cuda/gemm_stamps.cu``:
