@@ -6,9 +6,10 @@ shapes, one process (diagnostic; bench_gemm.py records).
 B [n, k] (the weight w, passed as ``w.T``: the tile's K-major B) and B [k, n] row-major (``wt =
 w.T.contiguous()``, read as it is by the tile's ":kn" build: TMA boxes of 64 N-columns, a
 transposed wgmma B). ``--tiles``: the ``tile=`` options to compare (``roles.compute.tile_build``
-names, e.g. "sm90,sm90:pp": the default tile against the ping-pong one). Prints, per shape and
-layout, torch.matmul's ms per call, then for each tile ms per call (mean of back-to-back calls
-after a warm-up), TF/s, the ratio torch / ours and the error against an fp32 reference.
+names, e.g. "sm90,sm90:pp,sm90:tms": the default tile against the ping-pong and tensor-store
+ones). Prints, per shape and layout, torch.matmul's ms per call, then for each tile ms per call
+(mean of back-to-back calls after a warm-up), TF/s, the ratio torch / ours and the error
+against an fp32 reference.
 """
 import argparse
 

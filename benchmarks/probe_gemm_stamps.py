@@ -29,7 +29,10 @@ Variants (``--variants``; a shape runs those of its list that are asked for):
   pp       the ping-pong tile (128 x 128 tiles, 6-stage ring, one warpgroup's epilogue under
            the other's MMAs)
   g4, g64  sm90 with group_m 4 / 64 (the tile order; the default is sched.default_group_m)
-  st       sm90 with stamps      st:p1  e2p1 with stamps
+  tms      the tensor-store tile ("sm90:tms"): each consumer warp's chunks leave by TMA stores
+           nobody waits for (two 2 KB buffers per warp, the 4-stage ring kept), no consumer
+           barrier or flag per tile (the flags go out at each block's end); whole tiles only
+  st       sm90 with stamps      st:p1  e2p1 with stamps      st:tms  tms with stamps
   st:s3    st with a 3-stage ring (MK_STAGES 3): how much the 4th stage's latency cover buys
   st:nowait  st without the per-k-step wait timing (the stamps' own cost, against sm90)
 
@@ -64,18 +67,22 @@ EV = {name: i for i, name in enumerate(EVENTS)}
 NEV = 16          # PROBE_EVENTS
 ITEMS = 64        # PROBE_ITEMS: work items per block with a row (more are not recorded)
 
-#: stamped builds: name -> (publisher warp, defines for gemm_stamps.cu)
-STAMPED = {"st": (False, ""), "st:p1": (True, ""), "st:s3": (False, "#define MK_STAGES 3\n"),
-           "st:nowait": (False, "#define PROBE_WAITS 0\n")}
+#: stamped builds: name -> (compute.sm90_build's publisher and tms, defines for gemm_stamps.cu)
+STAMPED = {"st": (False, False, ""), "st:p1": (True, False, ""),
+           "st:s3": (False, False, "#define MK_STAGES 3\n"),
+           "st:nowait": (False, False, "#define PROBE_WAITS 0\n"), "st:tms": (False, True, "")}
 #: the library's builds: name -> Gemm options
 LIBRARY = {"sm90": dict(tile="sm90"), "e2p1": dict(tile="sm90:e2p1"),
            "pp": dict(tile="sm90:pp"), "g4": dict(tile="sm90", group_m=4),
-           "g64": dict(tile="sm90", group_m=64)}
-SHORT_K = ["sm90", "e2p1", "pp", "g4", "g64", "st", "st:nowait", "st:p1", "st:s3"]
+           "g64": dict(tile="sm90", group_m=64), "tms": dict(tile="sm90:tms")}
+#: variants that compute whole tiles only (no split-K): skipped where the shape splits K
+WHOLE_TILES = {"pp", "tms", "st:tms"}
+SHORT_K = ["sm90", "e2p1", "tms", "pp", "g4", "g64", "st", "st:nowait", "st:p1", "st:tms",
+           "st:s3"]
 #: (m, n, k, split_k (None: the op's rule), variants)
 SHAPES = [(8192, 8192, 512, 1, SHORT_K),
           (4096, 4096, 512, 1, SHORT_K),
-          (8192, 8192, 8192, 1, ["sm90", "e2p1", "st", "st:p1", "st:s3"]),
+          (8192, 8192, 8192, 1, ["sm90", "e2p1", "tms", "st", "st:p1", "st:tms", "st:s3"]),
           (512, 1024, 14336, 1, ["sm90", "st"]),
           (512, 1024, 14336, 4, ["sm90", "st"]),
           (2048, 1024, 4096, None, ["sm90", "st"])]
@@ -120,13 +127,13 @@ class Stamps:
         from mknumba.roles import compute
         from numba import cuda, types
         tile = f"probe:{name}"
-        publisher, extra = STAMPED[name]
+        publisher, tms, extra = STAMPED[name]
         defines = self.defines(extra)
-        build = compute.sm90_build(publisher, helper=STAMPS_CU, defines=defines)
+        build = compute.sm90_build(publisher, helper=STAMPS_CU, defines=defines, tms=tms)
         # the role's stamp function from the very file the tile links (sm90_tile_functions
-        # appends the publisher's define so; B [n, k]): one definition of the tile there
+        # appends the build's defines so; B [n, k]): one definition of the tile there
         path = compute.linked_source(STAMPS_CU,
-                                     defines + ("#define MK_PUBLISHER 1\n" if publisher else ""))
+                                     defines + compute.sm90_defines(publisher, tms=tms))
         self.role_stamp[build.tile] = cuda.declare_device(
             "mk_probe_role_stamp", types.int32(types.int32), link=[path], abi="c")
         compute.register_tile(tile, build)
@@ -363,7 +370,7 @@ def main():
                 if v in STAMPED and v not in tiles_of:
                     tiles_of[v] = step(f"register {v}", lambda: stamps.register(v))
                 opts = dict(LIBRARY[v]) if v in LIBRARY else dict(tile=tiles_of[v])
-                if opts["tile"] == "sm90:pp" and slices > 1:
+                if v in WHOLE_TILES and slices > 1:
                     continue
                 op = G.Gemm(split_k=split, **opts)
 

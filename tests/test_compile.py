@@ -187,17 +187,18 @@ def _hopper_kernel(name):
 #: the plain GEMM's kernels here -> (tile build (roles.compute.tile_build), split-K kernel)
 GEMM_BUILDS = {"gemm": ("sm90", False), "gemm_kn": ("sm90:kn", False),
                "gemm_pp": ("sm90:pp", False), "gemm_pp_kn": ("sm90:pp:kn", False),
+               "gemm_tms": ("sm90:tms", False), "gemm_tms_kn": ("sm90:tms:kn", False),
                "gemm_split": ("sm90", True), "gemm_split_kn": ("sm90:kn", True)}
 #: registers per thread of the plain GEMM's kernels, either layout of B: ptxas's count for the
 #: [n, k] build, rounded up to its allocation unit of 8 (the [k, n] build must not need more);
 #: the ping-pong tile's [k, n] build needs a few more (its two MMAs per k16 step share B), and
 #: so does the split-K kernel, whose epilogue can fold partials
-GEMM_REGISTERS = {"sm90": 160, "sm90:pp": 168, "split": 168}
+GEMM_REGISTERS = {"sm90": 160, "sm90:pp": 168, "sm90:tms": 160, "split": 168}
 
 
-@pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_pp", "gemm_pp_kn", "gemm_split",
-                                  "gemm_split_kn", "gemm_reduce", "gemm_reduce_adaptive",
-                                  "ring_attention"])
+@pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_pp", "gemm_pp_kn", "gemm_tms",
+                                  "gemm_tms_kn", "gemm_split", "gemm_split_kn", "gemm_reduce",
+                                  "gemm_reduce_adaptive", "ring_attention"])
 @pytest.mark.slow
 def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     """No wgmma of a Hopper kernel is serialized. ptxas serializes all of a kernel's wgmma when
@@ -207,8 +208,11 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     (allgather_gemm and moe_dispatch_gemm: checked in their own tests below, which link them
     anyway.) The plain GEMM's tiles (gemm_tile.cu, and the ping-pong gemm_pingpong.cu) with B
     [n, k] and [k, n] (MK_B_KN: a transposed wgmma B, tnspB = 1, from TMA boxes of 64
-    N-columns), and the split-K kernel: no spills, registers within GEMM_REGISTERS; the split
-    kernel's folds load 16 bytes at a time. Those and the ring kernel (the attention tile:
+    N-columns), the tensor-store tile (gemm_tile.cu with MK_TMA_STORE) and the split-K kernel:
+    no spills, registers within GEMM_REGISTERS; the split kernel's folds load 16 bytes at a
+    time; the tensor-store tile stores only by TMA, each chunk after waiting for its buffer's
+    last store to read it and after a proxy fence, publishes its flags only after waiting for
+    every store (tms_epilogue_order). Those and the ring kernel (the attention tile:
     setmaxnreg, S and P V overlapped, the consumer warpgroups' turns) are checked on ptxas's
     log of the link numba does on a GPU
     (``_link_sm90a(as_launched=True)``)."""
@@ -248,8 +252,35 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         # unsplit kernel adds nothing and keeps none of that code
         assert ("ld.global.cg.v4.u32" in ptx) == ("_split" in name)
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
-        limit = "split" if "_split" in name else "sm90:pp" if pingpong else "sm90"
+        tms = name.startswith("gemm_tms")
+        limit = ("split" if "_split" in name else "sm90:pp" if pingpong else "sm90:tms" if tms
+                 else "sm90")
         assert regs <= GEMM_REGISTERS[limit], log
+        assert ("cp.async.bulk.tensor.2d.global" in ptx) == tms
+        if tms:
+            tms_epilogue_order(ptx)
+
+
+def tms_epilogue_order(ptx):
+    """The tensor-store tile's epilogue and end in the linked PTX (gemm_tile.cu MK_TMA_STORE):
+    no generic global store of C; per 64-column chunk (4, unrolled) a wait until at most one
+    store still reads staging, the stmatrix, the proxy fence, then the tensor store and its
+    commit; after the tiles, a wait for every store, then the flags' release."""
+    assert "st.global.v4" not in ptx
+    body = ptx[ptx.index("wgmma.wait_group.sync.aligned 0"):]
+    read1, fence = "cp.async.bulk.wait_group.read 1;", "fence.proxy.async.shared::cta;"
+    store = "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group"
+    at = 0
+    for chunk in range(4):
+        order = [body.index(x, at) for x in (read1, "stmatrix", fence, store,
+                                             "cp.async.bulk.commit_group;")]
+        assert order == sorted(order), (chunk, order)
+        at = order[-1] + 1
+    assert store not in body[at:]
+    drained = body.index("cp.async.bulk.wait_group 0;", at)
+    assert drained < body.index("bar.sync 1, 256;", drained) < body.index("st.release.gpu",
+                                                                           drained)
+    assert "st.release" not in body[:drained]           # no flag before the stores are done
 
 
 @pytest.mark.slow

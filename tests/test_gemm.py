@@ -99,10 +99,10 @@ SIM_SCRIPT = textwrap.dedent("""
         assert op.calls() == (2, 2) and len(flags) == tiles and (flags == 2).all(), flags
         print("ok", m, n, k, layout, reserved, err)
 
-    # the sm_90a builds, the ping-pong tile among them, are refused by name before any launch
+    # the sm_90a builds, the opt-in ones among them, are refused by name before any launch
     from mknumba.errors import MkValueError
     from mknumba.kernels.gemm import gemm
-    for tile in ("sm90", "sm90:kn", "sm90:pp", "sm90:pp:kn"):
+    for tile in ("sm90", "sm90:kn", "sm90:pp", "sm90:pp:kn", "sm90:tms", "sm90:tms:kn"):
         try:
             Gemm(tile=tile)(cuda.to_device(a), cuda.to_device(a), b_layout="nk")
         except MkValueError as e:
@@ -117,7 +117,7 @@ SIM_SCRIPT = textwrap.dedent("""
 
 def test_simt_twin_in_simulator():
     out = run_python(SIM_SCRIPT)
-    assert out.count("ok") == 4 and out.count("refused") == 4, out
+    assert out.count("ok") == 4 and out.count("refused") == 6, out
 
 
 # ---- split-K (few output tiles, long K) -------------------------------------------------------
@@ -357,7 +357,7 @@ def test_tile_builds_for_b_as_kn():
     threads and shared memory; a build without one (a probe's) is refused by name."""
     from mknumba._compat import SIMULATOR
     from mknumba.roles import compute
-    for kind in ("simt",) + (() if SIMULATOR else ("sm90", "sm90:e2p1", "sm90:pp")):
+    for kind in ("simt",) + (() if SIMULATOR else ("sm90", "sm90:e2p1", "sm90:pp", "sm90:tms")):
         base, kn = compute.tile_build(kind), compute.tile_build(compute.kn_kind(kind))
         assert kn.b_kn and not base.b_kn and kn.tile is not base.tile
         assert (kn.shape, kn.threads, kn.smem_bytes, kn.tma, kn.gemm_only) == \
@@ -387,6 +387,38 @@ def test_pingpong_build_is_its_own_shape_and_gemm_only(monkeypatch):
         with pytest.raises(MkValueError, match="mknumba.Gemm only"):
             G.fused_tile(tile, "GemmReduce")
     assert G.fused_tile("sm90", "GemmReduce")[0] == "sm90"
+
+
+def test_tms_build_keeps_the_ring_and_is_whole_tiles_only(monkeypatch):
+    """The tensor-store tile ("sm90:tms"): the 4-stage ring (4 x 48 KB) and two 2 KB buffers
+    per consumer warp (32 KB), barriers and 1 KB of alignment within an H200 block's 227 KB
+    (232448 B, with the 16 bytes of static shared memory the kernel declares); C's tensor map
+    only without split-K. Outside the simulator: the build's shape, threads, drain and C map,
+    the fused ops refuse it and mk.Gemm refuses split_k for it before compiling anything."""
+    from mknumba._compat import SIMULATOR
+    from mknumba.kernels import gemm as G
+    from mknumba.kernels.gemm_inputs import TensorMaps
+    from mknumba.roles import compute
+    smem = compute.sm90_smem_bytes(tms=True)
+    assert smem == 4 * (128 + 256) * 64 * 2 + 8 * 2 * 16 * 128 + 16 * 4 + 16 + 1024
+    assert smem - compute.sm90_smem_bytes() == 8 * 16 * 128 and smem + 16 <= 232448
+    with pytest.raises(MkValueError, match="no split-K"):
+        TensorMaps(512, 1024, 8192, (128, 256), slices=2, kc=4096, c_map=True)
+    if SIMULATOR:
+        return
+    base, tms = compute.tile_build("sm90"), compute.tile_build("sm90:tms")
+    assert (tms.shape, tms.threads, tms.smem_bytes, tms.tma) == \
+        (base.shape, base.threads, smem, True)
+    assert tms.gemm_only and tms.c_map and tms.drain is not None
+    assert base.drain is None and not base.c_map and not base.gemm_only
+    kn = compute.tile_build("sm90:tms:kn")
+    assert kn.b_kn and kn.c_map and kn.drain is not None and kn.smem_bytes == smem
+    monkeypatch.setattr(G, "kind_for", lambda tile, op="": tile)     # no GPU asked here
+    for tile in ("sm90:tms", "sm90:tms:kn"):
+        with pytest.raises(MkValueError, match="mknumba.Gemm only"):
+            G.fused_tile(tile, "GemmReduce")
+    with pytest.raises(MkValueError, match="takes no split_k"):
+        G._Plan(G.Gemm(tile="sm90:tms", split_k=2), 512, 1024, 8192, "nk", None)
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------
@@ -484,16 +516,24 @@ def test_gemm_rejects_wrong_dtype_on_gpu():
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("layout", ["nk", "kn", "kn_view"])
-def test_pingpong_gemm_matches_fp32_reference(layout):
-    """The ping-pong tile ("sm90:pp", its ":kn" twin for row-major B): 20 calls back to back
-    (one sync at the end), each with fresh random inputs into its own poisoned output, over
-    shapes with 2, 4, 136, 525 and 2079 tiles of 128 x 128: on an H200 (132 blocks) blocks
-    with 0, 1, 2, 3, 4, 15 and 16 tiles (the warpgroups' turns at every parity), ragged edges
-    in m, n and k; each result against an fp32 reference of its own inputs, and every tile
-    flag at the last epoch."""
+@pytest.mark.parametrize("tile", ["sm90:pp", "sm90:tms"])
+def test_opt_in_tiles_match_fp32_reference(tile, layout):
+    """mk.Gemm's opt-in tiles, each also as its ":kn" twin for row-major B: the ping-pong tile
+    ("sm90:pp") and the tensor-store tile ("sm90:tms"). 20 calls back to back (one sync at
+    the end), each with fresh random inputs into its own poisoned output (a new C address each:
+    the tensor-store tile's C maps fill a table and start another), the rows of the buffer
+    after C poisoned too and left so, over shapes with 2, 4, 136, 525 and 2079 tiles of
+    128 x 128 (2, 2, 72, 270 and 1056 of 128 x 256): on an H200 (132 blocks) blocks with 0, 1,
+    2, 3, 4, 15 and 16 tiles (the ping-pong warpgroups' turns at every parity), or 0, 1, 2, 3
+    and 8 (the tensor-store warps' two buffers across tiles, the stores drained at the block's
+    end), ragged edges in m (warps whose rows start past m), n (chunks of C partly and wholly
+    past n, one 8 columns wide) and k; each result against an fp32 reference of its own
+    inputs, and every tile flag at the last epoch."""
     torch = pytest.importorskip("torch")
     from mknumba.kernels.gemm import Gemm
-    op = Gemm(tile="sm90:pp")
+    from mknumba.roles.compute import tile_build
+    op = Gemm(tile=tile)
+    bm, bn = tile_build(tile).shape
     shapes = [(130, 8, 8), (200, 136, 72), (1000, 2168, 1096), (1920, 4480, 200),
               (4160, 8056, 1032)]
     torch.manual_seed(23)
@@ -503,19 +543,20 @@ def test_pingpong_gemm_matches_fp32_reference(layout):
             a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             b_nk = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
             b = {"nk": b_nk, "kn": b_nk.T.contiguous(), "kn_view": b_nk.T}[layout]
-            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-            runs.append((a, b_nk, b, out))
+            buf = torch.full((m + bm, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            runs.append((a, b_nk, b, buf))
         torch.cuda.synchronize()
-        for a, _, b, out in runs:
-            op(a, b, b_layout="nk" if layout == "nk" else "kn", out=out)
+        for a, _, b, buf in runs:
+            op(a, b, b_layout="nk" if layout == "nk" else "kn", out=buf[:m])
         torch.cuda.synchronize()
-        for call, (a, b_nk, _, out) in enumerate(runs):
-            ref = a.float() @ b_nk.float().T
+        for call, (a, b_nk, _, buf) in enumerate(runs):
+            ref, out = a.float() @ b_nk.float().T, buf[:m]
             assert torch.isfinite(out).all(), (m, n, k, call)
+            assert torch.isnan(buf[m:]).all(), ("written past row m", m, n, k, call)
             err = ((out.float() - ref).norm() / ref.norm()).item()
             assert err <= 1e-2, (m, n, k, call, err)
         mode = "nk" if layout == "nk" else "kn"
         flags = op.tile_flags(m, n, k, mode).copy_to_host()
         calls, epoch = op.calls()
-        assert len(flags) == -(-m // 128) * -(-n // 128) and (flags == epoch).all(), (m, n, k)
+        assert len(flags) == -(-m // bm) * -(-n // bn) and (flags == epoch).all(), (m, n, k)
     assert op.calls()[0] == 20 * len(shapes)

@@ -21,11 +21,14 @@ a fold a block runs only folds, which touch no ring slot, so the sm_90a ring's p
 k_iters``, equal ``k_iters`` for every slice) stay right.
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (opt-in:
-the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K) or
-``"simt"`` (the generic twin: the CUDA simulator and GPUs without sm_90a), each reading B as
-given: [n, k] (or a ``w.T`` view of one), or row-major [k, n] through its ``":kn"`` build
-(``kernels.gemm_inputs``). Calls go through the launch frame (``kernels.launch``): planned once
-per shape and layout of B, then an address bind and one driver launch.
+the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K),
+``"sm90:tms"`` (opt-in: the sm90 tile whose epilogue leaves by TMA tensor stores it does not
+wait for, ``roles.compute.SM90_TMS_TILE``; no split-K: its tile flags go out at each block's
+end, after its stores completed) or ``"simt"`` (the generic twin: the CUDA simulator and GPUs
+without sm_90a), each reading B as given: [n, k] (or a ``w.T`` view of one), or row-major
+[k, n] through its ``":kn"`` build (``kernels.gemm_inputs``). Calls go through the launch frame
+(``kernels.launch``): planned once per shape and layout of B, then an address bind and one
+driver launch.
 """
 import threading
 
@@ -447,6 +450,9 @@ class _Plan:
         self.b_kn = b_kn(mode)
         kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
         build, kernel = _build(kind)
+        if build.gemm_only and (op.split_k or 1) > 1:
+            raise MkValueError(f"{op.name}: tile={op.tile!r} takes no split_k (it computes "
+                               "whole tiles only); pass split_k=None or 1")
         compiled, bps = compile_kernel(kernel, build.threads, build.smem_bytes)
         sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         try:
@@ -457,9 +463,6 @@ class _Plan:
         tiles_m, tiles_n = cdiv(m, bm), cdiv(n, bn)
         tiles, blocks = tiles_m * tiles_n, grid.compute_blocks
         group_m = op.group_m or default_group_m(tiles_m, tiles_n, blocks)
-        if build.gemm_only and (op.split_k or 1) > 1:
-            raise MkValueError(f"{op.name}: tile={op.tile!r} takes no split_k (its ping-pong "
-                               "schedule is for whole tiles); pass split_k=None or 1")
         self.slices, self.kc = split_slices(k, 1 if build.gemm_only else split_k_for(
             tiles, k, blocks) if op.split_k is None else op.split_k)
         if SIMULATOR and not _sim_safe(tiles, self.slices, blocks):
@@ -488,9 +491,10 @@ class _Plan:
         # the workspace: plane 1 + j holds slice j's partials (plane 0, the addend's own
         # plane, is never read); one slice: C as [1, m, n] stands in, never read either
         self.ws = cuda.device_array((self.slices + 1, m, n), np.uint16) if split else None
-        words = TensorMaps.ROW * self.slices
-        self.tmaps = (TensorMaps(m, n, k, build.shape, slices=self.slices, kc=self.kc)
-                      if build.tma else NoTensorMaps(words))
+        self.tmaps = (TensorMaps(m, n, k, build.shape, slices=self.slices, kc=self.kc,
+                                 c_map=build.c_map)
+                      if build.tma else NoTensorMaps(TensorMaps.ROW * self.slices))
+        words = self.tmaps.words
         self.launch = Launch(kernel, compiled, dict(
             a=Slot((m, k)), b=Slot(b_shape(mode, n, k)), c=Slot((m, n)),
             ws=self.ws if split else Slot((1, m, n)), tmaps=Slot((words,)),
@@ -501,8 +505,9 @@ class _Plan:
 
     def run(self, a, b, c, stream):
         """Bind the parameters (``Operand.as_param``: addresses on the GPU) of A, B as given
-        and C, derive the tensor maps, and launch on ``stream``."""
-        maps = self.tmaps(a, b, stream, self.b_kn)
+        and C, derive the tensor maps (C's too for a build that stores through one), and
+        launch on ``stream``."""
+        maps = self.tmaps(a, b, stream, self.b_kn, c)
         if self.slices == 1:
             self.launch.binder("a", "b", "c", "ws", "tmaps")(
                 stream, a, b, c, c if not SIMULATOR else c.reshape((1, self.m, self.n)), maps)

@@ -7,7 +7,9 @@ contiguous, ``a @ b`` as written), which the tile builds named ``"<kind>:kn"`` r
 keeps one launch per layout of B (:class:`LayoutLaunches`).
 
 On sm_90a the tile reads A and B through TMA tensor maps, which hold addresses only (no data):
-:class:`TensorMaps`, one row per (A, B, B's layout) met so far (``tensor_maps.MapTable``).
+:class:`TensorMaps`, one row per (A, B, B's layout) met so far (``tensor_maps.MapTable``); a
+tile that stores C through a tensor map too (``TileBuild.c_map``) has C's map in the row and
+C's address in the key.
 """
 import threading
 
@@ -18,7 +20,7 @@ from .. import _compat  # noqa: F401
 from ..errors import MkError, MkValueError
 from ..roles import compute
 from .launch import Launch, Slot, compile_kernel, is_capturing, param
-from .tensor_maps import MapTable, tensor_map
+from .tensor_maps import MAP_WORDS, MapTable, tensor_map
 
 
 def b_mode(B, b_layout, n, k, op):
@@ -108,29 +110,38 @@ class TensorMaps(MapTable):
 
     ``slices`` > 1 (split-K, ``kernels.gemm``): a row holds ``slices`` such pairs, pair j
     seeing A and B from k = j * ``kc`` on, to the end of K (a slice that ends past K reads
-    zeros there), so every slice runs the same k-steps."""
+    zeros there), so every slice runs the same k-steps.
+
+    ``c_map`` (one slice only): a third map after the pair, of C [m, n] (contiguous) in boxes
+    of 64 columns x 16 rows (one consumer warp's chunk, ``cuda/gemm_tile.cu`` MK_TMA_STORE);
+    C's address is then part of the row's key."""
 
     ROW = 32
+    C_BOX = (64, 16)
 
-    def __init__(self, m, n, k, shape, capacity=64, slices=1, kc=0):
+    def __init__(self, m, n, k, shape, capacity=64, slices=1, kc=0, c_map=False):
+        if c_map and slices > 1:
+            raise MkValueError("a tile that stores C through a tensor map takes no split-K")
         self.m, self.n, self.k, self.shape = m, n, k, tuple(shape)
-        self.slices, self.kc = slices, kc
-        super().__init__(self._encode, self.ROW * slices, capacity)
+        self.slices, self.kc, self.c_map = slices, kc, bool(c_map)
+        super().__init__(self._encode, self.ROW * slices + MAP_WORDS * self.c_map, capacity)
 
     def _encode(self, key):
-        (a, b, kn), bk, (bm, bn) = key, compute.SM90_BK, self.shape
+        (a, b, kn, c), bk, (bm, bn) = key, compute.SM90_BK, self.shape
         maps = []
         for j in range(self.slices):
             k0 = j * self.kc
             maps += [tensor_map(a + 2 * k0, (self.k - k0, self.m), (bk, bm), self.k),
                      b_map(b + 2 * k0 * (self.n if kn else 1), self.n, self.k - k0, kn, bn,
                            None if kn else self.k)]
+        if self.c_map:
+            maps.append(tensor_map(c, (self.n, self.m), self.C_BOX))
         return np.concatenate(maps)
 
-    def __call__(self, a_ptr, b_ptr, stream, b_kn=False):
-        """Device address of the maps of (a_ptr, b_ptr) with B [n, k] (or [k, n]: ``b_kn``),
-        written on ``stream`` when new."""
-        return self.row((a_ptr, b_ptr, bool(b_kn)), stream)
+    def __call__(self, a_ptr, b_ptr, stream, b_kn=False, c_ptr=None):
+        """Device address of the maps of (a_ptr, b_ptr) with B [n, k] (or [k, n]: ``b_kn``)
+        and, with ``c_map``, C at ``c_ptr``, written on ``stream`` when new."""
+        return self.row((a_ptr, b_ptr, bool(b_kn), c_ptr if self.c_map else None), stream)
 
 
 def b_map(ptr, n, k, kn, bn, pitch=None):
@@ -146,8 +157,9 @@ class NoTensorMaps:
     maps."""
 
     def __init__(self, words=None):
-        self.dev = cuda.to_device(np.zeros(words or TensorMaps.ROW, np.uint64))
+        self.words = words or TensorMaps.ROW
+        self.dev = cuda.to_device(np.zeros(self.words, np.uint64))
         self.addr = param(self.dev)
 
-    def __call__(self, a_ptr, b_ptr, stream, b_kn=False):
+    def __call__(self, a_ptr, b_ptr, stream, b_kn=False, c_ptr=None):
         return self.addr

@@ -23,7 +23,9 @@ block-level barrier among the storing threads, so it can publish the tile's comp
 release (``primitives.st_release``). Threads may leave a call before its tile is done (the sm_90a
 producer warp once its loads are queued; in the ping-pong tile the warpgroup that does not own
 the tile at once), so whatever a caller does per tile it does per thread, with no block barrier
-between tiles.
+between tiles. A build with a ``drain`` (:class:`TileBuild`; mk.Gemm's opt-in tensor-store tile)
+returns 0 everywhere instead, its stores may still be in flight; after the block's last tile
+the role drains them and publishes the flag of every tile the block ran (:func:`publish_after`).
 
 Implementations:
 - ``gemm_tile_sm90``: Hopper only (sm_90a). The linked helper ``cuda/gemm_tile.cu`` does TMA into a
@@ -34,6 +36,11 @@ Implementations:
   calling sequence with 128 x 128 tiles, each computed whole by one consumer warpgroup; the two
   warpgroups take alternate tiles (``seq`` odd or even) and turns in the main loop, so one's
   epilogue runs while the other's MMAs do. A 6-stage ring; 288 threads.
+- ``SM90_TMS_TILE`` (opt-in, mk.Gemm without split-K only): ``cuda/gemm_tile.cu`` with
+  ``MK_TMA_STORE=1``: the same ring and tile; each consumer warp's 16 x 64 chunks leave by TMA
+  tensor stores through C's tensor map (``TileBuild.c_map``) from two 2 KB buffers, and no
+  consumer waits for them, nor meets the others, between tiles; the tile flags go out at the
+  block's end (``TileBuild.drain``).
 - ``gemm_tile_simt``: the generic twin (simulator, GPUs without sm_90a): plain loads, one fp32 dot
   product per output element, ``SIMT_TILE`` tiles, any block size.
 """
@@ -71,15 +78,23 @@ SM90_FUSED_TILE = "sm90:e2p1"
 SM90_PINGPONG_TILE = "sm90:pp"
 SM90_PINGPONG_SHAPE = (128, 128)    # BM, BN: must match gemm_pingpong.cu
 SM90_PINGPONG_STAGES = 6
+#: the tensor-store tile (``cuda/gemm_tile.cu`` with MK_TMA_STORE): the sm90 tile whose
+#: epilogue's chunks leave by TMA stores nobody waits for, two buffers per consumer warp (twice
+#: the staging); opt-in, mk.Gemm without split-K only (its flags go out at each block's end).
+SM90_TMS_TILE = "sm90:tms"
+#: threads of consumer warp 0 that publish a tensor-store block's flags after its last tile
+#: (gemm_tile.cu mk_gemm_sm90_drain returns 0..31 there)
+DRAIN_PUBLISHERS = 32
 
 
-def sm90_smem_bytes(pingpong=False):
-    """Dynamic shared memory of the sm90 tile (or the ping-pong tile): the ring, the
-    epilogue's staging, the barriers (two per slot and two more) and 1 KB to align the base
-    for the 128B swizzle."""
+def sm90_smem_bytes(pingpong=False, tms=False):
+    """Dynamic shared memory of the sm90 tile (or the ping-pong tile, or the tensor-store
+    tile: two chunks of staging per warp): the ring, the epilogue's staging, the barriers (two
+    per slot and two more) and 1 KB to align the base for the 128B swizzle."""
     (bm, bn), stages = ((SM90_PINGPONG_SHAPE, SM90_PINGPONG_STAGES) if pingpong else
                         (SM90_TILE, SM90_STAGES))
-    return stages * (bm + bn) * SM90_BK * 2 + SM90_STAGING + 16 * stages + 16 + 1024
+    staging = SM90_STAGING * (2 if tms else 1)
+    return stages * (bm + bn) * SM90_BK * 2 + staging + 16 * stages + 16 + 1024
 
 
 def sm90_threads(publisher=False):
@@ -94,24 +109,36 @@ SIMT_THREADS = 128
 
 
 # ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
-_SM90_BUILDS = {}   # (publisher, b_kn, pingpong, helper, defines) -> (init, tile)
+_SM90_BUILDS = {}   # (publisher, b_kn, pingpong, helper, defines, tms) -> (init, tile, drain)
 
 
-def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None, defines=""):
-    """``(init, tile)`` device functions around ``cuda/gemm_tile.cu`` built with
-    ``MK_PUBLISHER=publisher`` and ``MK_B_KN=b_kn`` (see the helper's header; b_kn: B is
-    [k, n], not [n, k]), or with ``pingpong`` around ``cuda/gemm_pingpong.cu`` (no publisher;
+def sm90_defines(publisher=False, b_kn=False, tms=False):
+    """The defines :func:`sm90_tile_functions` appends to a build's own (a probe that links
+    another function from the same source names the same file: :func:`linked_source`)."""
+    return (("#define MK_PUBLISHER 1\n" if publisher else "") +
+            ("#define MK_TMA_STORE 1\n" if tms else "") + ("#define MK_B_KN 1\n" if b_kn else ""))
+
+
+def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None, defines="",
+                        tms=False):
+    """``(init, tile, drain)`` device functions around ``cuda/gemm_tile.cu`` built with
+    ``MK_PUBLISHER=publisher``, ``MK_B_KN=b_kn`` and ``MK_TMA_STORE=tms`` (see the helper's
+    header; b_kn: B is [k, n], not [n, k]; drain: None, or with ``tms`` the block's end,
+    :class:`TileBuild`), or with ``pingpong`` around ``cuda/gemm_pingpong.cu`` (no publisher;
     the same calling sequence). ``helper``: another source with gemm_tile.cu's entry points
     (a probe's variant, e.g. ``benchmarks/cuda/gemm_epilogues.cu``, which may include the
     library's files by name: :func:`linked_source`), ``defines`` prepended to it. Launch with
-    ``sm90_smem_bytes(pingpong)`` and ``sm90_threads(publisher)``."""
-    if pingpong and publisher:
-        raise MkValueError("the ping-pong tile is built without a publisher warp")
-    key = (bool(publisher), bool(b_kn), bool(pingpong), helper, defines)
+    ``sm90_smem_bytes(pingpong, tms)`` and ``sm90_threads(publisher)``."""
+    if pingpong and (publisher or tms):
+        raise MkValueError("the ping-pong tile is built without a publisher warp or tensor "
+                           "stores")
+    if publisher and tms:
+        raise MkValueError("the tensor-store tile publishes its flags at the block's end: "
+                           "no publisher warp")
+    key = (bool(publisher), bool(b_kn), bool(pingpong), helper, defines, bool(tms))
     if key not in _SM90_BUILDS:
-        defines += "#define MK_PUBLISHER 1\n" if publisher else ""
         helper = linked_source(helper or (PINGPONG_HELPER if pingpong else HELPER),
-                               defines + ("#define MK_B_KN 1\n" if b_kn else ""))
+                               defines + sm90_defines(publisher, b_kn, tms))
         prefix = "mk_gemm_sm90pp" if pingpong else "mk_gemm_sm90"
         u64, i32 = types.uint64, types.int32
         init_fn = cuda.declare_device(f"{prefix}_init", i32(u64, u64), link=[helper],
@@ -136,7 +163,11 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
                            np.int32(c_row0), data_ptr(addend), np.int32(adds), np.int32(m),
                            np.int32(n), np.int32(tile_m), np.int32(tile_n), np.int32(k_iters),
                            np.int32(seq))
-        _SM90_BUILDS[key] = (gemm_init, gemm_tile)
+        # after the block's last tile, every thread: its tensor stores are complete; returns
+        # 0..DRAIN_PUBLISHERS - 1 in the threads that publish its flags, else -1
+        drain = (cuda.declare_device(f"{prefix}_drain", i32(), link=[helper], abi="c")
+                 if tms else None)
+        _SM90_BUILDS[key] = (gemm_init, gemm_tile, drain)
     return _SM90_BUILDS[key]
 
 
@@ -180,7 +211,7 @@ def linked_source(helper, defines=""):
 
 
 if not SIMULATOR:
-    gemm_init_sm90, gemm_tile_sm90 = sm90_tile_functions()
+    gemm_init_sm90, gemm_tile_sm90, _ = sm90_tile_functions()
 
 
 # ---- bf16 <-> fp32 on raw bits -----------------------------------------------------------------
@@ -298,6 +329,7 @@ def make_compute_role(build, destination, grouped=None, stamps=None, units=None)
     work = grouped[0] if grouped is not None else all_tiles
     tile_init = build.init
     compute_tile = make_compute_tile(build, destination, grouped, units)
+    finish = nothing_after if build.drain is None else publish_after(build, destination, units)
     mark = stamp if stamps is not None else no_stamp
     start, done = stamps if stamps is not None else (0, 0)
 
@@ -314,6 +346,7 @@ def make_compute_role(build, destination, grouped=None, stamps=None, units=None)
             mark(tr, trace, done, i)
             i += blocks
             seq += 1
+        finish(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where, tiles)
 
     if stamps is not None:
         @cuda.jit(device=True)
@@ -360,6 +393,35 @@ def make_compute_tile(build, destination, grouped=None, units=None):
                 seq):
             release(flags, idx, epoch, system)   # the tile's stores (its barrier) first
     return compute_tile
+
+
+@cuda.jit(device=True, inline=True)
+def nothing_after(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where, tiles):
+    """A block's tiles published their flags themselves (builds without a ``drain``)."""
+    pass
+
+
+def publish_after(build, destination, units=None):
+    """The end of :func:`make_compute_role`'s loop for a build with a ``drain``
+    (:class:`TileBuild`), whose tiles publish nothing: every thread drains the block's
+    outstanding stores, then :data:`DRAIN_PUBLISHERS` threads release the flags (``place`` of
+    ``destination``) of the units ``order[blk], order[blk + blocks], ...`` the block ran, each
+    thread every DRAIN_PUBLISHERS-th (their fences overlap: one warp)."""
+    place, drain = destination[0], build.drain
+    unit = units if units is not None else whole_tile
+
+    @cuda.jit(device=True, inline=True)
+    def publish_all(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where, tiles):
+        j = drain()
+        if j >= 0:
+            i = blk + j * blocks
+            while i < tiles:
+                u = order[i]
+                tm = udiv32(unit(where, u, a, b, tmaps)[0], tiles_n)
+                flags, idx, system = place(where, u, tm)[4:]
+                release(flags, idx, epoch, system)
+                i += DRAIN_PUBLISHERS * blocks
+    return publish_all
 
 
 @cuda.jit(device=True, inline=True)
@@ -444,11 +506,14 @@ TO_OWNER = (to_owner, inbox_ready)
 #: init/tile: the device functions (tile contract above); shape: (BM, BN); threads per block;
 #: smem_bytes: dynamic shared memory per block; tma: reads A and B through tensor maps (sm_90a);
 #: timing_only: leaves the output unwritten (probes; the fused ops refuse it); b_kn: B is [k, n]
-#: (row-major, N contiguous), not [n, k]; gemm_only: only mk.Gemm runs it (the fused ops
-#: refuse it).
+#: (row-major, N contiguous), not [n, k]; gemm_only: only mk.Gemm without split-K runs it (the
+#: fused ops refuse it); drain: None, or a device function () -> int that the tiles of a build
+#: which publishes no flag per tile need after the block's last one (:func:`publish_after`);
+#: c_map: the tile stores C through a third tensor map after A's and B's, of the caller's ``c``
+#: (``kernels.gemm_inputs.TensorMaps`` with ``c_map``).
 TileBuild = namedtuple("TileBuild",
-                       "init tile shape threads smem_bytes tma timing_only b_kn gemm_only",
-                       defaults=(False, False))
+                       "init tile shape threads smem_bytes tma timing_only b_kn gemm_only drain "
+                       "c_map", defaults=(False, False, None, False))
 _BUILDS = {"simt": TileBuild(gemm_init_simt, gemm_tile_simt, SIMT_TILE, SIMT_THREADS, 0, False,
                              False),
            "simt:kn": TileBuild(gemm_init_simt, gemm_tile_simt_kn, SIMT_TILE, SIMT_THREADS, 0,
@@ -482,22 +547,27 @@ def threads_of(build):
     return 32 if SIMULATOR and not build.tma else build.threads
 
 
-def sm90_build(publisher=False, b_kn=False, pingpong=False, helper=None, defines=""):
+def sm90_build(publisher=False, b_kn=False, pingpong=False, helper=None, defines="",
+               tms=False):
     """The :class:`TileBuild` of :func:`sm90_tile_functions` with these arguments (sm_90a).
     The library runs gemm_tile.cu without and, in the fused ops, with the publisher warp, each
-    also with b_kn, and on request the ping-pong tile; ``benchmarks/probe_gemm_tile.py``
-    registers variants from its own sources (``helper``; :func:`register_tile`)."""
-    return TileBuild(*sm90_tile_functions(publisher, b_kn, pingpong, helper, defines),
-                     SM90_PINGPONG_SHAPE if pingpong else SM90_TILE, sm90_threads(publisher),
-                     sm90_smem_bytes(pingpong), True, False, b_kn, pingpong)
+    also with b_kn, and on request the ping-pong tile or the tensor-store tile (mk.Gemm only);
+    ``benchmarks/probe_gemm_tile.py`` registers variants from its own sources (``helper``;
+    :func:`register_tile`)."""
+    init, tile, drain = sm90_tile_functions(publisher, b_kn, pingpong, helper, defines, tms)
+    return TileBuild(init, tile, SM90_PINGPONG_SHAPE if pingpong else SM90_TILE,
+                     sm90_threads(publisher), sm90_smem_bytes(pingpong, tms), True, False, b_kn,
+                     pingpong or tms, drain, tms)
 
 
 #: the library's sm_90a builds other than "sm90" -> sm90_build's arguments, made on first use
-_SM90_LAZY = {"sm90:kn": (False, True),
-              SM90_FUSED_TILE: (True, False),
-              f"{SM90_FUSED_TILE}:kn": (True, True),
-              SM90_PINGPONG_TILE: (False, False, True),
-              f"{SM90_PINGPONG_TILE}:kn": (False, True, True)}
+_SM90_LAZY = {"sm90:kn": dict(b_kn=True),
+              SM90_FUSED_TILE: dict(publisher=True),
+              f"{SM90_FUSED_TILE}:kn": dict(publisher=True, b_kn=True),
+              SM90_PINGPONG_TILE: dict(pingpong=True),
+              f"{SM90_PINGPONG_TILE}:kn": dict(b_kn=True, pingpong=True),
+              SM90_TMS_TILE: dict(tms=True),
+              f"{SM90_TMS_TILE}:kn": dict(b_kn=True, tms=True)}
 
 
 def is_sm90_name(name):
@@ -508,15 +578,15 @@ def is_sm90_name(name):
 
 def tile_build(name):
     """The tile build called ``name``: ``"simt"``, ``"sm90"`` (the library's Hopper tile),
-    ``SM90_FUSED_TILE``, ``SM90_PINGPONG_TILE`` (made on first use), or one added with
-    :func:`register_tile`; any of the first four with ``":kn"`` appended (:func:`kn_kind`):
-    the same tile reading B as [k, n]. Raises MkValueError for anything else, and in the
+    ``SM90_FUSED_TILE``, ``SM90_PINGPONG_TILE``, ``SM90_TMS_TILE`` (made on first use), or one
+    added with :func:`register_tile`; any of the first five with ``":kn"`` appended
+    (:func:`kn_kind`): the same tile reading B as [k, n]. Raises MkValueError for anything else, and in the
     simulator for the sm_90a builds."""
     if name not in _BUILDS and is_sm90_name(name):
         if SIMULATOR:
             raise MkValueError(f"the {name} tile needs a Hopper GPU (sm_90a); the simulator "
                                "runs 'simt'")
-        _BUILDS[name] = sm90_build(*_SM90_LAZY[name])
+        _BUILDS[name] = sm90_build(**_SM90_LAZY[name])
     if name not in _BUILDS:
         raise MkValueError(f"no tile build {name!r} here (known: {sorted(_BUILDS)}"
                            f"{'' if SIMULATOR else ', ' + ', '.join(map(repr, _SM90_LAZY))}"
@@ -547,9 +617,10 @@ def register_tile(name, build):
 
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
-           "SM90_PINGPONG_TILE", "SM90_PINGPONG_SHAPE", "is_sm90_name",
+           "SM90_PINGPONG_TILE", "SM90_PINGPONG_SHAPE", "SM90_TMS_TILE", "is_sm90_name",
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions", "sm90_build",
+           "sm90_defines", "publish_after",
            "gemm_init_simt", "gemm_tile_simt", "gemm_tile_simt_kn", "bf16_to_f32",
            "bf16_hi_to_f32", "f32_to_bf16", "make_compute_role", "make_compute_tile",
            "own_tile", "to_owner", "TileBuild", "tile_build", "kn_kind", "threads_of",

@@ -1,6 +1,7 @@
 // What the Hopper GEMM tiles (gemm_tile.cu, gemm_pingpong.cu) share after their main loops:
-// folding partials in (add_planes, add_planes_v4; a split-K fold: fold_planes) and the staged
-// epilogue (store_warp_rows).
+// folding partials in (add_planes, add_planes_v4; a split-K fold: fold_planes), the staged
+// epilogue (store_warp_rows) and the swizzled stmatrix of 64 accumulator columns that it and
+// the tensor-store epilogue (gemm_tile.cu, MK_TMA_STORE) share (stmatrix_chunk).
 #pragma once
 #include "sm90.cuh"
 
@@ -221,32 +222,42 @@ __device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned
                  : "memory");
 }
 
+// Columns [64 cc, 64 cc + 64) of one warp's 16 rows of an m64nNk16 accumulator (d: N / 2 floats
+// per thread, the layout in sm90.cuh) as bf16 into 16 rows of 128 B from ``stage``, 16-byte
+// units swizzled by row % 8, so that neither stmatrix nor reads of whole rows conflict. With
+// ``stage`` on a 1024-byte boundary this is the layout a 16-row x 64-column box of a tensor map
+// with the 128B swizzle has in shared memory (the swizzle XORs address bits 4-6 with bits 7-9).
+// mat, mrow: lane / 8 and lane % 8, the matrix row this lane gives the address of.
+template <int N>
+__device__ __forceinline__ void stmatrix_chunk(const float (&d)[N], int cc, unsigned stage,
+                                               int mat, int mrow) {
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        // matrices (8-column group, row half): (2p, 0), (2p, 1), (2p + 1, 0), (2p + 1, 1)
+        const int j = 8 * cc + 2 * p;
+        const int unit = 2 * p + mat / 2, row = 8 * (mat % 2) + mrow;
+        stmatrix_x4(stage + row * 128 + ((unit ^ mrow) * 16), pack_bf16x2(d[4 * j], d[4 * j + 1]),
+                    pack_bf16x2(d[4 * j + 2], d[4 * j + 3]),
+                    pack_bf16x2(d[4 * j + 4], d[4 * j + 5]),
+                    pack_bf16x2(d[4 * j + 6], d[4 * j + 7]));
+    }
+}
+
 // One warp's 16 rows of an m64nNk16 accumulator (d: N / 2 floats per thread, the layout in
 // sm90.cuh) to global rows row0.. and columns col0.. of ``out`` (indexed by global row, ldc
 // elements per row), bounded by m and n, with ``adds`` planes of ``addend`` ([P, m, n]) folded
-// in. They leave in 64-column chunks through ``stage``, the warp's WARP_STAGING bytes: stmatrix,
-// then 16-byte loads and stores that cover whole 128-byte rows (a quarter of the store
-// instructions of storing the accumulator layout as it is, no half-written sectors); 16-byte
-// units swizzled by row % 8, so that neither stmatrix nor the row reads conflict.
+// in. They leave in 64-column chunks through ``stage``, the warp's WARP_STAGING bytes:
+// stmatrix_chunk, then 16-byte loads and stores that cover whole 128-byte rows (a quarter of the
+// store instructions of storing the accumulator layout as it is, no half-written sectors).
 template <int N>
 __device__ __forceinline__ void store_warp_rows(const float (&d)[N], unsigned stage, int lane,
                                                 __nv_bfloat16 *out, int ldc, int row0, int col0,
                                                 int m, int n, unsigned long long addend,
                                                 int adds, long long plane_elems) {
-    const int mat = lane / 8, mrow = lane % 8;  // the matrix row this lane gives the address of
+    const int mat = lane / 8, mrow = lane % 8;
 #pragma unroll
     for (int cc = 0; cc < N / 32; ++cc) {
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-            // matrices (8-column group, row half): (2p, 0), (2p, 1), (2p + 1, 0), (2p + 1, 1)
-            const int j = 8 * cc + 2 * p;
-            const int unit = 2 * p + mat / 2, row = 8 * (mat % 2) + mrow;
-            stmatrix_x4(stage + row * 128 + ((unit ^ mrow) * 16),
-                        pack_bf16x2(d[4 * j], d[4 * j + 1]),
-                        pack_bf16x2(d[4 * j + 2], d[4 * j + 3]),
-                        pack_bf16x2(d[4 * j + 4], d[4 * j + 5]),
-                        pack_bf16x2(d[4 * j + 6], d[4 * j + 7]));
-        }
+        stmatrix_chunk(d, cc, stage, mat, mrow);
         __syncwarp();
 #pragma unroll
         for (int it = 0; it < 4; ++it) {  // 8 lanes per row: each warp store covers 4 rows

@@ -26,6 +26,22 @@
 // benchmarks/probe_gemm_tile.py times it against other epilogues (benchmarks/cuda/);
 // benchmarks/probe_gemm_stamps.py records its timeline through the MK_STAMP / MK_FULL_WAIT
 // hooks (gemm_common.cuh; empty here) and times it with a shallower ring (MK_STAGES).
+// MK_TMA_STORE 1 (mk.Gemm's opt-in "sm90:tms", whole tiles only) keeps the 4-stage ring and the
+// per-warp 16-row chunks, but each chunk leaves by a TMA tensor store the consumers do not wait
+// for: per consumer warp two 2 KB buffers (16 rows x 64 columns, 1024-byte aligned, so the
+// swizzle of store_warp_rows' stmatrix is the tensor map's 128B swizzle), chunk j of the warp's
+// (4 per tile, so buffer j % 2 across tiles too): lane 0 waits until at most one of its stores
+// still reads shared memory (cp.async.bulk.wait_group.read 1: the one from the other buffer),
+// __syncwarp, stmatrix, fence.proxy.async.shared::cta, __syncwarp, lane 0 stores the box
+// {64 columns, 16 rows} through C's tensor map (the third in tmaps; TMA drops rows past m and
+// columns past n) and commits it as one bulk group. Chunks wholly past n or m are skipped, and
+// then lane 0 waits for every read (wait_group.read 0) so the buffers still alternate. No
+// consumer barrier and no flag per tile: the tile returns 0 everywhere, its stores may still
+// be in flight. After the block's last tile mk_gemm_sm90_drain waits for them (wait_group 0 in
+// each lane 0, a proxy fence, the consumers' barrier) and names the threads that then publish
+// every tile flag of the block (compute.make_compute_role), so a flag still says its tile's
+// data is in C. Only the unsplit mk.Gemm runs it: a split-K fold (adds > 0) would read slices
+// whose flags come only at their blocks' end, and the fused ops read flags during the kernel.
 // MK_PUBLISHER 1 (the fused ops' build, compute.SM90_FUSED_TILE) adds a tenth warp (320 threads)
 // that publishes tile flags: consumers arrive on an mbarrier after their stores and go on; the
 // publisher waits on it and returns 1, so the fence before the flag (which waits for the tile's
@@ -40,6 +56,12 @@
 #ifndef MK_B_KN
 #define MK_B_KN 0
 #endif
+#ifndef MK_TMA_STORE
+#define MK_TMA_STORE 0
+#endif
+#if MK_TMA_STORE && MK_PUBLISHER
+#error "the tensor-store epilogue publishes no flag per tile: it has no publisher warp"
+#endif
 #ifndef MK_STAGES
 #define MK_STAGES 4  // a probe's build may take fewer (the library's shared memory still fits)
 #endif
@@ -53,12 +75,16 @@ constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A
 #if MK_B_KN
 constexpr unsigned B_BOX_BYTES = BK * 128;   // one box of B: 64 k-rows of 64 N-columns
 #endif
-constexpr unsigned STAGING_BYTES = CONSUMER_THREADS / 32 * WARP_STAGING;
+// per consumer warp one chunk of staging, or two with MK_TMA_STORE (one filling while the other's
+// store reads it)
+constexpr unsigned STAGING_BYTES = CONSUMER_THREADS / 32 * (1 + MK_TMA_STORE) * WARP_STAGING;
 // Layout from the 1024-byte-aligned base (128B swizzle repeats every 1024 B):
 //   [A slot 0..3][B slot 0..3][epilogue staging][full 0..3][empty 0..3][staged][published]
 constexpr unsigned B_OFFSET = STAGES * A_BYTES;
 constexpr unsigned STAGING_OFFSET = STAGES * STAGE_BYTES;
 constexpr unsigned BAR_OFFSET = STAGING_OFFSET + STAGING_BYTES;
+static_assert(STAGING_OFFSET % 1024 == 0 && WARP_STAGING % 1024 == 0,
+              "staging buffers on 1024-byte boundaries (the 128B swizzle's period)");
 
 struct Ring {
     unsigned a, b, staging, full, empty, staged, published;  // shared-space addresses
@@ -81,12 +107,14 @@ __device__ __forceinline__ void consumer_barrier() {
 }  // namespace
 
 // Once per block, before the first tile; thread 0 initialises the barriers, the caller then
-// runs __syncthreads(). tmaps: address of the two 128-byte CUtensorMaps (A, then B).
+// runs __syncthreads(). tmaps: address of the 128-byte CUtensorMaps: A, then B (with
+// MK_TMA_STORE then C: the caller's c from row c_row0 on, boxes of 64 columns x 16 rows).
 extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned long long tmaps) {
     MK_STAMP(block_start, 0, 0);
     if (threadIdx.x == 0) {
         Ring r = ring_at(smem);
         init_ring<STAGES>(r.full, r.empty, CONSUMER_WARPGROUPS, tmaps);
+        if (MK_TMA_STORE) prefetch_tensormap(tmaps + 256);
         if (MK_PUBLISHER) {
             mbar_init(r.staged, CONSUMER_THREADS / 32);  // each consumer warp's stores of a tile
             mbar_init(r.published, 1);              // the publisher: that tile's flag is out
@@ -105,6 +133,7 @@ extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned lo
 // Returns 1 in exactly one thread (consumer thread 0, or the publisher's lane 0) once all of this
 // tile's stores are issued by every consumer thread: that thread publishes the tile's completion
 // flag. Other threads return 0; the producer warp returns as soon as it has queued the loads.
+// MK_TMA_STORE: 0 in every thread (the flags go out after mk_gemm_sm90_drain).
 extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned long long tmaps,
                                             unsigned long long c, int ldc, int c_row0,
                                             unsigned long long addend, int adds, int m, int n,
@@ -179,10 +208,34 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
         // rows 16w + lane/4 (+8), and d[4j..4j+3] are columns 8j + 2*(lane%4) (+1) of those two
         // rows.
         const int lane = tid % 32, warp = (tid % 128) / 32;
+#if MK_TMA_STORE
+        // the warp's 16 rows, 64 columns at a time through its two buffers and tensor stores
+        // (the header); adds is 0 (whole tiles only)
+        const unsigned stage = r.staging + (tid / 32) * 2 * WARP_STAGING;
+        const int row0 = tile_m * BM + wg * 64 + warp * 16, col0 = tile_n * BN;
+        const int chunks = row0 < m ? min(BN / 64, (n - col0 + 63) / 64) : 0;
+#pragma unroll
+        for (int cc = 0; cc < BN / 64; ++cc) {
+            if (cc < chunks) {
+                const unsigned buf = stage + (cc % 2) * WARP_STAGING;
+                if (lane == 0) bulk_wait_read<1>();  // this buffer's last store has read it
+                __syncwarp();
+                stmatrix_chunk(d, cc, buf, lane / 8, lane % 8);
+                fence_proxy_async_shared();  // this lane's stmatrix before the store's reads
+                __syncwarp();
+                if (lane == 0) {
+                    tma_store_2d(tmaps + 256, buf, col0 + 64 * cc, row0 - c_row0);
+                    bulk_commit();
+                }
+            }
+        }
+        if (chunks < BN / 64 && lane == 0) bulk_wait_read<0>();
+#else
         // the warp's 16 rows, 64 columns at a time through its 2 KB of staging (gemm_common.cuh)
         store_warp_rows(d, r.staging + (tid / 32) * WARP_STAGING, lane, out, ldc,
                         tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n, addend, adds,
                         plane_elems);
+#endif
     }
     MK_STAMP(stored, seq, 0);
 #if MK_PUBLISHER
@@ -194,9 +247,29 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     if (lane == 0) mbar_arrive(r.staged);
     MK_STAMP(done, seq, 0);
     return 0;
+#elif MK_TMA_STORE
+    MK_STAMP(done, seq, 0);
+    return 0;  // no flag per tile: its stores may be in flight (mk_gemm_sm90_drain)
 #else
     consumer_barrier();
     MK_STAMP(done, seq, 0);
     return tid == 0;
 #endif
 }
+
+#if MK_TMA_STORE
+// Once per block after its last tile, in every thread: each consumer warp's tensor stores are
+// complete and ordered before generic accesses (wait_group 0 and a proxy fence in the lane that
+// issued them, then the consumers' barrier). Returns the publisher index 0..31 in consumer warp
+// 0, which then publishes the block's tile flags; -1 elsewhere (the producer warp at once).
+extern "C" __device__ int mk_gemm_sm90_drain() {
+    const int tid = threadIdx.x;
+    if (tid >= CONSUMER_THREADS) return -1;
+    if (tid % 32 == 0) {
+        bulk_wait<0>();
+        fence_proxy_async();
+    }
+    consumer_barrier();
+    return tid < 32 ? tid : -1;
+}
+#endif

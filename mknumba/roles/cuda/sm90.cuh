@@ -68,6 +68,37 @@ __device__ __forceinline__ void fence_proxy_async() {
     asm volatile("fence.proxy.async.global;" ::: "memory");
 }
 
+// ---- bulk tensor copy the other way: one box of shared memory out to a tensor map ----------
+// Between this thread's generic-proxy writes to shared memory (st.shared, stmatrix) and the
+// async proxy's reads of it (a bulk copy issued after a barrier, by this or another thread).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
+// The box at shared ``src`` to the tensor map's box at (inner, outer), in this thread's current
+// bulk group (bulk_commit closes it). Parts of the box past the tensor's extents are not written.
+__device__ __forceinline__ void tma_store_2d(unsigned long long tmap, unsigned src, int inner,
+                                             int outer) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
+                 ::"l"(tmap), "r"(inner), "r"(outer), "r"(src)
+                 : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() {
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
+
+// Until at most N of this thread's bulk groups still read their shared-memory sources (their
+// global writes may still be in flight).
+template <int N> __device__ __forceinline__ void bulk_wait_read() {
+    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+
+// Until at most N of this thread's bulk groups are incomplete (written to global memory).
+template <int N> __device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // ---- wgmma ---------------------------------------------------------------------------------
 // Shared-memory matrix descriptors of 128B-swizzled tiles whose rows are 128 B (64 bf16), 8-row
 // core-matrix groups 1024 B apart (the layout a TMA box of 64 columns writes):
