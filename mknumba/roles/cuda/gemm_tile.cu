@@ -29,9 +29,9 @@
 // MK_TMA_STORE 1 (mk.Gemm's opt-in "sm90:tms", whole tiles only) keeps the 4-stage ring and the
 // per-warp 16-row chunks, but each chunk leaves by a TMA tensor store the consumers do not wait
 // for: per consumer warp two 2 KB buffers (16 rows x 64 columns, 1024-byte aligned, so the
-// swizzle of store_warp_rows' stmatrix is the tensor map's 128B swizzle), chunk j of the warp's
-// (4 per tile, so buffer j % 2 across tiles too): lane 0 waits until at most one of its stores
-// still reads shared memory (cp.async.bulk.wait_group.read 1: the one from the other buffer),
+// swizzle of store_warp_rows' stmatrix is the tensor map's 128B swizzle), taken in turn by the
+// warp's chunks (4 a tile, so across tiles too). For each: lane 0 waits until at most one of its
+// stores still reads shared memory (cp.async.bulk.wait_group.read 1: the other buffer's),
 // __syncwarp, stmatrix, fence.proxy.async.shared::cta, __syncwarp, lane 0 stores the box
 // {64 columns, 16 rows} through C's tensor map (the third in tmaps; TMA drops rows past m and
 // columns past n) and commits it as one bulk group. Chunks wholly past n or m are skipped, and
