@@ -22,9 +22,9 @@ k_iters``, equal ``k_iters`` for every slice) stay right.
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (opt-in:
 the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K),
-``"sm90:tms"`` (opt-in: the sm90 tile whose epilogue leaves by TMA tensor stores it does not
-wait for, ``roles.compute.SM90_TMS_TILE``; no split-K: its tile flags go out at each block's
-end, after its stores completed) or ``"simt"`` (the generic twin: the CUDA simulator and GPUs
+``"sm90:tms"`` (the sm90 tile whose epilogue leaves by TMA tensor stores it does not wait
+for, ``roles.compute.SM90_TMS_TILE``; no split-K: its tile flags go out at each block's end,
+after its stores completed; "auto" takes it for unsplit shapes with K <= ``TMS_MAX_K``) or ``"simt"`` (the generic twin: the CUDA simulator and GPUs
 without sm_90a), each reading B as given: [n, k] (or a ``w.T`` view of one), or row-major
 [k, n] through its ``":kn"`` build (``kernels.gemm_inputs``). Calls go through the launch frame
 (``kernels.launch``): planned once per shape and layout of B, then an address bind and one
@@ -77,6 +77,18 @@ def split_k_for(tiles, k, blocks):
     fastest split at each of the probe's seven shapes (benchmarks/NOTES.md); 1: no split.
     ``Gemm(split_k=s)`` forces s (``benchmarks/bench_gemm.py --split-k``)."""
     return max(1, min(blocks // tiles, cdiv(k, SPLIT_BK) // SPLIT_MIN_STEPS))
+
+
+#: K up to which "auto" runs whole tiles through the TMA-store epilogue (``sm90:tms``): with
+#: few k-steps a tile its stores weigh most, and they leave without stalling the consumers;
+#: from 4096 on the default epilogue is as fast or faster (an H200: benchmarks/NOTES.md)
+TMS_MAX_K = 2048
+
+
+def tms_for(kind, k):
+    """Whether "auto" takes the TMA-store build for an unsplit shape of depth ``k`` whose tile
+    build would be ``kind``."""
+    return kind in ("sm90", "sm90:kn") and k <= TMS_MAX_K
 
 
 def split_slices(k, s):
@@ -465,6 +477,12 @@ class _Plan:
         group_m = op.group_m or default_group_m(tiles_m, tiles_n, blocks)
         self.slices, self.kc = split_slices(k, 1 if build.gemm_only else split_k_for(
             tiles, k, blocks) if op.split_k is None else op.split_k)
+        if self.slices == 1 and op.tile == "auto" and not build.gemm_only and \
+                tms_for(kind, k):
+            kind = compute.kn_kind(compute.SM90_TMS_TILE, op.name) if self.b_kn else \
+                compute.SM90_TMS_TILE
+            build, kernel = _build(kind)      # the same tile shape and grid: one block an SM
+            compiled, bps = compile_kernel(kernel, build.threads, build.smem_bytes)
         if SIMULATOR and not _sim_safe(tiles, self.slices, blocks):
             raise MkValueError(f"{op.name}: split_k={self.slices} with {tiles} tiles on "
                                f"{blocks} blocks: the simulator runs blocks one at a time, and "
