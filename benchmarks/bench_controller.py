@@ -112,12 +112,11 @@ def measure(comm, make, configs, out, run, check, ms_est, log, what):
 
 def op_facts(op):
     """The split an op ran ("compute+comm" or "adaptive") and its static knobs."""
-    rb = getattr(op, "role_blocks", None)
-    if rb is not None:                         # AllGatherGemm, RingAttention
-        comm_sms = rb["send"] + rb["forward"]
-        compute = rb["compute"]
-    else:
+    if hasattr(op, "comm_sms"):                # the fused reductions: a planned split
         comm_sms, compute = op.comm_sms, op.sms - op.comm_sms
+    else:                                      # AllGatherGemm, RingAttention: role blocks
+        rb = op.role_blocks
+        comm_sms, compute = rb["send"] + rb["forward"], rb["compute"]
     return dict(split="adaptive" if op.adaptive else f"{compute}+{comm_sms}",
                 comm_sms=comm_sms, deliver=getattr(op, "deliver", None),
                 fold=getattr(op, "fold", None))
