@@ -4,6 +4,19 @@
 #pragma once
 #include "sm90.cuh"
 
+// Probe hooks: benchmarks/cuda/gemm_stamps.cu defines them to record a timeline of the tile
+// (benchmarks/probe_gemm_stamps.py); by default they are nothing or the plain call, so the
+// library's builds compile to the same code as without them.
+//   MK_STAMP(event, item, step): a point of the timeline; ``event`` a bare name only the probe
+//     knows, ``item`` the block's tile number (seq), ``step`` the k-step where it has one.
+//   MK_FULL_WAIT(bar, phase, item, step): a consumer's wait for k-step ``step``'s data.
+#ifndef MK_STAMP
+#define MK_STAMP(event, item, step)
+#endif
+#ifndef MK_FULL_WAIT
+#define MK_FULL_WAIT(bar, phase, item, step) mbar_wait(bar, phase)
+#endif
+
 namespace {
 
 // bytes of staging per warp: 16 rows x 64 bf16, one 64-column chunk of the warp's rows
@@ -46,6 +59,7 @@ __device__ __forceinline__ void produce_tile(unsigned a_ring, unsigned b_ring, u
     for (int kk = 0; kk < k_iters; ++kk) {
         const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
         mbar_wait(empty + 8 * s, phase ^ 1);  // slot free (a fresh barrier passes)
+        MK_STAMP(slot_free, g0 / k_iters, kk);
         if (B_KN) {
             const int n0 = tile_n * BN, boxes = min(BN / 64, (n - n0 + 63) / 64);
             mbar_expect_tx(full + 8 * s, A_BYTES + boxes * B_BOX_BYTES);

@@ -23,7 +23,9 @@
 //
 // A finished tile leaves the registers through 2 KB of staging per consumer warp (gemm_common.cuh
 // store_warp_rows: stmatrix, then 16-byte loads and stores that cover whole 128-byte rows).
-// benchmarks/probe_gemm_tile.py times it against other epilogues (benchmarks/cuda/).
+// benchmarks/probe_gemm_tile.py times it against other epilogues (benchmarks/cuda/);
+// benchmarks/probe_gemm_stamps.py records its timeline through the MK_STAMP / MK_FULL_WAIT
+// hooks (gemm_common.cuh; empty here) and times it with a shallower ring (MK_STAGES).
 // MK_PUBLISHER 1 (the fused ops' build, compute.SM90_FUSED_TILE) adds a tenth warp (320 threads)
 // that publishes tile flags: consumers arrive on an mbarrier after their stores and go on; the
 // publisher waits on it and returns 1, so the fence before the flag (which waits for the tile's
@@ -38,10 +40,13 @@
 #ifndef MK_B_KN
 #define MK_B_KN 0
 #endif
+#ifndef MK_STAGES
+#define MK_STAGES 4  // a probe's build may take fewer (the library's shared memory still fits)
+#endif
 
 namespace {
 
-constexpr int BM = 128, BN = 256, BK = 64, STAGES = 4;
+constexpr int BM = 128, BN = 256, BK = 64, STAGES = MK_STAGES;
 constexpr int CONSUMER_WARPGROUPS = 2;
 constexpr int CONSUMER_THREADS = 128 * CONSUMER_WARPGROUPS;
 constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
@@ -78,6 +83,7 @@ __device__ __forceinline__ void consumer_barrier() {
 // Once per block, before the first tile; thread 0 initialises the barriers, the caller then
 // runs __syncthreads(). tmaps: address of the two 128-byte CUtensorMaps (A, then B).
 extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned long long tmaps) {
+    MK_STAMP(block_start, 0, 0);
     if (threadIdx.x == 0) {
         Ring r = ring_at(smem);
         init_ring<STAGES>(r.full, r.empty, CONSUMER_WARPGROUPS, tmaps);
@@ -106,6 +112,7 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     const Ring r = ring_at(smem);
     const int tid = threadIdx.x;
     const unsigned g0 = (unsigned)seq * (unsigned)k_iters;
+    MK_STAMP(enter, seq, 0);
 
 #if MK_PUBLISHER
     if (tid >= CONSUMER_THREADS + 32) {  // ---- publisher warp
@@ -118,9 +125,12 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     }
 #endif
     if (tid >= CONSUMER_THREADS) {  // ---- producer warp: one lane drives the copy engine
-        if (tid == CONSUMER_THREADS)
+        if (tid == CONSUMER_THREADS) {
+            MK_STAMP(produce, seq, 0);
             produce_tile<BM, BN, STAGES, MK_B_KN>(r.a, r.b, r.full, r.empty, tmaps, n, tile_m,
                                                   tile_n, k_iters, g0);
+            MK_STAMP(produced, seq, 0);
+        }
         return 0;
     }
 
@@ -141,7 +151,7 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
 
         for (int kk = 0; kk < k_iters; ++kk) {
             const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
-            mbar_wait(r.full + 8 * s, phase);
+            MK_FULL_WAIT(r.full + 8 * s, phase, seq, kk);
             const unsigned a = r.a + s * A_BYTES + wg * 64 * 128, b = r.b + s * B_BYTES;
             wgmma_fence();
             // k16: 16 bf16 = 32 bytes along A's swizzled rows; with MK_B_KN 16 rows (2 KB) down
@@ -162,6 +172,7 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
         }
         wgmma_wait<0>();
         fence_operands(d);
+        MK_STAMP(main_done, seq, 0);
         if (k_iters > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g0 + k_iters - 1) % STAGES));
 
         // ---- epilogue: fp32 -> bf16. Thread layout of m64nNk16: warp w of the warpgroup holds
@@ -173,6 +184,7 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
                         tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n, addend, adds,
                         plane_elems);
     }
+    MK_STAMP(stored, seq, 0);
 #if MK_PUBLISHER
     const int lane = tid % 32;
     // Hand the tile to the publisher and go on. Waiting first until tile seq - 1 was published
@@ -180,9 +192,11 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     if (seq > 0) mbar_wait(r.published, (seq - 1) & 1);
     __syncwarp();  // orders the warp's stores before lane 0's arrival (a release, cumulative)
     if (lane == 0) mbar_arrive(r.staged);
+    MK_STAMP(done, seq, 0);
     return 0;
 #else
     consumer_barrier();
+    MK_STAMP(done, seq, 0);
     return tid == 0;
 #endif
 }
