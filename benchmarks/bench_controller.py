@@ -338,9 +338,10 @@ def summary(records, log):
             continue
         ratios = [r["ours_ms"] / r["baseline_ms"] for r in ctl]
         gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        held = {(r["shape"]["m"], r["shape"]["k"]): r["ours_ms"] for r in ctl if r["held_out"]}
-        table = {(r["shape"]["m"], r["shape"]["k"]): r["ours_ms"] for r in recs
-                 if r["config"] == "table" and r["held_out"]}
+        def point(r):                          # the shape and its knobs, any kernel's
+            return tuple(sorted(r["shape"].items())) + (r.get("causal"), r.get("layout"))
+        held = {point(r): r["ours_ms"] for r in ctl if r["held_out"]}
+        table = {point(r): r["ours_ms"] for r in recs if r["config"] == "table" and r["held_out"]}
         better = sum(held[s] < table[s] for s in held if s in table)
         log(f"{kern} {topo}: controller / best static: geomean {gm:.3f}, worst "
             f"{max(ratios):.3f} over {len(ratios)} points; held out: faster than the table at "
