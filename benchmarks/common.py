@@ -135,13 +135,17 @@ def write(records, path):
             json.dump(records, f, indent=1)
 
 
-def run_topologies(args, bench_topology, topologies, port):
+def run_topologies(args, bench_topology, topologies, port, nccl=True):
     """Each topology ("NxG") in turn on the MPI world: ``bench_topology(comm, dist, args,
     records, log)`` appends records, which are written to ``args.out`` after each topology;
-    ``log`` prints on rank 0. One NCCL group (torch.distributed) for all of them."""
+    ``log`` prints on rank 0. One NCCL group (torch.distributed) for all of them (``nccl``
+    False: none, ``dist`` None; e.g. for ranks sharing a GPU, which NCCL refuses)."""
     from mpi4py import MPI
     rank = MPI.COMM_WORLD.Get_rank()
-    dist = init_nccl(port)
+    dist = init_nccl(port) if nccl else None
+    if dist is None:
+        import torch
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     records = []
 
     def log(msg):
@@ -155,4 +159,5 @@ def run_topologies(args, bench_topology, topologies, port):
             comm.finalize()
         if rank == 0:
             write(records, args.out)           # keep what we have after each topology
-    dist.destroy_process_group()
+    if dist is not None:
+        dist.destroy_process_group()

@@ -24,7 +24,7 @@ from numba import cuda
 
 __all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "atomic_add_release",
            "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys",
-           "fence_proxy_async", "nanosleep",
+           "fence_proxy_async", "bar_sync", "nanosleep",
            "globaltimer", "peer_view", "peer_after", "data_ptr", "epoch_reached", "wait_flag", "record_timeout",
            "record_error",
            "acquire", "release", "pack_bf16x2", "add_bf16x2",
@@ -152,6 +152,18 @@ if not SIMULATOR:
         return types.none(), codegen
 
     @intrinsic
+    def bar_sync(typingctx, barrier, threads):
+        """Named barrier ``barrier`` (1-15; 0 is syncthreads') for ``threads`` threads (whole
+        warps): a group of a block's warps meets without the others, e.g. the sm_90a
+        attention tile's consumer warpgroups apart from its producer warpgroup."""
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            b, t = (context.cast(builder, v, ty, types.int32) for v, ty in zip(args, sig.args))
+            _asm(builder, ir.VoidType(), [i32, i32], "bar.sync $0, $1;", "r,r", [b, t])
+            return context.get_dummy_value()
+        return types.none(barrier, threads), codegen
+
+    @intrinsic
     def nanosleep(typingctx, ns):
         """Suspend the calling thread for about ``ns`` nanoseconds (0..1e6)."""
         def codegen(context, builder, sig, args):
@@ -241,6 +253,11 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
         pass
 
     fence_sys = fence_proxy_async = fence_gpu    # the simulator has no async proxy
+
+    def bar_sync(barrier, threads):
+        # the simulator has no named barriers; its builds call this only where every thread
+        # of the block does
+        cuda.syncthreads()
 
     def nanosleep(ns):
         time.sleep(max(int(ns), 1000) * 1e-9)  # yields the GIL to the other simulated threads

@@ -179,9 +179,9 @@ def _hopper_kernel(name):
         from mknumba.kernels.moe_dispatch import kernel as K
         _, threads, kernel = K.build(SM90_FUSED_TILE)
         return kernel, threads
-    from mknumba.kernels.ring_attention import make_kernel
-    from mknumba.roles.attention import SM90_THREADS
-    return make_kernel("sm90"), SM90_THREADS
+    from mknumba.kernels.ring_attention import make_kernel   # ring_attention_adaptive: the
+    from mknumba.roles.attention import SM90_THREADS           # controller's build
+    return make_kernel("sm90", name.endswith("adaptive")), SM90_THREADS
 
 
 #: the plain GEMM's kernels here -> (tile build (roles.compute.tile_build), split-K kernel)
@@ -198,7 +198,8 @@ GEMM_REGISTERS = {"sm90": 160, "sm90:pp": 168, "sm90:tms": 160, "split": 168}
 
 @pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_pp", "gemm_pp_kn", "gemm_tms",
                                   "gemm_tms_kn", "gemm_split", "gemm_split_kn", "gemm_reduce",
-                                  "gemm_reduce_adaptive", "ring_attention"])
+                                  "gemm_reduce_adaptive", "ring_attention",
+                                  "ring_attention_adaptive"])
 @pytest.mark.slow
 def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     """No wgmma of a Hopper kernel is serialized. ptxas serializes all of a kernel's wgmma when
@@ -239,6 +240,13 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         assert ptx.count("wgmma.wait_group.sync.aligned 1;") >= 2, "S and P V not overlapped"
         # the consumer warpgroups' ping-pong turns (named barriers)
         assert "bar.arrive" in ptx and "bar.sync" in ptx
+    if name == "ring_attention_adaptive":
+        # the producer lane's queue tickets and the controller's sums; the consumers' own
+        # barrier (a part they push) and the mailbox's GPU-scope acquire and release
+        for instr in ("atom.add.relaxed.gpu.u32", "atom.global.add.u64", "ld.acquire.gpu.b32",
+                      "st.release.gpu.b32", "st.release.sys"):
+            assert instr in ptx, instr
+        assert re.search(r"bar\.sync %r\d+, %r\d+;", ptx), "the consumers' named barrier"
     if name in GEMM_BUILDS:
         pingpong = name.startswith("gemm_pp")
         # wgmma's scale-d (1, or the ping-pong tile's predicate p) and imm-trans-b

@@ -1,6 +1,6 @@
 """Ring Attention: sequence layouts (host), the kernel compiled for sm_90a without a GPU, one
-GPU and 1x2 / 1x4 / 2x1 / 2x2 rings in the simulator against a float64 reference, bad input;
-on GPUs the same checks at larger sizes."""
+GPU and 1x2 / 1x4 / 2x1 / 2x2 rings in the simulator against a float64 reference, bad input,
+the adaptive split (1x2); on GPUs the same checks at larger sizes."""
 import textwrap
 
 import numpy as np
@@ -129,6 +129,16 @@ def test_sim_ring(ranks, gpn, transport):
     _passes(out, ranks)
 
 
+def test_sim_1x2_adaptive_across_the_wrap():
+    """comm_sms="adaptive" (``roles.controller``): the compute blocks also push this rank's
+    slice, each next item the controller's; both layouts, causal and not, 2 calls from call
+    2**32 - 2 (across the epoch's wrap) against the float64 reference; the controller's
+    counts, the queues' tickets, which blocks did the items, the saved trace."""
+    out = run_mpi("ring_checks.py", 2, 1, 6, 2, 1, 16, 2, "numba", "adaptive",
+                  env={"MKNUMBA_GPUS_PER_NODE": "2"})
+    assert out.count("PASS adaptive ring") == 4 * 2, out[-3000:]
+
+
 @pytest.mark.gpu
 def test_gpu_attention_one_gpu():
     """mk.attention on the GPU's own tile (sm90 on an H200) and its SIMT twin against float64
@@ -150,6 +160,17 @@ def test_gpu_ring_2x1_dma_numba():
                   env={"NCCL_NVLS_ENABLE": "0", "MKNUMBA_GPUS_PER_NODE": "1",
                        "MKNUMBA_TRANSPORT": "dma:ordered"})
     _passes(out, 2)
+
+
+@pytest.mark.gpu
+def test_gpu_ring_1x2_adaptive():
+    """comm_sms="adaptive" on the GPU's tile (sm90 on an H200: the producer lane hands each
+    item to the consumer warpgroups): 30 calls with fresh inputs into poisoned outputs, across
+    the epoch's wrap, each against the reference; the controller's state and trace."""
+    out = run_mpi("ring_checks.py", 2, 2, 256, 4, 2, 64, 30, "torch", "adaptive",
+                  simulator=False,
+                  env={"NCCL_NVLS_ENABLE": "0", "MKNUMBA_ALLOW_SHARED_GPU": "1"})
+    assert out.count("PASS adaptive ring") == 4 * 2, out[-4000:]
 
 
 @pytest.mark.gpu

@@ -51,6 +51,16 @@ def copy_tile(src, src_off, dst, dst_off, n):
         i += cuda.blockDim.x
 
 
+@cuda.jit(device=True, inline=True)
+def copy_by(src, src_off, dst, dst_off, n, first, threads):
+    """:func:`copy_tile` by ``threads`` threads of the block, this one ``first`` of them (a
+    group of warps apart from the others, e.g. the sm_90a attention tile's consumers)."""
+    i = first
+    while i < n:
+        dst[dst_off + i] = src[src_off + i]
+        i += threads
+
+
 @cuda.jit(device=True)
 def publish(flags, idx, epoch, system=True):
     """Make the block's earlier stores visible, then set ``flags[idx] = epoch``.
@@ -119,12 +129,19 @@ def take(queue, q, call, n, workers):
     """
     got = cuda.shared.array(1, np.int64)
     if cuda.threadIdx.x == 0:
-        first = (np.int64(call) - 1) * (n + workers)
-        got[0] = (np.int64(prim.atomic_add_relaxed(queue, q, np.uint32(1))) - first) & 0xFFFFFFFF
+        got[0] = ticket(queue, q, call, n, workers)
     cuda.syncthreads()
     i = got[0]
     cuda.syncthreads()   # every thread has read it before the next take overwrites it
     return i
+
+
+@cuda.jit(device=True, inline=True)
+def ticket(queue, q, call, n, workers):
+    """:func:`take` by one thread, for a block whose work is handed out by one thread (the
+    sm_90a attention tile's producer lane)."""
+    first = (np.int64(call) - 1) * (n + workers)
+    return (np.int64(prim.atomic_add_relaxed(queue, q, np.uint32(1))) - first) & 0xFFFFFFFF
 
 
 @cuda.jit(device=True)

@@ -1,7 +1,7 @@
 """Multi-rank checks of RingAttention, run under mpiexec.
 
     mpiexec -n N python tests/mpi/ring_checks.py BATCH SEQ_LOCAL HEADS KV_HEADS HEAD_DIM CALLS
-        [ARRAYS [graph]]
+        [ARRAYS [graph | adaptive]]
 
 For each layout (contiguous, zigzag) and mask (full, causal): CALLS calls back to back with
 fresh random inputs (the same global sequence on every rank, from one seed, sharded by the
@@ -9,6 +9,12 @@ layout) and poisoned outputs (NaN), then each rank's out and lse are compared wi
 NumPy reference of the whole sequence, restricted to this rank's rows (relative Frobenius error
 of out <= 1e-2, lse within 1e-3). ARRAYS: numba (bf16 bits) or torch (GPU only). Prints
 ``PASS ring <layout> causal=<0|1> rank <r> ...``.
+
+adaptive: the same checks of an op planned with ``comm_sms="adaptive"`` and ``trace=True``,
+its call counter set to 2**32 - 2 first (the calls cross the epoch's wrap); then the
+controller's state (no block left in the communication role, every tile and part measured
+once per call, the queues' tickets), which blocks did the tiles and parts (flexible ones), and
+the saved trace (rank 0). Prints ``PASS adaptive ring ...``.
 
 graph (GPU): instead, for each layout and mask, a CUDA graph capture of a call
 (torch.cuda.graph for torch, cuStreamBeginCapture on a numba stream for numba; ``GraphCapture``
@@ -62,10 +68,16 @@ def to_host(x, arrays):
     return x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
 
 
-def run(comm, dims, calls, arrays, layout, causal):
+def run(comm, dims, calls, arrays, layout, causal, adaptive=False):
     b, s, h, hk, d = dims
     W, r = comm.size, comm.rank
-    op = mk.RingAttention(comm, b, s, h, hk, d, causal=causal, layout=layout)
+    op = mk.RingAttention(comm, b, s, h, hk, d, causal=causal, layout=layout,
+                          **(dict(comm_sms="adaptive", trace=True) if adaptive else {}))
+    start = 2 ** 32 - 2 if adaptive else 0
+    if adaptive:
+        comm.barrier()             # no peer is still in a call that writes our flags
+        op._start_at(start)
+        comm.barrier()             # nobody's next call publishes before every rank is set
     rng = np.random.default_rng(77)                  # one global sequence on every rank
     sent, got = [], []
     for _ in range(calls):
@@ -94,8 +106,47 @@ def run(comm, dims, calls, arrays, layout, causal):
         lerr = np.abs(L - rl[:, :, rows]).max()
         assert err <= 1e-2 and lerr <= 1e-3, f"call {it}: out rel err {err:.3g}, lse {lerr:.3g}"
         worst = max(worst, err)
+    if adaptive:
+        check_controller(comm, op, start, calls, f"{layout}-{int(causal)}")
     op.free()
     return worst
+
+
+def check_controller(comm, op, start, calls, tag):
+    """An adaptive op after ``calls`` calls from ``_start_at(start)``, synchronised."""
+    import json
+    import os
+    import tempfile
+    from mknumba.roles import controller as C
+    ev = op.trace_events()
+    rb = op.role_blocks
+    pool = range(rb["send"] + rb["forward"], op.grid)
+    assert (ev["block_start"][:op.grid] > 0).all() and (ev["block_end"][:op.grid] > 0).all()
+    for blk in pool:                 # every flexible block decided at least once, in order
+        log = ev["controller"][blk]
+        assert log and all(t1 <= t2 for (t1, _, _), (t2, _, _) in zip(log, log[1:])), log
+        assert all(x in (C.COMPUTE, C.COMM) and 0 <= w <= rb["compute"] for _, x, w in log)
+    for first, last, who, n in (("tile_start", "tile_done", "tile_block", op.tiles),
+                                ("push_start", "push_done", "push_block", op.ncomm)):
+        assert (ev[first][:n] > 0).all() and (ev[last][:n] >= ev[first][:n]).all(), first
+        assert all(ev[who][i] in pool for i in range(n)), (who, ev[who][:n], list(pool))
+    ctl = op.ctl.copy_to_host()
+    assert ctl[C.CTL_ACTIVE_COMM] == 0, f"blocks left in the communication role: {ctl}"
+    assert ctl[C.CTL_N_COMPUTE] == op.tiles * calls, ctl
+    assert ctl[C.CTL_N_COMM] == op.ncomm * calls, ctl
+    q = op.queue.copy_to_host().astype(np.int64)
+    for i, n in ((C.Q_COMPUTE, op.tiles), (C.Q_COMM, op.ncomm)):
+        if n:                        # a queue with no items is never drawn
+            assert q[i] == (start + calls) * (n + rb["compute"]) % 2 ** 32, (i, q[i], n)
+    path = os.path.join(tempfile.gettempdir(), f"mk-ring-trace-{os.getpid()}-{tag}.json")
+    path = comm.mpi.bcast(path, root=0)
+    if op.save_trace(path) is not None:
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        os.remove(path)
+        names = {e["name"].split()[0] for e in events if e["ph"] == "X"}
+        assert "compute" in names and (op.ncomm == 0 or "push" in names), names
+        assert any(e["name"] == "controller target" for e in events), "no decisions"
 
 
 def graph(comm, dims, replays, arrays, layout, causal):
@@ -165,6 +216,8 @@ def main():
     calls = int(sys.argv[6])
     arrays = sys.argv[7] if len(sys.argv) > 7 else "numba"
     check, tag = (graph, "graph ring") if sys.argv[8:] == ["graph"] else (run, "ring")
+    if sys.argv[8:] == ["adaptive"]:
+        check, tag = (lambda *a: run(*a, adaptive=True)), "adaptive ring"
     with mk.init() as comm:
         if arrays == "torch":
             import torch

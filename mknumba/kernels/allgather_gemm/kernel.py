@@ -17,7 +17,7 @@ from ..._compat import SIMULATOR
 from ...errors import ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV
 from ...roles import compute
 from ...roles import controller as ctl_
-from ...roles.blocks import launch_context, poll, publish, record, stamp, take, wait
+from ...roles.blocks import launch_context, publish, record, stamp, wait
 from ...roles.reduce import copy_tile_2d
 from ...roles.send import enqueue_rail
 from ..launch import array_type
@@ -40,8 +40,9 @@ CFG_FIELDS = ("m", "n", "k", "shard", "rows", "parts", "me", "local", "g", "node
 (C_M, C_N, C_K, C_SHARD, C_ROWS, C_PARTS, C_ME, C_LOCAL, C_G, C_NODES, C_WORLD, C_TILES_N,
  C_SEND_END, C_FORWARD_END, C_COLLECT_END, C_WIN_GATHERED, C_WIN_FLAGS,
  C_COLLECT, C_TRACE, C_POOL_END, C_NSTAGE, C_NCOMM, C_INIT_COMM) = range(len(CFG_FIELDS))
-Q_COMPUTE, Q_COMM = 0, 1             # the adaptive build's work queues (roles.blocks.take)
-QUEUES = 2
+# the adaptive build's work queues (roles.blocks.take)
+Q_COMPUTE, Q_COMM, QUEUES = ctl_.Q_COMPUTE, ctl_.Q_COMM, ctl_.QUEUES
+POOL_STATE = ctl_.STATE              # (a global: numba sizes local arrays by constants)
 
 # trace rows (``trace=True``): globaltimer stamps, one row per event, indexed by block
 # (block_*), by part of this rank's shard (send_*: stored in this GPU's gathered A, flag
@@ -210,19 +211,23 @@ def make_kernel(build, threads, adaptive=False):
     tile_init = build.init
 
     @cuda.jit(device=True, inline=True)
-    def rows_arrived(where, t, epoch):
-        """Block-wide, no wait: whether every part of a shard that tile ``t`` reads rows of
-        has arrived (:func:`rows_ready`'s flags)."""
+    def rows_arrived(args, i):
+        """One thread, no wait: whether every part of a shard that the tile at position ``i``
+        of the order reads rows of has arrived (:func:`rows_ready`'s flags). args: (where,
+        order, epoch)."""
+        where, order, epoch = args
         flags, tiles_n, m, shard, rows, parts = where[3:9]
-        r = prim.udiv32(t, tiles_n) * bm
+        r = prim.udiv32(order[i], tiles_n) * bm
         end = min(m, r + bm)
         while r < end:
             src = prim.udiv32(r, shard)
             p = prim.udiv32(r - src * shard, rows)
-            if not poll(flags, src * parts + p, epoch):
+            if not prim.epoch_reached(prim.acquire(flags, src * parts + p, True), epoch):
                 return False
             r = src * shard + min((p + 1) * rows, shard)
         return True
+
+    pool_start, _, next_block, pool_stop = ctl_.make_dispatch(rows_arrived)
 
     @cuda.jit(device=True, inline=True)
     def part_into(cfg, a, p, dst, dst_flags, row0, epoch):
@@ -284,67 +289,42 @@ def make_kernel(build, threads, adaptive=False):
     @cuda.jit(device=True, inline=True)
     def flexible_pool(smem, tmaps, a_slot, b, order, cfg, where, shard_io, queue, ctl, blk,
                       ctx, trace):
-        """Blocks [forward_end, pool_end): each next item's kind decided by the controller
-        (``roles.controller.decide``); a tile whose rows are not there yet waits behind
-        communication items while any are left. Every block draws both queues until it sees
-        their ends (``take`` counts each worker once past the end)."""
+        """Blocks [forward_end, pool_end): each next item from the controller's dispatch
+        (``roles.controller.make_dispatch``): a tile whose rows are not there yet waits
+        behind communication items while any are left."""
         epoch, call = ctx[0], ctx[1]
         tr = cfg[C_TRACE] != 0
         first = cfg[C_FORWARD_END]
         flex = cfg[C_POOL_END] - first
-        tiles, ncomm, tiles_n = order.shape[0], cfg[C_NCOMM], cfg[C_TILES_N]
+        tiles_n = cfg[C_TILES_N]
         tile_init(smem, tmaps)
         cuda.syncthreads()
-        role = ctl_.COMM if blk - first < cfg[C_INIT_COMM] else ctl_.COMPUTE
-        ctl_.enter(ctl, role)
-        seq, nlog = 0, 0
-        comp_open, comm_open = True, ncomm > 0
-        held = np.int64(-1)           # the position in ``order`` of the tile this block holds
+        st = cuda.local.array(POOL_STATE, np.int64)
+        if cuda.threadIdx.x == 0:
+            pool_start(st, ctl, ctl_.COMM if blk - first < cfg[C_INIT_COMM] else ctl_.COMPUTE,
+                       cfg[C_NCOMM])
+        seq = 0
         while True:
-            do_comm = False
-            if held >= 0:
-                # rows there (or nothing else to do): the tile, below; else a part meanwhile
-                do_comm = comm_open and not rows_arrived(where, order[held], epoch)
-            else:
-                if not (comp_open or comm_open):
-                    break
-                left_p = ctl_.left(queue, Q_COMPUTE, call, tiles, flex)
-                left_s = ctl_.left(queue, Q_COMM, call, ncomm, flex)
-                new, want = ctl_.decide(ctl, role, comp_open, comm_open, left_p, left_s, flex,
-                                        cfg[C_INIT_COMM])
-                if new != role or nlog == 0:
-                    nlog = ctl_.log(tr, trace, T_CTL_N, len(TRACE_EVENTS), blk, nlog,
-                                    ctl_.CTL_LOG, new, want)
-                role = new
-                if role == ctl_.COMM:
-                    do_comm = True
-                else:
-                    i = take(queue, Q_COMPUTE, call, tiles, flex)
-                    if i >= tiles:
-                        comp_open = False
-                    else:
-                        held = i
-                    continue
-            if do_comm:
-                it = take(queue, Q_COMM, call, ncomm, flex)
-                if it >= ncomm:
-                    comm_open = False
-                    continue
-                start = prim.globaltimer()
-                comm_item(cfg, shard_io, it, blk, ctx, trace)
-                cuda.syncthreads()        # every thread's stores, then the item's cost
-                ctl_.account(ctl, ctl_.COMM, start)
-                continue
+            kind, it = next_block(st, ctl, queue, call, (order.shape[0], cfg[C_NCOMM]), flex,
+                                  cfg[C_INIT_COMM],
+                                  (tr, trace, T_CTL_N, len(TRACE_EVENTS), blk),
+                                  (where, order, epoch))
+            if kind == ctl_.END:
+                break
             start = prim.globaltimer()
-            stamp(tr, trace, T_TILE_START, held)
-            record(tr, trace, T_TILE_BLOCK, held, blk)
-            compute_tile(smem, tmaps, a_slot, b, order[held], tiles_n, seq, epoch, where)
-            cuda.syncthreads()            # every thread's part of the tile, then its cost
-            stamp(tr, trace, T_TILE_DONE, held)
-            ctl_.account(ctl, ctl_.COMPUTE, start)
-            seq += 1
-            held = -1
-        ctl_.leave(ctl, role)
+            if kind == ctl_.COMM:
+                comm_item(cfg, shard_io, it, blk, ctx, trace)
+            else:
+                stamp(tr, trace, T_TILE_START, it)
+                record(tr, trace, T_TILE_BLOCK, it, blk)
+                compute_tile(smem, tmaps, a_slot, b, order[it], tiles_n, seq, epoch, where)
+                seq += 1
+            cuda.syncthreads()            # every thread's part of the item, then its cost
+            if kind == ctl_.COMPUTE:
+                stamp(tr, trace, T_TILE_DONE, it)
+            ctl_.account(ctl, kind, start)
+        if cuda.threadIdx.x == 0:
+            pool_stop(st, ctl)
 
     @cuda.jit(**bounds)
     def allgather_gemm_kernel(

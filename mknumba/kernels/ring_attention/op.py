@@ -15,10 +15,12 @@ from ...sched.sequence import check_layout, runs
 from ...sched.tiles import arrival_order
 from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, is_capturing,
                       outputs_in_capture, pack, param, stream_handle)
+from ...roles.controller import CTL_LOG, CTL_WORDS, Q_COMM, Q_COMPUTE, QUEUES
+from ...timeline import Timeline, Traced, decision_log, role_of, segments_from_log, spans
 from ..tensor_maps import MAP_WORDS, MapTable, tensor_map
-from .kernel import CFG_FIELDS, make_kernel
+from .kernel import CFG_FIELDS, TRACE_EVENTS, TRACE_ROWS, make_kernel
 
-class RingAttention:
+class RingAttention(Traced):
     """Plan once, call many times: attention over a sequence split across the ranks of a node.
 
     comm: the :class:`mknumba.Comm` (None: one GPU, see :func:`attention`); the ring is
@@ -29,7 +31,15 @@ class RingAttention:
     ``mknumba.sched.sequence.shard``/``unshard``); scale (default 1/sqrt(head_dim)); tile:
     "auto" (the sm_90a tile where it applies: a Hopper GPU, head_dim 64 or 128), "sm90" or
     "simt"; threads (the SIMT twin's rows per block), send_blocks and compute_blocks (blocks
-    per role) are tuning knobs.
+    per role) are tuning knobs. comm_sms: None (the static split: send_blocks blocks push
+    this rank's slice, the rest compute) or "adaptive": the compute blocks also push the
+    parts of this rank's slice to the node's other GPUs, each next item (a query tile or a
+    part) picked by ``roles.controller`` between query tiles, a block whose next tile's
+    slices have not all arrived pushing a part meanwhile (between nodes the send blocks stay
+    fixed: they hand the slice to the proxy; forward stays fixed). trace (with "adaptive"):
+    stamp each block, part and query tile and log the controller's decisions:
+    :meth:`trace_events`, :meth:`timeline` and :meth:`save_trace` read the last call after
+    :meth:`synchronize`.
     Every rank must pass the same values (checked). Calls are asynchronous on the stream of
     the inputs; :meth:`synchronize` waits and raises any device-side timeout. A call inside a
     CUDA graph capture works as any other (the epoch lives on the GPU; a tensor map row first
@@ -41,7 +51,7 @@ class RingAttention:
 
     def __init__(self, comm, batch, seq_local, heads, kv_heads, head_dim, *, causal=False,
                  layout="contiguous", scale=None, tile="auto", send_blocks=None, threads=None,
-                 compute_blocks=None):
+                 compute_blocks=None, comm_sms=None, trace=False):
         dims = dict(batch=batch, seq_local=seq_local, heads=heads, kv_heads=kv_heads,
                     head_dim=head_dim)
         for key, value in dims.items():
@@ -55,6 +65,14 @@ class RingAttention:
             raise MkValueError(f"{self.name}: head_dim={head_dim} is not supported: a multiple "
                                f"of 8, at most {HEAD_DIM_MAX}")
         check_layout(layout, self.seq, self.name)
+        if comm_sms not in (None, "adaptive"):
+            raise MkValueError(f"{self.name}: comm_sms={comm_sms!r}: None (the static split, "
+                               "send_blocks blocks) or 'adaptive'")
+        self.adaptive = comm_sms == "adaptive"
+        self.tracing = bool(trace)
+        if self.tracing and not self.adaptive:
+            raise MkValueError(f"{self.name}: trace=True stamps the adaptive build "
+                               "(comm_sms='adaptive'); the static build has no stamps")
         self.causal, self.layout = bool(causal), layout
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.d)
         self.comm = comm
@@ -86,12 +104,24 @@ class RingAttention:
         tiles = self.batch * self.heads * -(-self.seq // rows)
         sms = 2 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         comm_blocks = self.parts * (2 if self.nodes > 1 else 1)
+        # adaptive: the pushes inside the node are the compute blocks' (ncomm items), only the
+        # send (to the proxy) and forward blocks between nodes stay fixed
+        self.ncomm = self.parts if self.adaptive and self.g > 1 else 0
+        if self.adaptive:
+            comm_blocks = 2 * self.parts if self.nodes > 1 else 0
+        self.tiles = tiles
         # the sm90 tile takes a whole SM (shared memory): one block per SM beside the movers
         fit = max(1, sms - comm_blocks) if sm90 else 4 * sms
-        self.compute_blocks = int(compute_blocks or min(tiles, fit))
+        self.compute_blocks = int(compute_blocks or min(tiles + self.ncomm, fit))
+        # flexible blocks that start pushing: as many as the static split's send blocks
+        self.init_comm = min(self.parts, self.ncomm, self.compute_blocks - 1) \
+            if self.adaptive else 0
+        self.role_blocks = dict(send=self.parts if comm_blocks else 0,
+                                forward=self.parts if comm_blocks and self.nodes > 1 else 0,
+                                compute=self.compute_blocks)
         self._allocate()
         self.streams = StreamOrder(self.name)
-        kernel = make_kernel(self.tile)
+        kernel = make_kernel(self.tile, self.adaptive)
         compiled, bps = compile_kernel(kernel, self.threads, smem)
         grid = comm_blocks + self.compute_blocks
         self.frame = Frame(grid)
@@ -102,7 +132,19 @@ class RingAttention:
                    kv_heads=self.kv_heads, d=self.d, me=self.me, world=self.world,
                    parts=self.parts, causal=self.causal, zigzag=layout == "zigzag",
                    local=self.local, g=self.g, nodes=self.nodes, words=self.words,
-                   win_kv=self._wins[0], win_arrive=self._wins[1])
+                   win_kv=self._wins[0], win_arrive=self._wins[1], pool=comm_blocks,
+                   ncomm=self.ncomm, init_comm=self.init_comm, trace=self.tracing)
+        self.grid = grid
+        # the adaptive split's work queues, the controller's measurements (they grow across
+        # calls: roles.controller) and the trace rows
+        adaptive = {}
+        if self.adaptive:
+            items = max(grid, tiles, self.parts) if self.tracing else 1
+            self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
+            adaptive = dict(queue=cuda.to_device(np.zeros(QUEUES, np.uint32)),
+                            ctl=cuda.to_device(np.zeros(CTL_WORDS, np.uint64)),
+                            trace=self._trace)
+        self.queue, self.ctl = adaptive.get("queue"), adaptive.get("ctl")
         b, s, h, hk, d = self.batch, self.seq, self.heads, self.kv_heads, self.d
         self.launch = Launch(kernel, compiled, dict(
             q=Slot((b, s, h, d)), k=Slot((b, s, hk, d)), v=Slot((b, s, hk, d)),
@@ -110,7 +152,8 @@ class RingAttention:
             v_words=Slot((self.words,)), **self._device_args,
             order=cuda.to_device(self.order()), **self._tile_args(),
             frame=self.frame.words, cfg=cuda.to_device(cfg), scale=np.float32(self.scale),
-            timeout_ns=self.timeout_ns, err=self.err, rank=self.me), grid, self.threads, smem)
+            timeout_ns=self.timeout_ns, err=self.err, rank=self.me, **adaptive), grid,
+            self.threads, smem)
         self.freed = False
 
     def _tile_for(self, tile):
@@ -280,9 +323,67 @@ class RingAttention:
         self._check_error(self.name)
 
     def _start_at(self, calls):
-        """Tests: set this rank's state as if ``calls`` calls had run (see GemmReduce)."""
+        """Tests: set this rank's state as if ``calls`` calls had run (see GemmReduce): the
+        call counter, every epoch flag and, adaptive, the work queues' tickets."""
         self.synchronize()
         self.frame.start_at(calls, self._flag_arrays, self.comm)
+        if self.adaptive:
+            q = np.zeros(QUEUES, np.uint64)
+            q[Q_COMPUTE] = calls * (self.tiles + self.compute_blocks)
+            q[Q_COMM] = calls * (self.ncomm + self.compute_blocks)
+            self.queue.copy_to_device((q & 0xFFFFFFFF).astype(np.uint32))
+
+    # -- traces (comm_sms="adaptive", trace=True) ---------------------------------------------
+    def trace_events(self):
+        """The last traced call's stamps (after :meth:`synchronize`): {event: int64 ns array by
+        item (0: not reached)} plus ``role_blocks`` and ``controller``. ``block_*`` index
+        blocks (send, forward, compute in block order); ``send_*`` and ``push_*`` the parts of
+        this rank's slice (between nodes stored here and handed to the proxy; pushed to the
+        node's other GPUs, ``push_block`` by which block); ``tile_*`` query tiles in the
+        queue's order (``kernel.query_tile`` with one worker), ``tile_block`` by which block;
+        ``controller``: per block its decisions [(ns, role, target)] (role 0 compute, 1 the
+        pushes: ``roles.controller``)."""
+        stamps, rows = self._stamps(TRACE_EVENTS)
+        log = decision_log(rows, TRACE_EVENTS, self.grid, CTL_LOG)
+        return dict(stamps, role_blocks=dict(self.role_blocks), controller=log)
+
+    def timeline(self):
+        """The last traced call as a :class:`mknumba.timeline.Timeline` (this rank): a
+        ``compute`` item per query tile, a ``push`` item on the send tracks per part of this
+        rank's slice pushed inside the node and, between nodes, a ``send`` item per part
+        handed to the proxy (items name the part by its flag, ``rank * parts + part``); each
+        fixed block's role from its start to its end stamp, each flexible block's from the
+        controller's log (its communication role named ``send``). After :meth:`synchronize`."""
+        ev = self.trace_events()
+        rb, P, me = self.role_blocks, self.parts, self.me
+        layout = [(role, rb[role]) for role in ("send", "forward", "compute")]
+        pool = rb["send"] + rb["forward"]
+        items = dict(
+            send=spans(ev, "send_start", "send_staged", rb["send"], lambda p: me * P + p,
+                       lambda p: p) +
+            spans(ev, "push_start", "push_done", self.ncomm, lambda p: me * P + p,
+                  lambda p: ev["push_block"][p], "push"),
+            compute=spans(ev, "tile_start", "tile_done", self.tiles, lambda i: i,
+                          lambda i: ev["tile_block"][i]))
+        start, end = ev["block_start"], ev["block_end"]
+        segments, decisions = [], []
+        for b in range(self.grid):
+            if start[b] <= 0 or end[b] <= 0:
+                continue
+            if b >= pool:
+                log = ev["controller"][b]
+                segments += [(b, r, t0, t1) for r, t0, t1 in
+                             segments_from_log(start[b], end[b], log, ("compute", "send"))]
+                decisions += [(t, b, r, want) for t, r, want in log]
+            else:
+                segments.append((b, role_of(b, layout), int(start[b]), int(end[b])))
+        meta = dict(op=self.name, batch=self.batch, seq=self.seq, heads=self.heads,
+                    kv_heads=self.kv_heads, head_dim=self.d, causal=self.causal,
+                    layout=self.layout, topology=f"{self.nodes}x{self.g}", parts=P,
+                    role_blocks=dict(rb), tiles=self.tiles, adaptive=True, tile=self.tile,
+                    controller_log_dropped=sum(max(0, int(ev["ctl_n"][b]) - CTL_LOG)
+                                               for b in range(self.grid)))
+        return Timeline(me, items, segments, decisions, meta)
 
     def free(self):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
