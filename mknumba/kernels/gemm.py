@@ -460,7 +460,10 @@ class _Plan:
     def __init__(self, op, m, n, k, mode, device):
         kind = kind_for(op.tile) if device not in op._frames else op._frames[device][0]
         self.b_kn = b_kn(mode)
-        kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
+        base = kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
+        if op.tile == "auto" and tms_for(kind, k) and (op.split_k or 1) == 1:
+            kind = compute.kn_kind(compute.SM90_TMS_TILE, op.name) if self.b_kn else \
+                compute.SM90_TMS_TILE
         build, kernel = _build(kind)
         if build.gemm_only and (op.split_k or 1) > 1:
             raise MkValueError(f"{op.name}: tile={op.tile!r} takes no split_k (it computes "
@@ -475,14 +478,13 @@ class _Plan:
         tiles_m, tiles_n = cdiv(m, bm), cdiv(n, bn)
         tiles, blocks = tiles_m * tiles_n, grid.compute_blocks
         group_m = op.group_m or default_group_m(tiles_m, tiles_n, blocks)
-        self.slices, self.kc = split_slices(k, 1 if build.gemm_only else split_k_for(
-            tiles, k, blocks) if op.split_k is None else op.split_k)
-        if self.slices == 1 and op.tile == "auto" and not build.gemm_only and \
-                tms_for(kind, k):
-            kind = compute.kn_kind(compute.SM90_TMS_TILE, op.name) if self.b_kn else \
-                compute.SM90_TMS_TILE
-            build, kernel = _build(kind)      # the same tile shape and grid: one block an SM
+        split = split_k_for(tiles, k, blocks) if op.split_k is None else op.split_k
+        if kind != base and split_slices(k, split)[0] > 1:
+            # "auto" splits this shape: the default tile (the same shape, one block an SM)
+            kind = base
+            build, kernel = _build(kind)
             compiled, bps = compile_kernel(kernel, build.threads, build.smem_bytes)
+        self.slices, self.kc = split_slices(k, 1 if build.gemm_only else split)
         if SIMULATOR and not _sim_safe(tiles, self.slices, blocks):
             raise MkValueError(f"{op.name}: split_k={self.slices} with {tiles} tiles on "
                                f"{blocks} blocks: the simulator runs blocks one at a time, and "
