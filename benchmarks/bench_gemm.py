@@ -63,12 +63,18 @@ def iters_for(flops, rep_s=0.01, rate=6e14):
 
 
 def time_ms(fn, iters):
+    """GPU ms per call, the median of 5 repetitions of ``iters`` back-to-back calls. Each
+    repetition queues behind a kernel that holds the stream while the host issues the calls,
+    so small shapes time the GPU's work, not the host's launch rate (ours and cuBLAS's host
+    costs: bench_host_cost.py)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     times = []
+    hold = int(2e9 * (iters * 30e-6 + 1e-3))     # clock cycles: ~30 us of host time a call
     for _ in range(5):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(hold)
         s.record()
         for _ in range(iters):
             fn()
