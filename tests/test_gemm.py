@@ -155,6 +155,27 @@ def test_split_k_option_is_checked():
         with pytest.raises(MkValueError, match="split_k"):
             Gemm(split_k=bad)
     assert Gemm(split_k=np.int64(3)).split_k == 3 and Gemm().split_k is None
+    # the whole-tile builds refuse a split when the op is made (also in the simulator, which
+    # refuses their tiles only when a call would run them)
+    for tile in ("sm90:pp", "sm90:pp:kn", "sm90:tms", "sm90:tms:kn"):
+        with pytest.raises(MkValueError, match=f"tile='{tile}' takes no split_k"):
+            Gemm(tile=tile, split_k=2)
+        assert Gemm(tile=tile, split_k=1).split_k == 1 and Gemm(tile=tile).split_k is None
+
+
+def test_plans_of_one_op_share_its_grid():
+    """shared_bps: a Gemm's plans may run kernels that fit different blocks per SM ("auto":
+    the tensor-store build or the default one by shape; B's two layouts), but its call
+    counter numbers launches of one grid: a plan launches the counter's grid, fewer blocks per
+    SM than fit, or more (a split then checks its kernel's fit: _Plan)."""
+    from mknumba.errors import MkError
+    from mknumba.kernels.gemm import shared_bps
+    assert shared_bps(None, 132, 2) == 2          # the first plan sets the grid
+    assert shared_bps(264, 132, 2) == 2           # the same grid
+    assert shared_bps(132, 132, 2) == 1           # fewer than fit: co-resident
+    assert shared_bps(264, 132, 1) == 2           # whole tiles: more than fit run later
+    with pytest.raises(MkError, match="launches of 200 blocks"):
+        shared_bps(200, 132, 2)
 
 
 SPLIT_SCRIPT = textwrap.dedent("""
@@ -417,8 +438,10 @@ def test_tms_build_keeps_the_ring_and_is_whole_tiles_only(monkeypatch):
     for tile in ("sm90:tms", "sm90:tms:kn"):
         with pytest.raises(MkValueError, match="mknumba.Gemm only"):
             G.fused_tile(tile, "GemmReduce")
+    op = G.Gemm(tile="sm90:tms")
+    op.split_k = 2                   # past the constructor's check: the plan's own
     with pytest.raises(MkValueError, match="takes no split_k"):
-        G._Plan(G.Gemm(tile="sm90:tms", split_k=2), 512, 1024, 8192, "nk", None)
+        G._Plan(op, 512, 1024, 8192, "nk", None)
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------

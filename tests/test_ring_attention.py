@@ -80,6 +80,10 @@ ONE_GPU = textwrap.dedent("""
                        (lambda: mk.RingAttention(None, 1, 8, 4, 2, 12), ("head_dim",)),
                        (lambda: mk.RingAttention(None, 1, 7, 4, 2, 8, layout="zigzag"),
                         ("even",)),
+                       (lambda: mk.RingAttention(None, 1, 8, 4, 2, 8, comm_sms=4),
+                        ("comm_sms=4", "'adaptive'")),
+                       (lambda: mk.RingAttention(None, 1, 8, 4, 2, 8, trace=True),
+                        ("trace=True", "comm_sms='adaptive'")),
                        (lambda: mk.attention(x[0], x[1][:, :5], x[2]), ("k", "shape"))]:
         try:
             bad()

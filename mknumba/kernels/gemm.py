@@ -24,11 +24,13 @@ Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90
 the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K),
 ``"sm90:tms"`` (the sm90 tile whose epilogue leaves by TMA tensor stores it does not wait
 for, ``roles.compute.SM90_TMS_TILE``; no split-K: its tile flags go out at each block's end,
-after its stores completed; "auto" takes it for unsplit shapes with K <= ``TMS_MAX_K``) or ``"simt"`` (the generic twin: the CUDA simulator and GPUs
-without sm_90a), each reading B as given: [n, k] (or a ``w.T`` view of one), or row-major
-[k, n] through its ``":kn"`` build (``kernels.gemm_inputs``). Calls go through the launch frame
-(``kernels.launch``): planned once per shape and layout of B, then an address bind and one
-driver launch.
+after its stores completed; "auto" takes it for unsplit shapes with K <= ``TMS_MAX_K``) or
+``"simt"`` (the generic twin: the CUDA simulator and GPUs without sm_90a), each reading B as
+given: [n, k] (or a ``w.T`` view of one), or row-major [k, n] through its ``":kn"`` build
+(``kernels.gemm_inputs``). Calls go through the launch frame (``kernels.launch``): planned
+once per shape and layout of B, then an address bind and one driver launch. The plans of one
+op may run different kernels ("auto": the tensor-store build or the default one by shape; B's
+two layouts), but all launch the grid of its call counter (:func:`shared_bps`).
 """
 import threading
 
@@ -80,7 +82,7 @@ def split_k_for(tiles, k, blocks):
 
 
 #: K up to which "auto" runs whole tiles through the TMA-store epilogue (``sm90:tms``): with
-#: few k-steps a tile its stores weigh most, and they leave without stalling the consumers;
+#: few k-steps a tile, its stores weigh most, and they leave without stalling the consumers;
 #: from 4096 on the default epilogue is as fast or faster (an H200: benchmarks/NOTES.md)
 TMS_MAX_K = 2048
 
@@ -89,6 +91,22 @@ def tms_for(kind, k):
     """Whether "auto" takes the TMA-store build for an unsplit shape of depth ``k`` whose tile
     build would be ``kind``."""
     return kind in ("sm90", "sm90:kn") and k <= TMS_MAX_K
+
+
+def shared_bps(known, sms, bps, op="mknumba.gemm"):
+    """Blocks per SM a new plan of an op launches, whose call counter
+    (``kernels.launch.Frame``) numbers launches of ``known`` blocks (None: this is the op's
+    first plan, which sets it): the kernel's own ``bps`` (what fits on an SM) where that gives
+    the same grid, else the counter's. Fewer blocks than fit are all co-resident; more than
+    fit are right for whole tiles only (no block waits on another: the extra ones run when
+    others end), and a split, whose folds wait on slices that other blocks compute, checks
+    its own kernel's fit against the grid (:class:`_Plan`)."""
+    if known is None or known == sms * bps:
+        return bps
+    if known % sms:
+        raise MkError(f"{op}: the op's call counter counts launches of {known} blocks, not "
+                      f"a whole number per SM of {sms}")
+    return known // sms
 
 
 def split_slices(k, s):
@@ -310,6 +328,12 @@ class Gemm:
     output tile ``t = tile_m * tiles_n + tile_n``. ``split_k``: slices of K per output tile
     (split-K, see the module docstring): None lets :func:`split_k_for` choose by shape, an int
     forces at most that many (1: no split; fewer when K has fewer 64-deep steps).
+
+    ``tile``: "auto" runs, on a Hopper GPU (sm_90a), the tensor-store build ``"sm90:tms"`` for
+    shapes it does not split with K <= :data:`TMS_MAX_K` and the default ``"sm90"`` elsewhere
+    (chosen per shape; the SIMT twin without sm_90a); or a build by name (module docstring):
+    ``"sm90"``, ``"sm90:pp"`` and ``"sm90:tms"`` (these two whole tiles only: ``split_k`` None
+    or 1), ``"simt"``.
     """
 
     name = "mknumba.gemm"
@@ -320,6 +344,10 @@ class Gemm:
                 split_k, (int, np.integer)) or split_k < 1):
             raise MkValueError(f"{self.name}: split_k must be None (chosen by shape) or an "
                                f"int >= 1 (1: no split), got {split_k!r}")
+        whole = tile.split(":kn")[0] in (compute.SM90_PINGPONG_TILE, compute.SM90_TMS_TILE)
+        if whole and split_k is not None and split_k > 1:
+            raise MkValueError(f"{self.name}: tile={tile!r} takes no split_k (it computes "
+                               "whole tiles only); pass split_k=None or 1")
         self.tile, self.reserved_sms, self.group_m = tile, int(reserved_sms), group_m
         self.split_k = None if split_k is None else int(split_k)
         self.frame = None     # the call counter of the last GPU used
@@ -424,6 +452,9 @@ class Gemm:
             self._frames[device] = (kind_for(self.tile), Frame(grid),
                                     cuda.mapped_array(ERR_WORDS, np.int64))
             self._frames[device][2][:] = 0
+        if self._frames[device][1].grid != grid:     # shared_bps keeps them equal
+            raise MkError(f"{self.name}: a plan of {grid} blocks on a call counter of "
+                          f"{self._frames[device][1].grid}")
         return self._frames[device]
 
     def _start_at(self, calls):
@@ -470,6 +501,10 @@ class _Plan:
                                "whole tiles only); pass split_k=None or 1")
         compiled, bps = compile_kernel(kernel, build.threads, build.smem_bytes)
         sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        # every plan of the op launches one grid (its call counter counts blocks); a split's
+        # own kernel is checked against it below
+        known = op._frames[device][1].grid if device in op._frames else None
+        bps = shared_bps(known, sms, bps, op.name)
         try:
             grid = plan_grid(sms, bps, op.reserved_sms)
         except ValueError as e:
@@ -480,10 +515,10 @@ class _Plan:
         group_m = op.group_m or default_group_m(tiles_m, tiles_n, blocks)
         split = split_k_for(tiles, k, blocks) if op.split_k is None else op.split_k
         if kind != base and split_slices(k, split)[0] > 1:
-            # "auto" splits this shape: the default tile (the same shape, one block an SM)
+            # "auto" splits this shape: the default tile (the same tile shape, so the same
+            # tiles), whose split kernel is compiled and checked against the grid below
             kind = base
             build, kernel = _build(kind)
-            compiled, bps = compile_kernel(kernel, build.threads, build.smem_bytes)
         self.slices, self.kc = split_slices(k, 1 if build.gemm_only else split)
         if SIMULATOR and not _sim_safe(tiles, self.slices, blocks):
             raise MkValueError(f"{op.name}: split_k={self.slices} with {tiles} tiles on "
@@ -497,7 +532,7 @@ class _Plan:
             compiled, split_bps = compile_kernel(kernel, build.threads, build.smem_bytes)
             if split_bps < bps:
                 raise MkError(f"{op.name}: the split-K kernel fits {split_bps} blocks per SM, "
-                              f"the GEMM's {bps}; pass split_k=1")
+                              f"the GEMM's grid has {bps}; pass split_k=1")
         _, frame, self.err = op._counter(device, grid.grid)
         self.m, self.n, self.k, self.mode = m, n, k, mode
         # flags start at the last call's epoch, which no later call's reaches (a fresh 0 would

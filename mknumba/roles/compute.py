@@ -580,8 +580,8 @@ def tile_build(name):
     """The tile build called ``name``: ``"simt"``, ``"sm90"`` (the library's Hopper tile),
     ``SM90_FUSED_TILE``, ``SM90_PINGPONG_TILE``, ``SM90_TMS_TILE`` (made on first use), or one
     added with :func:`register_tile`; any of the first five with ``":kn"`` appended
-    (:func:`kn_kind`): the same tile reading B as [k, n]. Raises MkValueError for anything else, and in the
-    simulator for the sm_90a builds."""
+    (:func:`kn_kind`): the same tile reading B as [k, n]. Raises MkValueError for anything
+    else, and in the simulator for the sm_90a builds."""
     if name not in _BUILDS and is_sm90_name(name):
         if SIMULATOR:
             raise MkValueError(f"the {name} tile needs a Hopper GPU (sm_90a); the simulator "
