@@ -7,19 +7,23 @@ sweep of static splits, the best of them, the recorded table's choice and the co
 Two ranks, one per GPU; ``1x2`` (NVLink) and ``2x1`` (two emulated nodes through the host
 proxy, paced to ``--pace-gbps``) in one run. Kernels (``--kernels``, comma-separated): ``rs``
 GEMM + ReduceScatter, ``ar`` GEMM + AllReduce, ``ag`` AllGather + GEMM, ``ring`` Ring
-Attention. Shapes of rs and ar (m = n, k_local): every row of the recorded table
-(``sched/split.py``, ``held_out: false``) and shapes that are not in it (``--held-out``,
-``held_out: true``); ag and ring have no recorded table (their "table" is the op's default
-split), so each of their shapes is ``held_out: true``: ag (m, n, k) from ``AG_SHAPES``, ring
-(seq total, heads, kv_heads, head_dim 128, causal on zigzag) from ``RING_SHAPES``. Per point,
-each configuration is checked once against a reference (into a poisoned output; rs, ar, ag:
-fp32 products; ring: the output of the op's default static split, itself checked against
-fp32 SDPA of the gathered sequence with the layout's positions as the mask), then timed over
-back-to-back calls (mean, slowest rank):
+Attention, ``moe`` MoE Dispatch + GEMM. Shapes of rs and ar (m = n, k_local): every row of the
+recorded table (``sched/split.py``, ``held_out: false``) and shapes that are not in it
+(``--held-out``, ``held_out: true``); ag, ring and moe have no recorded table (their "table"
+is the op's default split), so each of their shapes is ``held_out: true``: ag (m, n, k) from
+``AG_SHAPES``, ring (seq total, heads, kv_heads, head_dim 128, causal on zigzag) from
+``RING_SHAPES``, moe (hidden, ffn, experts, top_k, tokens over the ranks, routing uniform or
+Zipf-hot as in bench_moe_dispatch_gemm.py; w as [E / W, ffn, hidden]) from ``MOE_SHAPES``.
+Per point, each configuration is checked once against a reference (into a poisoned output;
+rs, ar, ag: fp32 products; ring: the output of the op's default static split, itself checked
+against fp32 SDPA of the gathered sequence with the layout's positions as the mask; moe: 2048
+sampled rows against fp32 x[token] @ w[expert]^T), then timed over back-to-back calls (mean,
+slowest rank):
 
 - ``static``: ``comm_sms`` = each of ``--sweep`` (default 1, 2, 4, ..., 64; splits the op
   refuses for the topology are skipped), with the table's deliver/fold for the shape (ring:
-  ``send_blocks`` = each of the sweep, its send blocks being its communication SMs);
+  ``send_blocks`` = each of the sweep, its send blocks being its communication SMs; moe: its
+  pack, forward and pull blocks);
 - ``table``: the op's default (``comm_sms=None``: the recorded table's split);
 - ``adaptive``: ``comm_sms="adaptive"`` (``roles.controller``; it starts from the table's
   split, never folds).
@@ -29,7 +33,7 @@ back-to-back calls (mean, slowest rank):
 given, a short sweep, 1x2 only, no NCCL (references through MPI on the host):
 
     MKNUMBA_ALLOW_SHARED_GPU=1 mpirun -n 2 python benchmarks/bench_controller.py --quick \
-        --kernels rs,ar,ag,ring --out /tmp/controller_quick.json
+        --kernels rs,ar,ag,ring,moe --out /tmp/controller_quick.json
 
 Records (docs/design.md §8) carry ``sm_split`` ("compute+comm", or "adaptive"), ``controller``
 (true for the adaptive runs), ``held_out``, ``config`` (static | table | adaptive), and
@@ -40,7 +44,7 @@ controller's geometric mean and worst ratio to the best static split, and agains
 on the held-out shapes (the goals: <= 1.05x, no point worse than 1.15x, better than
 the table where held out). ``--save-trace PREFIX``: one traced controller call per point as a
 Chrome / Perfetto trace (``PREFIX-<kernel>-<topology>-<m>-<k>.json``, see
-benchmarks/plot_timeline.py).
+benchmarks/plot_timeline.py; MoE Dispatch + GEMM has no trace yet).
 """
 import math
 import os
@@ -54,11 +58,13 @@ from mknumba.errors import MkValueError  # noqa: E402
 from mknumba.kernels.allgather_gemm import AllGatherGemm  # noqa: E402
 from mknumba.kernels.gemm_ar import GemmAllReduce  # noqa: E402
 from mknumba.kernels.gemm_rs import GemmReduceScatter  # noqa: E402
+from mknumba.kernels.moe_dispatch import MoeDispatchGemm, MoeLayout  # noqa: E402
 from mknumba.kernels.ring_attention import RingAttention  # noqa: E402
 from mknumba.sched import split as sm_split  # noqa: E402
 
 NVLINK_GBPS = 380.0                  # measured copy rate (docs/design.md §6), as bench_fused.py
-OPS = {"rs": GemmReduceScatter, "ar": GemmAllReduce, "ag": AllGatherGemm, "ring": RingAttention}
+OPS = {"rs": GemmReduceScatter, "ar": GemmAllReduce, "ag": AllGatherGemm, "ring": RingAttention,
+       "moe": MoeDispatchGemm}
 SWEEP = (1, 2, 4, 8, 16, 32, 64)
 #: (m, k_local) pairs in none of the recorded table's rows
 HELD_OUT = ((3072, 1536), (6144, 384), (12288, 3072), (8192, 128))
@@ -67,9 +73,14 @@ AG_SHAPES = ((4096, 8192, 4096), (8192, 8192, 8192), (16384, 4096, 2048), (8192,
 #: Ring Attention (seq total, heads, kv_heads, causal); batch 1, head_dim 128
 RING_SHAPES = ((8192, 32, 8, False), (8192, 32, 8, True), (32768, 32, 8, True),
                (32768, 32, 32, False))
+#: MoE Dispatch + GEMM (hidden, ffn, experts, top_k, tokens over the ranks, routing): the
+#: DeepSeek-V3-like and Mixtral-like layers of bench_moe_dispatch_gemm.py
+MOE_SHAPES = ((7168, 2048, 256, 8, 8192, "uniform"), (7168, 2048, 256, 8, 8192, "zipf"),
+              (4096, 14336, 8, 2, 16384, "uniform"), (4096, 14336, 8, 2, 16384, "zipf"))
 #: --quick: tiny shapes, a short sweep
 QUICK = dict(sweep=(1, 4), held_out=((512, 256),), ag=((512, 256, 256),),
-             ring=((512, 4, 2, False), (512, 4, 2, True)))
+             ring=((512, 4, 2, False), (512, 4, 2, True)),
+             moe=((256, 256, 4, 2, 256, "uniform"), (256, 256, 4, 2, 256, "zipf")))
 
 
 def iters_for(ms_est):
@@ -114,9 +125,10 @@ def op_facts(op):
     """The split an op ran ("compute+comm" or "adaptive") and its static knobs."""
     if hasattr(op, "comm_sms"):                # the fused reductions: a planned split
         comm_sms, compute = op.comm_sms, op.sms - op.comm_sms
-    else:                                      # AllGatherGemm, RingAttention: role blocks
+    else:              # AllGatherGemm, RingAttention, MoeDispatchGemm: role blocks
         rb = op.role_blocks
-        comm_sms, compute = rb["send"] + rb["forward"], rb["compute"]
+        comm_sms = sum(rb.get(r, 0) for r in ("send", "forward", "pack", "pull"))
+        compute = rb["compute"]
     return dict(split="adaptive" if op.adaptive else f"{compute}+{comm_sms}",
                 comm_sms=comm_sms, deliver=getattr(op, "deliver", None),
                 fold=getattr(op, "fold", None))
@@ -256,6 +268,51 @@ def bench_ag(comm, dist, args, m, n, k, records, log):
     torch.cuda.empty_cache()
 
 
+def bench_moe(comm, dist, args, shape, records, log):
+    """MoE Dispatch + GEMM: this rank's tokens, routed ``routing`` (one draw per point, the
+    same for every configuration), w [E / W, ffn, hidden] (w_layout "efh")."""
+    import numpy as np
+    import torch
+    from bench_moe_dispatch_gemm import check as check_rows, routing
+    H, F, E, K, total, kind = shape
+    topo = f"{comm.nodes}x{comm.local_size}"
+    _, paced, transport = common.transport_of(comm, args)
+    W, me, El, T = comm.size, comm.rank, E // comm.size, total // comm.size
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(53 + me)
+    x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(El, F, H, device="cuda", dtype=torch.bfloat16, generator=gen) / H ** 0.5
+    idx, _ = routing(torch, T, E, K, kind, gen)
+    x_all = allgather_(x, comm)
+    every = np.concatenate(comm.mpi.allgather(idx.cpu().numpy()))
+    R = int(((every >= me * El) & (every < (me + 1) * El)).sum())     # rows this rank gets
+    # floor: one GEMM of the rows received, or the rows from the other GPUs over the link
+    rows = torch.randn(max(R, 1), H, device="cuda", dtype=torch.bfloat16)
+    t_mm = common.time_ms(lambda: rows @ w[0].T, 10, mpi=comm.mpi)
+    rate = (args.pace_gbps if paced else NVLINK_GBPS) * 1e9
+    floor = max(t_mm, R * H * 2 * (W - 1) / W / rate * 1e3)
+    cap = W * T * K
+    out = torch.empty((cap, F), device="cuda", dtype=torch.bfloat16)
+    lay = MoeLayout(*(torch.empty(s, device="cuda", dtype=d) for s, d in (
+        (El, torch.int32), (El + 1, torch.int32), ((cap, 3), torch.int32),
+        (cap, torch.float32))))
+
+    def run(op):
+        op(x, idx, w, out=out, layout=lay)
+
+    def check():
+        return check_rows(torch, None, x_all, T, w, out, lay, me, El)
+    measured = measure(comm, lambda sms: MoeDispatchGemm(comm, H, F, E, K, T, w_layout="efh",
+                                                         comm_sms=sms),
+                       configs(args), out, run, check, max(floor, 0.05) * 2, log,
+                       f"moe_dispatch_gemm {topo} H={H} F={F} E={E} K={K} tokens={total} "
+                       f"{kind}")
+    emit(records, log, "moe_dispatch_gemm", {"hidden": H, "ffn": F, "experts": E,
+                                             "top_k": K, "tokens": total}, measured, topo,
+         transport, floor, True, W, routing=kind, rows_received=R, gemm_ms=t_mm)
+    torch.cuda.empty_cache()
+
+
 def ring_reference(comm, q, k, v, layout, causal):
     """fp32 attention of this rank's q over every rank's k and v (gathered through MPI), the
     causal mask from the layout's global positions: (out [b, s, h, d], lse [b, h, s])."""
@@ -339,7 +396,8 @@ def summary(records, log):
         ratios = [r["ours_ms"] / r["baseline_ms"] for r in ctl]
         gm = math.exp(sum(map(math.log, ratios)) / len(ratios))
         def point(r):                          # the shape and its knobs, any kernel's
-            return tuple(sorted(r["shape"].items())) + (r.get("causal"), r.get("layout"))
+            return tuple(sorted(r["shape"].items())) + (r.get("causal"), r.get("layout"),
+                                                        r.get("routing"))
         held = {point(r): r["ours_ms"] for r in ctl if r["held_out"]}
         table = {point(r): r["ours_ms"] for r in recs if r["config"] == "table" and r["held_out"]}
         better = sum(held[s] < table[s] for s in held if s in table)
@@ -356,8 +414,8 @@ def _max():
 def main():
     args = common.parse_args(ranks=2, extra=[
         (("--topologies",), dict(default="1x2,2x1")),
-        (("--kernels",), dict(default="rs,ar,ag,ring",
-                              help="rs, ar, ag, ring (comma-separated)")),
+        (("--kernels",), dict(default="rs,ar,ag,ring,moe",
+                              help="rs, ar, ag, ring, moe (comma-separated)")),
         *common.NETWORK_ARGS,
         (("--sweep",), dict(default=",".join(map(str, SWEEP)),
                             help="static comm SMs to time at every point")),
@@ -372,15 +430,15 @@ def main():
                                  "a GPU)"))])
     args.sweep = [int(s) for s in args.sweep.split(",") if s]
     held_out = [tuple(int(x) for x in s.split(":")) for s in args.held_out.split(",") if s]
-    ag_shapes, ring_shapes = AG_SHAPES, RING_SHAPES
+    ag_shapes, ring_shapes, moe_shapes = AG_SHAPES, RING_SHAPES, MOE_SHAPES
     if args.quick:
         args.sweep, held_out = list(QUICK["sweep"]), list(QUICK["held_out"])
         args.table_shapes, args.topologies = "0", "1x2"
-        ag_shapes, ring_shapes = QUICK["ag"], QUICK["ring"]
+        ag_shapes, ring_shapes, moe_shapes = QUICK["ag"], QUICK["ring"], QUICK["moe"]
     kernels = args.kernels.split(",")
     unknown = [x for x in kernels if x not in OPS]
     if unknown:
-        raise SystemExit(f"--kernels: unknown {unknown} (rs, ar, ag, ring)")
+        raise SystemExit(f"--kernels: unknown {unknown} (rs, ar, ag, ring, moe)")
 
     kept = []                  # the list run_topologies fills and writes after each topology
 
@@ -395,6 +453,10 @@ def main():
             if name == "ring":
                 for seq, heads, kv_heads, causal in ring_shapes:
                     bench_ring(comm, dist, args, seq, heads, kv_heads, causal, records, log)
+                continue
+            if name == "moe":
+                for shape in moe_shapes:
+                    bench_moe(comm, dist, args, shape, records, log)
                 continue
             Op = OPS[name]
             for m, k, held in shapes(Op.kernel_name, topo, held_out):

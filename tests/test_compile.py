@@ -175,9 +175,9 @@ def _hopper_kernel(name):
         from mknumba.kernels.allgather_gemm import kernel as K
         _, threads, kernel = K.build(SM90_FUSED_TILE, name.endswith("adaptive"))
         return kernel, threads
-    if name == "moe_dispatch_gemm":
+    if name.startswith("moe_dispatch_gemm"):   # moe_dispatch_gemm_adaptive: the controller's
         from mknumba.kernels.moe_dispatch import kernel as K
-        _, threads, kernel = K.build(SM90_FUSED_TILE)
+        _, threads, kernel = K.build(SM90_FUSED_TILE, name.endswith("adaptive"))
         return kernel, threads
     from mknumba.kernels.ring_attention import make_kernel   # ring_attention_adaptive: the
     from mknumba.roles.attention import SM90_THREADS           # controller's build
@@ -345,15 +345,18 @@ def test_divides_without_64bit_divides_agree_with_python():
 
 
 @pytest.mark.slow
-def test_moe_dispatch_gemm_kernel_compiles_for_sm90a(fake_sm90):
+@pytest.mark.parametrize("name", ["moe_dispatch_gemm", "moe_dispatch_gemm_adaptive"])
+def test_moe_dispatch_gemm_kernel_compiles_for_sm90a(fake_sm90, name):
     """MoeDispatchGemm's kernel (the grouped GEMM around the fused ops' Hopper tile, each
     tile with its expert's tensor maps) compiles for its declaration and links: the
     counts and token units are published at system scope on every GPU and polled with acquire
     loads; the compute role's wait for a tile row is followed by the proxy fence before the
     tile's TMA loads; no multicast; no serialized wgmma and no 64-bit divide (see
-    test_hopper_kernels_keep_wgmma_asynchronous). Its SIMT twin runs in the simulator
+    test_hopper_kernels_keep_wgmma_asynchronous). The same for the build with the
+    controller's split (``comm_sms="adaptive"``: queue tickets and the controller's sums are
+    relaxed GPU atomics), which also spills nothing. Its SIMT twin runs in the simulator
     (uncompiled there; left out here for CI time)."""
-    ptx, log = _link_sm90a(*_hopper_kernel("moe_dispatch_gemm"), fake_sm90)
+    ptx, log = _link_sm90a(*_hopper_kernel(name), fake_sm90)
     assert "serialized" not in log, log
     assert not re.search(r"\b(div|rem)\.[su]64\b", ptx), "a 64-bit divide"
     assert ptx.count("wgmma.mma_async") >= 4, "wgmma missing"
@@ -362,3 +365,6 @@ def test_moe_dispatch_gemm_kernel_compiles_for_sm90a(fake_sm90):
                   "atom.add.relaxed.gpu.u64"):
         assert instr in ptx, instr
     assert "multimem" not in ptx                  # never NVLink multicast
+    if name.endswith("adaptive"):
+        assert "atom.add.relaxed.gpu.u32" in ptx and "atom.global.add.u64" in ptx
+        assert "0 bytes spill stores, 0 bytes spill loads" in log, log

@@ -33,6 +33,17 @@ def test_sim_1x2_every_check():
     assert out.count("topology 1x2") == 2 * len(checks), out[-4000:]
 
 
+def test_sim_1x2_adaptive_across_the_wrap():
+    """comm_sms="adaptive" (``roles.controller``): the compute blocks also pull the rows, 16
+    at a time, each next item the controller's; the five routings (an expert, a rank that
+    receives nothing, a rank that sends nothing, every token to one expert) across the epoch's
+    wrap against the float64 reference; the controller measured each tile and pull once, and
+    the queues hold the epoch rule's tickets."""
+    out = run_mpi("moe_dispatch_checks.py", 2, "calls", "unit=4", "adaptive=1")
+    _passes(out, "calls", 2)
+    assert out.count("adaptive=1") == 2 and out.count("'pull': 0") == 2, out[-4000:]
+
+
 # Between nodes: fewer blocks and smaller sizes (each rank's blocks run one at a time).
 SIM_NODES = ("comm_sms=3", "unit=4", "hidden=8", "ffn=8", "ehf=0")
 
@@ -73,6 +84,18 @@ def test_gpu_1x2_torch():
                   "arrays=torch", simulator=False, env=GPU_ENV)
     for check in checks:
         _passes(out, check, 2)
+
+
+@pytest.mark.gpu
+def test_gpu_1x2_adaptive():
+    """comm_sms="adaptive" on the GPU's tile, two ranks sharing one GPU or not: 6 rounds of
+    the five routings (30 calls) with fresh tokens, routing and weights into poisoned outputs,
+    across the epoch's wrap, each against the reference; the controller's state after them."""
+    out = run_mpi("moe_dispatch_checks.py", 2, "calls", *GPU_SHAPE, "calls=6", "adaptive=1",
+                  "arrays=torch", simulator=False,
+                  env=dict(GPU_ENV, MKNUMBA_ALLOW_SHARED_GPU="1"))
+    _passes(out, "calls", 2)
+    assert out.count("adaptive=1") == 2, out[-4000:]
 
 
 @pytest.mark.gpu

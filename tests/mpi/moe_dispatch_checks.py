@@ -8,7 +8,8 @@ op's choice), wrap (1: ``calls`` starts an op just short of the epoch's wrap; 0 
 completion-mode proxy keeps its own record of the flags it set, which ``_start_at`` does not
 move), ehf (1: ``calls`` passes w as [E/W, hidden, ffn] for uniform, zipf and one; 0: every
 pattern on the "efh" op, one op, no transposes), replays (``graph``), arrays=numba|torch
-(torch: GPU only). Inputs come from ``rand_bits(seed, rank, call, ...)``
+(torch: GPU only), adaptive (1: every op with ``comm_sms="adaptive"``, the controller's
+split; ``calls`` then also checks the controller's state). Inputs come from ``rand_bits(seed, rank, call, ...)``
 (``frame_checks``), so every rank regenerates every rank's tokens and routing for its float64
 reference without communicating.
 
@@ -30,7 +31,11 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
             synchronisation, per call: counts and offsets, every row's (source, token, slot)
             as a set per expert in source-rank order, the weights, and out against a float64
             reference of x[token] @ w[expert] (rows past the received ones untouched); the
-            call counters.
+            call counters. With adaptive=1: each op's controller measured exactly
+            the tiles and pull items of its calls (from the counts: ``bm``-row tile rows per
+            expert, ``chunks`` pulls each), no block is left counted in the communication
+            role, and the queues hold the tickets of the epoch rule after the calls (from
+            the wrap).
   inplace   one op (w [E/W, hidden, ffn], read as it is): the same x, topk_idx and w
             arrays, w updated in place between 2 calls, out= and layout= reused: the second
             result follows the update.
@@ -110,8 +115,9 @@ def weights_of(opts, world, rank, key):
 
 
 def make_op(comm, opts, **kw):
+    sms = "adaptive" if opts["adaptive"] else opts["comm_sms"] or None
     return mk.MoeDispatchGemm(comm, opts["hidden"], opts["ffn"], opts["experts"], opts["top_k"],
-                              opts["max_tokens"], comm_sms=opts["comm_sms"] or None,
+                              opts["max_tokens"], comm_sms=sms,
                               unit_tokens=opts["unit"] or None, **kw)
 
 
@@ -190,18 +196,40 @@ def check_calls(comm, opts, A, start=2 ** 32 - 3):
     for op in ops.values():
         op.synchronize()
     worst, received = 0.0, []
+    items = {id(op): [0, 0] for op in ops.values()}       # tiles and pulls each op ran
     for op, key, pattern, out, lay, w_bits, weighted in pending:
         worst = max(worst, verify(comm, opts, A, op, key, pattern, out, lay, w_bits, weighted,
                                   f"call {key} ({pattern}, w {op.w_layout})"))
         received.append(int(A.host(lay.offsets)[-1]))
+        if op.adaptive:
+            rows = sum(-(-int(c) // op.bm) for c in A.host(lay.counts))
+            items[id(op)][0] += rows * op.tiles_n
+            items[id(op)][1] += rows * op.chunks
     want = expected_after(start, n[wrapped])
     for name, op in ops.items():
         got = op.frame.read()
         assert got == (want if name == wrapped else (n[name], n[name])), (name, got, want)
+        if op.adaptive:
+            check_controller(op, items[id(op)], (start if name == wrapped else 0) + n[name])
     for op in ops.values():
         op.free()
     say("calls", comm, f"calls={sum(n.values())} rows={received} roles={op.role_blocks} "
-                       f"arrays={A.kind} wrap={want} max_rel_err={worst:.2e}")
+                       f"arrays={A.kind} wrap={want} adaptive={int(op.adaptive)} "
+                       f"max_rel_err={worst:.2e}")
+
+
+def check_controller(op, items, calls):
+    """The adaptive split's state after ``calls`` calls (counted from 0, through the wrap)
+    that ran ``items`` = [tiles, pulls]: the controller measured each item once, every block
+    left the communication role, each queue drew its planned items plus one ticket per
+    flexible block per call (the empty ones in one add: ``kernel.flexible_pool``)."""
+    from mknumba.roles import controller as C
+    ctl, queue = op.ctl.copy_to_host(), op.queue.copy_to_host()
+    assert [int(ctl[C.CTL_N_COMPUTE]), int(ctl[C.CTL_N_COMM])] == items, (ctl.tolist(), items)
+    assert ctl[C.CTL_ACTIVE_COMM] == 0, ctl.tolist()
+    flex = op.role_blocks["compute"]
+    want = [calls * (n + flex) % 2 ** 32 for n in op.queue_items()]
+    assert [int(queue[C.Q_COMPUTE]), int(queue[C.Q_COMM])] == want, (queue.tolist(), want)
 
 
 def check_inplace(comm, opts, A, layout="ehf"):
@@ -409,7 +437,7 @@ def main():
         sys.setswitchinterval(5e-5)
     run_checks(CHECKS, dict(hidden=16, ffn=24, experts=4, top_k=2, max_tokens=12, calls=1,
                             seed=2020, comm_sms=0, unit=0, wrap=1, ehf=1, replays=20,
-                            arrays="numba"))
+                            arrays="numba", adaptive=0))
 
 if __name__ == "__main__":
     main()

@@ -56,6 +56,12 @@ lower-numbered blocks of its own GPU (docs/design.md §3):
                           w[expert]^T (``roles.compute``: the sm90 TMA + wgmma tile with the
                           expert's tensor maps, or its SIMT twin); tile flag (local)
 
+With ``comm_sms="adaptive"`` the pull blocks join the compute blocks as the controller's
+flexible pool (``roles.controller``): the first lays the call out, then each block takes
+pulls (16 rows of the receive buffer, each with its own flag) or tiles as the controller
+decides, and a block whose next tile row's rows have not all arrived pulls instead of waiting
+(route, pack and forward as above; ``kernel.make_kernel``).
+
 No wait forms a cycle: route and pack wait on nothing but ring credits; forward waits on the
 proxy (fed by other ranks' route and pack); pull on route, pack and forward (its own GPU's
 and the peers'), compute on pull. Slots alternate with the call's parity: a rank cannot start

@@ -21,6 +21,7 @@ from ... import primitives as prim
 from ..._compat import SIMULATOR
 from ...errors import KIND_CAPACITY, KIND_EXPERT, ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV
 from ...roles import compute
+from ...roles import controller as ctl_
 from ...roles.blocks import launch_context, copy_tile, publish, publish_peers, wait
 from ...roles.send import enqueue_rail
 from ..launch import array_type
@@ -36,14 +37,23 @@ Cfg, Record = array_type(np.int64, 1), array_type(np.int64, 1)
 #: buffer (``unit`` tokens each); cap: rows this rank may receive; tiles_m: tile rows of the
 #: receive buffer; *_end: the roles' block ranges; weighted: the call has topk_weights; g:
 #: GPUs per node, local: this GPU's index in its node; mw: int32 words of a meta region;
-#: win_*: the proxy's windows of the token buffer, the meta regions and the flags.
+#: win_*: the proxy's windows of the token buffer, the meta regions and the flags. The
+#: adaptive build (``comm_sms="adaptive"``) reads chunks: pull items per tile row
+#: (``CHUNK_ROWS`` rows each), init_comm: its flexible blocks that start pulling.
 CFG_FIELDS = ("tokens", "k", "hidden", "ffn", "el", "experts", "world", "me", "max_tokens",
               "unit", "units", "cap", "tiles_m", "tiles_n", "bm", "pack_end", "forward_end",
               "pull_end", "weighted", "nodes", "node", "g", "local", "mw", "win_xbuf",
-              "win_meta", "win_flags")
+              "win_meta", "win_flags", "chunks", "init_comm")
 (C_T, C_K, C_HIDDEN, C_FFN, C_EL, C_EXPERTS, C_WORLD, C_ME, C_MAXT, C_UNIT, C_UNITS, C_CAP,
  C_TILES_M, C_TILES_N, C_BM, C_PACK_END, C_FORWARD_END, C_PULL_END, C_WEIGHTED, C_NODES,
- C_NODE, C_G, C_LOCAL, C_MW, C_WIN_XBUF, C_WIN_META, C_WIN_FLAGS) = range(len(CFG_FIELDS))
+ C_NODE, C_G, C_LOCAL, C_MW, C_WIN_XBUF, C_WIN_META, C_WIN_FLAGS, C_CHUNKS,
+ C_INIT_COMM) = range(len(CFG_FIELDS))
+#: the adaptive build's pull items: this many rows of the receive buffer (a tile row holds
+#: ``bm / CHUNK_ROWS``), each with its flag after the tile rows' (``lflags[1 + tiles_m + i]``)
+CHUNK_ROWS = 16
+# the adaptive build's work queues (roles.blocks.take)
+Q_COMPUTE, Q_COMM = ctl_.Q_COMPUTE, ctl_.Q_COMM
+POOL_STATE = ctl_.STATE              # (a global: numba sizes local arrays by constants)
 
 #: the layout the pull role's first block derives from the counts (``lay``, int32, local):
 #: tile rows this call, rows this call, then per local expert its first row in the receive
@@ -107,6 +117,29 @@ def seg_at(cfg, src, e):
 def expert_at(cfg, tm):
     el = cfg[C_EL]
     return LAY_BASE + 3 * el + cfg[C_WORLD] * el + tm
+
+
+@cuda.jit(device=True, inline=True)
+def chunk_flag(cfg, i):
+    """lflags index of pull item ``i`` of the adaptive build (after the tile rows' flags)."""
+    return 1 + cfg[C_TILES_M] + i
+
+
+@cuda.jit(device=True)
+def chunks_here(args, i):
+    """One thread, no wait: whether every chunk of the tile row of the tile at ticket ``i``
+    of the compute queue (``skip`` tickets left empty this call) has arrived (their flags).
+    args: (lflags, cfg, order, epoch, skip)."""
+    lflags, cfg, order, epoch, skip = args
+    C = cfg[C_CHUNKS]
+    first = chunk_flag(cfg, prim.udiv32(order[i - skip], cfg[C_TILES_N]) * C)
+    for c in range(C):
+        if not prim.epoch_reached(prim.acquire(lflags, first + c, False), epoch):
+            return False
+    return True
+
+
+pool_start, _, next_block, pool_stop = ctl_.make_dispatch(chunks_here)
 
 
 @cuda.jit(device=True)
@@ -268,11 +301,20 @@ def forward_role(cfg, meta, table, table_ptrs, flags, flag_ptrs, rail, first, st
 
 @cuda.jit(device=True, inline=True)
 def layout_lead(cfg, table, flags, lay, lflags, counts, offsets, ctx):
-    """The pull role's first block: wait for every rank's counts flag, then lay this call's
-    rows out: each local expert's rows from one tile row on in the receive buffer, source rank
-    by source rank, and packed in out (``counts``, ``offsets``: the caller's layout); more
-    rows than planned -> a capacity error and no rows. Publishes the layout flag (GPU scope:
-    the pull and compute blocks of this GPU read it)."""
+    """The pull role's first block: :func:`lay_out`, then the layout flag (GPU scope: the
+    pull and compute blocks of this GPU read it)."""
+    if not lay_out(cfg, table, flags, lay, counts, offsets, ctx):
+        return False
+    publish(lflags, LAYOUT_FLAG, ctx[0], False)
+    return True
+
+
+@cuda.jit(device=True, inline=True)
+def lay_out(cfg, table, flags, lay, counts, offsets, ctx):
+    """Wait for every rank's counts flag, then (thread 0) lay this call's rows out: each local
+    expert's rows from one tile row on in the receive buffer, source rank by source rank, and
+    packed in out (``counts``, ``offsets``: the caller's layout); more rows than planned -> a
+    capacity error and no rows. False: a wait timed out."""
     epoch, call, deadline, err, rank = ctx
     W, el, bm = cfg[C_WORLD], cfg[C_EL], cfg[C_BM]
     slot = call & 1
@@ -306,23 +348,18 @@ def layout_lead(cfg, table, flags, lay, lflags, counts, offsets, ctx):
             tm = 0
         lay[LAY_TILES] = tm
         lay[LAY_ROWS] = rows
-    publish(lflags, LAYOUT_FLAG, epoch, False)
     return True
 
 
 @cuda.jit(device=True, inline=True)
 def pull_role(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv, lay, lflags,
               rows_out, weights_out, first, step, ctx):
-    """Tile rows ``first, first + step, ...`` of the receive buffer: every row of it, from the
-    GPU of this node that holds its source's tokens (:func:`holder`; NVLink loads, once the
-    unit holding the token is there: its flag), with its source rank, token and top-k slot
-    (and weight) into the caller's layout; then the tile row's flag (GPU scope: compute blocks
-    of this GPU wait on it). Waits on the layout (a lower block) and on the pack and forward
-    roles."""
+    """Tile rows ``first, first + step, ...`` of the receive buffer: every row of it
+    (:func:`pull_rows`), then the tile row's flag (GPU scope: compute blocks of this GPU wait
+    on it). Waits on the layout (a lower block) and on the pack and forward roles."""
     epoch, call, deadline, err, rank = ctx
-    W, el, K, me = cfg[C_WORLD], cfg[C_EL], cfg[C_K], cfg[C_ME]
-    kw = cfg[C_HIDDEN] // 4
-    slot = call & 1
+    dims = pull_dims(cfg, call)
+    el = dims[1]
     if not wait(lflags, LAYOUT_FLAG, epoch, deadline, err, rank, ROLE_INTRA, False):
         return False
     tiles = lay[LAY_TILES]
@@ -331,44 +368,67 @@ def pull_role(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv,
         e = lay[expert_at(cfg, tm)]
         r0 = tm * cfg[C_BM]
         r1 = min(r0 + cfg[C_BM], lay[LAY_BASE + e] + lay[LAY_BASE + el + e])
-        out0 = lay[LAY_BASE + 2 * el + e] - lay[LAY_BASE + e]     # out row = row + out0
-        for j in range(W):
-            src = prim.peer_after(me, j, W)
-            s0 = lay[seg_at(cfg, src, e)]
-            lo = max(r0, s0)
-            hi = min(r1, s0 + table[tab(cfg, slot, src, 0, e)])
-            if lo < hi:
-                q, region = holder(cfg, slot, src)
-                pairs = region * cfg[C_MW] + 1 + 2 * cfg[C_EXPERTS]
-                xrow = region * cfg[C_MAXT]
-                first_q = table[tab(cfg, slot, src, 1, e)] - s0
-                their_meta = prim.peer_view(meta_ptrs, q, meta)
-                their_w = prim.peer_view(meta_ptrs, q, meta_f)
-                their_x = prim.peer_view(xbuf_ptrs, q, xbuf)
-                for row in range(lo, hi):
-                    at = pairs + 2 * (first_q + row)
-                    p = their_meta[at]
-                    t = prim.udiv32(p, K)
-                    u = prim.udiv32(t, cfg[C_UNIT])
-                    if not wait(flags, unit_flag(cfg, src, u), epoch, deadline, err, rank,
-                                ROLE_INTRA):
-                        return False
-                    copy_tile(their_x, (xrow + t) * kw, recv, row * kw, kw)
-                    if cuda.threadIdx.x == 0:
-                        o = row + out0
-                        rows_out[o, 0] = src
-                        rows_out[o, 1] = t
-                        rows_out[o, 2] = p - t * K
-                        if cfg[C_WEIGHTED]:
-                            weights_out[o] = their_w[at + 1]
-        publish(lflags, 1 + tm, epoch, False)
+        if not pull_rows(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv,
+                         lay, lflags, rows_out, weights_out, e, r0, r1, 1 + tm, dims, ctx):
+            return False
     return True
 
 
-def make_kernel(build, threads):
-    """The persistent kernel around one tile build (``roles.compute.TileBuild``). Each role is
-    a device function above or below; the kernel at the end hands blocks to them in block
-    order."""
+@cuda.jit(device=True, inline=True)
+def pull_dims(cfg, call):
+    """What :func:`pull_rows` reads of cfg once per block: (world, experts per rank, top_k,
+    rank, words of a row, slot)."""
+    return cfg[C_WORLD], cfg[C_EL], cfg[C_K], cfg[C_ME], cfg[C_HIDDEN] // 4, call & 1
+
+
+@cuda.jit(device=True, inline=True)
+def pull_rows(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv, lay, lflags,
+              rows_out, weights_out, e, r0, r1, done, dims, ctx):
+    """Rows ``r0 .. r1`` of the receive buffer (of local expert ``e``; dims:
+    :func:`pull_dims`): each from the GPU of this node that holds its source's tokens
+    (:func:`holder`; NVLink loads, once the unit holding the token is there: its flag), with
+    its source rank, token and top-k slot (and weight) into the caller's layout; then
+    ``lflags[done]`` (GPU scope). Block-wide; False: a wait timed out (recorded)."""
+    epoch, call, deadline, err, rank = ctx
+    W, el, K, me, kw, slot = dims
+    out0 = lay[LAY_BASE + 2 * el + e] - lay[LAY_BASE + e]     # out row = row + out0
+    for j in range(W):
+        src = prim.peer_after(me, j, W)
+        s0 = lay[seg_at(cfg, src, e)]
+        lo = max(r0, s0)
+        hi = min(r1, s0 + table[tab(cfg, slot, src, 0, e)])
+        if lo < hi:
+            q, region = holder(cfg, slot, src)
+            pairs = region * cfg[C_MW] + 1 + 2 * cfg[C_EXPERTS]
+            xrow = region * cfg[C_MAXT]
+            first_q = table[tab(cfg, slot, src, 1, e)] - s0
+            their_meta = prim.peer_view(meta_ptrs, q, meta)
+            their_w = prim.peer_view(meta_ptrs, q, meta_f)
+            their_x = prim.peer_view(xbuf_ptrs, q, xbuf)
+            for row in range(lo, hi):
+                at = pairs + 2 * (first_q + row)
+                p = their_meta[at]
+                t = prim.udiv32(p, K)
+                u = prim.udiv32(t, cfg[C_UNIT])
+                if not wait(flags, unit_flag(cfg, src, u), epoch, deadline, err, rank,
+                            ROLE_INTRA):
+                    return False
+                copy_tile(their_x, (xrow + t) * kw, recv, row * kw, kw)
+                if cuda.threadIdx.x == 0:
+                    o = row + out0
+                    rows_out[o, 0] = src
+                    rows_out[o, 1] = t
+                    rows_out[o, 2] = p - t * K
+                    if cfg[C_WEIGHTED]:
+                        weights_out[o] = their_w[at + 1]
+    publish(lflags, done, epoch, False)
+    return True
+
+
+def make_kernel(build, threads, adaptive=False):
+    """The persistent kernel around one tile build (``roles.compute.TileBuild``), with the
+    static split or (``adaptive``) the controller's. Each role is a device function above or
+    below; the kernel at the end hands blocks to them in block order."""
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
 
     @cuda.jit(device=True, inline=True)
@@ -416,6 +476,138 @@ def make_kernel(build, threads):
 
     compute_role = compute.make_compute_role(build, (into_out, rows_arrived),
                                              (tile_rows, expert_operands))
+
+    # ---- the adaptive split (roles.controller) ---------------------------------------------
+    # The compute blocks are the controller's flexible pool: compute items are the grouped
+    # GEMM's tiles, communication items the pulls, CHUNK_ROWS rows of the receive buffer each
+    # (tile row tm's chunk c: item tm * chunks + c; a chunk past its expert's last row pulls
+    # nothing and only publishes its flag). Route, pack and (between nodes) forward stay
+    # fixed: they face the proxy, and a pull waits only on them (the unit flags) and on the
+    # layout, which the first flexible block lays out before any block draws an item. So a
+    # pull never waits on a flexible block, and a block whose next tile's rows have not all
+    # arrived pulls a chunk instead of waiting, while any are left; then the tile, whose waits
+    # are bounded.
+    # Routing is data, so the items of a call are only known from its layout, while the
+    # queues' epoch rule (roles.blocks.take) needs a fixed count per call: each queue is
+    # planned for the most items (every tile row of the receive buffer), and the layout's
+    # block draws the tickets this call leaves empty in one add before it publishes the
+    # layout; items are then the tickets past them.
+    @cuda.jit(device=True, inline=True)
+    def chunks_arrived(where, t, adds, epoch):
+        """Wait (this thread) until every chunk of tile t's tile row is in the receive buffer
+        (the pull items' flags), then fence the async proxy (the sm_90a tile's TMA loads)."""
+        lflags, cfg, tiles_n = where[3], where[4], where[7]
+        deadline, err, rank = where[8]
+        first = chunk_flag(cfg, prim.udiv32(t, tiles_n) * cfg[C_CHUNKS])
+        for c in range(cfg[C_CHUNKS]):
+            if not prim.wait_flag(lflags, first + c, epoch, deadline, err, rank, ROLE_COMPUTE,
+                                  1000, False):
+                return False
+        prim.fence_proxy_async()
+        return True
+
+    compute_tile = compute.make_compute_tile(build, (into_out, chunks_arrived),
+                                             (tile_rows, expert_operands))
+    tile_init = build.init
+
+    @cuda.jit(device=True, inline=True)
+    def flexible_pool(smem, tmtable, recv, wt, order, cfg, io, where, queue, ctl, blk, ctx):
+        """Blocks [forward_end, grid): the first lays the call out and opens the queues; each
+        then waits for the layout and takes its next item from the controller's dispatch
+        (``roles.controller.make_dispatch``) until none is left. io: what a pull reads and
+        writes, and the caller's counts and offsets; where: the compute tile's."""
+        epoch, call, deadline, err, rank = ctx
+        table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv_words = io[:8]
+        lay, lflags, rows_out, weights_out, counts, offsets = io[8:]
+        first = cfg[C_FORWARD_END]
+        flex = cuda.gridDim.x - first
+        tiles_m, tiles_n, C = cfg[C_TILES_M], cfg[C_TILES_N], cfg[C_CHUNKS]
+        most_tiles, most_pulls = order.shape[0], tiles_m * C
+        if blk == first:
+            if not lay_out(cfg, table, flags, lay, counts, offsets, ctx):
+                return
+            if cuda.threadIdx.x == 0:      # the tickets this call leaves empty, before any draw
+                rows = lay[LAY_TILES]
+                prim.atomic_add_relaxed(queue, Q_COMPUTE,
+                                        np.uint32(most_tiles - rows * tiles_n))
+                prim.atomic_add_relaxed(queue, Q_COMM, np.uint32((tiles_m - rows) * C))
+            publish(lflags, LAYOUT_FLAG, epoch, False)
+        if not wait(lflags, LAYOUT_FLAG, epoch, deadline, err, rank, ROLE_INTRA, False):
+            return
+        rows = lay[LAY_TILES]
+        skip_tiles, skip_pulls = most_tiles - rows * tiles_n, (tiles_m - rows) * C
+        dims = pull_dims(cfg, call)
+        el, bm = dims[1], cfg[C_BM]
+        tmaps = tmtable[0]
+        tile_init(smem, tmaps)
+        cuda.syncthreads()
+        st = cuda.local.array(POOL_STATE, np.int64)
+        if cuda.threadIdx.x == 0:     # (every block draws each queue to its end: its epoch)
+            pool_start(st, ctl, ctl_.COMM if blk - first < cfg[C_INIT_COMM] else ctl_.COMPUTE,
+                       most_pulls)
+        seq = 0
+        while True:
+            kind, it = next_block(st, ctl, queue, call, (most_tiles, most_pulls), flex,
+                                  cfg[C_INIT_COMM], (False, rows_out, 0, 0, blk),
+                                  (lflags, cfg, order, epoch, skip_tiles))
+            if kind == ctl_.END:
+                break
+            start = prim.globaltimer()
+            if kind == ctl_.COMM:
+                i = it - skip_pulls
+                tm = prim.udiv32(i, C)
+                e = lay[expert_at(cfg, tm)]
+                r0 = tm * bm + (i - tm * C) * CHUNK_ROWS
+                r1 = min(r0 + CHUNK_ROWS, lay[LAY_BASE + e] + lay[LAY_BASE + el + e])
+                if not pull_rows(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f,
+                                 recv_words, lay, lflags, rows_out, weights_out, e, r0, r1,
+                                 chunk_flag(cfg, i), dims, ctx):
+                    break                # timed out (recorded): the call is lost anyway
+            else:
+                compute_tile(smem, tmaps, recv, wt[0], order[it - skip_tiles], tiles_n, seq,
+                             epoch, where)
+                seq += 1
+            cuda.syncthreads()            # every thread's part of the item, then its cost
+            ctl_.account(ctl, kind, start)
+        if cuda.threadIdx.x == 0:
+            pool_stop(st, ctl)
+
+    @cuda.jit(**bounds)
+    def moe_dispatch_gemm_adaptive(
+            x: Words, topk: Ints, weights: F32, wt: Bits3D, tmtable: Words2D, recv: Bits2D,
+            recv_words: Words, xbuf: Words, xbuf_ptrs: Words, meta: Ints, meta_f: F32,
+            meta_ptrs: Words, table: Ints, table_ptrs: Words, flags: Flags, flag_ptrs: Words,
+            hist: Ints, lay: Ints, lflags: Flags, tile_flags: Flags, out: Bits2D, counts: Ints,
+            offsets: Ints, rows_out: Ints2D, weights_out: F32, cfg: Cfg, order: Ints,
+            rail: Ints, ring: Flags, head: Flags, tail: Flags, frame: Words,
+            timeout_ns: types.uint64, err: Record, rank: types.int64, queue: Flags, ctl: Words):
+        """The kernel with the controller's split: the arguments of the static kernel (lflags
+        also holds the chunks' flags: [1 + tiles_m * (1 + chunks)]), and queue uint32
+        [QUEUES] (the compute and pull queues' ticket counters), ctl uint64
+        [roles.controller.CTL_WORDS] (its measurements). Blocks in order: route, pack,
+        forward (between nodes), flexible [forward_end, grid) (the first lays the call out)."""
+        smem = cuda.shared.array(0, dtype=_BYTE)
+        ctx = launch_context(frame, timeout_ns, err, rank)
+        blk = cuda.blockIdx.x
+        pack_end, forward_end = cfg[C_PACK_END], cfg[C_FORWARD_END]
+        proxy = (ring, head, tail)
+        if blk == 0:
+            route_role(cfg, topk, weights, hist, meta, meta_f, table, table_ptrs, flags,
+                       flag_ptrs, rail, proxy, ctx)
+        elif blk < pack_end:
+            pack_role(cfg, x, xbuf, flags, flag_ptrs, rail, proxy, blk - 1, pack_end - 1, ctx)
+        elif blk < forward_end:
+            forward_role(cfg, meta, table, table_ptrs, flags, flag_ptrs, rail, blk - pack_end,
+                         forward_end - pack_end, ctx)
+        else:
+            flexible_pool(smem, tmtable, recv, wt, order, cfg,
+                          (table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv_words,
+                           lay, lflags, rows_out, weights_out, counts, offsets),
+                          (out, tile_flags, lay, lflags, cfg, wt, tmtable, cfg[C_TILES_N],
+                           (ctx[2], err, rank)), queue, ctl, blk, ctx)
+
+    if adaptive:
+        return moe_dispatch_gemm_adaptive
 
     @cuda.jit(**bounds)
     def moe_dispatch_gemm_kernel(
@@ -475,5 +667,12 @@ def make_kernel(build, threads):
     return moe_dispatch_gemm_kernel
 
 
-#: (roles.compute.TileBuild, threads per block, kernel) of a tile build name
-build = compute.KernelBuilds(make_kernel)
+#: (roles.compute.TileBuild, threads per block, kernel) of a tile build name, either split
+_BUILDS = {False: compute.KernelBuilds(make_kernel),
+           True: compute.KernelBuilds(lambda b, threads: make_kernel(b, threads, True))}
+
+
+def build(kind, adaptive=False):
+    """(roles.compute.TileBuild, threads per block, kernel) of a tile build name with the
+    static or (``comm_sms="adaptive"``) the controller's split."""
+    return _BUILDS[bool(adaptive)](kind)

@@ -9,13 +9,14 @@ from numba import cuda
 
 from ...arrays import is_torch, new_output, operand, torch_ptr
 from ...errors import ERR_SET, MkError, MkValueError
+from ...roles.controller import CTL_WORDS, QUEUES
 from ...roles.compute import kn_kind
 from ..gemm_inputs import b_map
 from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
                       is_capturing, outputs_in_capture, pack, param,
                       stream_handle)
 from ..tensor_maps import MapTable, tensor_map
-from .kernel import CFG_FIELDS, build, flag_words, lay_words, meta_words
+from .kernel import CFG_FIELDS, Q_COMM, Q_COMPUTE, build, flag_words, lay_words, meta_words
 from .plan import MoeDispatchGemmPlan
 
 #: What a combine step needs to send the rows back, beside ``out`` (device arrays, int32 unless
@@ -40,7 +41,9 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
     ffn]) or "efh" ([experts / world, ffn, hidden]), either read as it is (the tile build
     ``kn_kind(kind)`` reads "ehf"). comm_sms: SMs of the pack, forward (between nodes) and pull
     roles (default 16, not measured yet: between nodes a quarter forward; of the rest a third
-    pack, the others pull); unit_tokens: tokens behind one flag of the token buffer (default
+    pack, the others pull), or "adaptive": the pull blocks join the compute blocks, which
+    pull 16-row chunks of the receive buffer or compute tiles as the controller decides
+    (``roles.controller``; route, pack and forward as in the default split); unit_tokens: tokens behind one flag of the token buffer (default
     16; between nodes, where a unit is also one proxy command, whole 16-token units of about
     512 KiB). Every rank must plan the same sizes (checked).
 
@@ -66,7 +69,8 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         self.frame = Frame(self.grid)
         self.w_kn = self.w_layout == "ehf"      # w[e] is [hidden, ffn]: B as [k, n]
         self.build, self.threads, self._kernel = build(kn_kind(self.kind, self.name)
-                                                       if self.w_kn else self.kind)
+                                                       if self.w_kn else self.kind,
+                                                       self.adaptive)
         self._allocate(comm)
 
     def _allocate(self, comm):
@@ -80,7 +84,9 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         self.flags = comm.alloc_flags(flag_words(W, self.units))
         self._buffers = [self.xbuf, self.meta, self.table, self.flags]
         self.recv = cuda.device_array((self.recv_rows, H), np.uint16)
-        self.lflags = cuda.to_device(np.zeros(1 + self.tiles_m, np.uint32))
+        # the layout, each tile row, and (adaptive) each pull item of the tile rows
+        chunks = self.tiles_m * self.chunks if self.adaptive else 0
+        self.lflags = cuda.to_device(np.zeros(1 + self.tiles_m + chunks, np.uint32))
         self.tile_flags = cuda.to_device(np.zeros(self.tiles_m * self.tiles_n, np.uint32))
         self._epoch_flags = [self.flags.local, self.lflags, self.tile_flags]
         if self.build.tma:
@@ -108,7 +114,14 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                          forward_end=1 + rb["pack"] + rb["forward"],
                          pull_end=1 + rb["pack"] + rb["forward"] + rb["pull"], nodes=nodes,
                          node=comm.node, g=comm.local_size, local=comm.local_rank, mw=mw,
-                         win_xbuf=wins[0], win_meta=wins[1], win_flags=wins[2])
+                         win_xbuf=wins[0], win_meta=wins[1], win_flags=wins[2],
+                         chunks=self.chunks if self.adaptive else 0, init_comm=self.init_comm)
+        # the adaptive split's work queues and the controller's measurements (they grow across
+        # calls: roles.controller)
+        adaptive = dict(queue=cuda.to_device(np.zeros(QUEUES, np.uint32)),
+                        ctl=cuda.to_device(np.zeros(CTL_WORDS, np.uint64))) \
+            if self.adaptive else {}
+        self.queue, self.ctl = adaptive.get("queue"), adaptive.get("ctl")
         self._no_weights = cuda.to_device(np.zeros(1, np.float32))      # never read
         compiled, bps = compile_kernel(self._kernel, self.threads, self.build.smem_bytes)
         if bps < 1:
@@ -129,7 +142,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             weights_out=Slot((cap,)), cfg=Slot((len(CFG_FIELDS),)),
             order=cuda.to_device(self.order), rail=cuda.to_device(rail), ring=ring, head=head,
             tail=tail, frame=self.frame.words,
-            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank),
+            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, **adaptive),
             self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
 
     # -- calls ------------------------------------------------------------------------------------
@@ -267,6 +280,22 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             dev = cuda.to_device(pack(CFG_FIELDS, **self._cfg, tokens=T, weighted=weighted))
             self._cfgs[key] = (dev, param(dev))
         return self._cfgs[key][1]
+
+    def _start_at(self, calls):
+        """Tests: as ``OpLifetime._start_at`` (the call counter, every epoch flag), and with
+        the adaptive split the work queues' tickets, as if ``calls`` calls had run (each call
+        draws its queue's most items plus one ticket per flexible block: ``kernel``)."""
+        OpLifetime._start_at(self, calls)
+        if self.adaptive:
+            q = np.zeros(QUEUES, np.uint64)
+            q[Q_COMPUTE], q[Q_COMM] = (calls * (n + self.role_blocks["compute"])
+                                       for n in self.queue_items())
+            self.queue.copy_to_device((q & 0xFFFFFFFF).astype(np.uint32))
+
+    def queue_items(self):
+        """The adaptive split's items per call that its queues are planned for: (tiles,
+        pulls) of every tile row of the receive buffer."""
+        return self.tiles_m * self.tiles_n, self.tiles_m * self.chunks
 
     def rows(self, layout):
         """Rows the call that filled ``layout`` received (waits for it)."""

@@ -14,6 +14,7 @@ from ..._compat import SIMULATOR
 from ...errors import MkValueError
 from ...sched.tiles import cdiv
 from ..gemm import check_shapes, fused_tile
+from .kernel import CHUNK_ROWS
 
 #: Tokens of a rank's x behind one flag (the paper's 16-token units): receivers pull a row as
 #: soon as the unit holding its token is in the sender's token buffer.
@@ -102,10 +103,15 @@ class MoeDispatchGemmPlan:
 
     def _roles(self, comm_sms):
         """The grid (one block per SM) and its roles in block order: route (one block), pack,
-        forward (between nodes), pull, compute."""
+        forward (between nodes), pull, compute; with ``comm_sms="adaptive"`` route, pack,
+        forward, then the flexible blocks (:meth:`_adaptive`)."""
         sms = None if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
         need = 3 if self.nodes > 1 else 2
-        if comm_sms is None:
+        if isinstance(comm_sms, str) and comm_sms != "adaptive":
+            raise MkValueError(f"{self.name}: comm_sms={comm_sms!r}: a number of SMs, None "
+                               "(the default) or 'adaptive'")
+        self.adaptive = comm_sms == "adaptive"
+        if comm_sms is None or self.adaptive:
             comm_sms = need if SIMULATOR else DEFAULT_COMM_SMS
         comm_sms = int(comm_sms)
         if comm_sms < need:
@@ -115,10 +121,27 @@ class MoeDispatchGemmPlan:
         pack = max(1, (comm_sms - forward) // 3)
         pull = comm_sms - forward - pack
         held = 1 + comm_sms
+        if self.adaptive:
+            pull = self._adaptive(pull)
+            held = 1 + pack + forward
         grid = held + 2 if SIMULATOR else sms   # the simulator runs blocks one at a time
         if held >= grid:
             raise MkValueError(f"{self.name}: {held} blocks for route, pack, forward and pull "
                                f"leave none of the {grid} SMs to compute")
         self.role_blocks = dict(route=1, pack=pack, forward=forward, pull=pull,
                                 compute=grid - held)
+        self.init_comm = min(self.init_comm, grid - held - 1) if self.adaptive else 0
         self.grid = grid
+
+    def _adaptive(self, pull):
+        """comm_sms="adaptive" (``roles.controller``): the compute blocks are flexible, and
+        their communication items are the pulls, ``CHUNK_ROWS`` rows of the receive buffer
+        each (route, pack and forward stay fixed: they face the proxy). The flexible blocks
+        that start pulling: the static split's ``pull`` blocks. Returns the fixed pull blocks
+        (none)."""
+        if self.bm % CHUNK_ROWS:
+            raise MkValueError(f"{self.name}: comm_sms='adaptive' pulls {CHUNK_ROWS} rows at a "
+                               f"time, and tile build {self.kind!r} has tile rows of {self.bm}")
+        self.chunks = self.bm // CHUNK_ROWS
+        self.init_comm = pull
+        return 0
