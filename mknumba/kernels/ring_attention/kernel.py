@@ -336,11 +336,11 @@ def pool_simt(first, io, sync, ctx, move, adapt):
     controller's dispatch; a query tile is the static role's (``compute_simt`` with as many
     workers as tiles does exactly the tile ``worker``). io: (q, k, v, out, lse, kv,
     user_maps, slot_maps, runs); sync: (flags, arrive, order, cfg); ctx: (scale, slot, epoch,
-    call, deadline, err, rank); move: (k_words, v_words, kv_ptrs, kv_words, flag_ptrs);
-    adapt: (queue, ctl, trace)."""
+    call, deadline, err, rank, timeout_ns); move: (k_words, v_words, kv_ptrs, kv_words,
+    flag_ptrs); adapt: (queue, ctl, trace)."""
     q, k, v, out, lse, kv, user_maps, slot_maps, runs = io
     flags, arrive, order, cfg = sync
-    scale, slot, epoch, call, deadline, err, rank = ctx
+    scale, slot, epoch, call, deadline, err, rank, _ = ctx
     k_words, v_words, kv_ptrs, kv_words, flag_ptrs = move
     queue, ctl, trace = adapt
     blk = cuda.blockIdx.x
@@ -392,7 +392,7 @@ def pool_sm90_role(build="sm90"):
         """Arguments as :func:`pool_simt`'s."""
         q, k, v, out, lse, kv, user_maps, slot_maps, runs = io
         flags, arrive, order, cfg = sync
-        scale, slot, epoch, call, deadline, err, rank = ctx
+        scale, slot, epoch, call, deadline, err, rank, timeout_ns = ctx
         k_words, v_words, kv_ptrs, kv_words, flag_ptrs = move
         queue, ctl, trace = adapt
         batch, seq, heads, kv_heads, d = cfg[C_BATCH], cfg[C_SEQ], cfg[C_HEADS], \
@@ -460,13 +460,23 @@ def pool_sm90_role(build="sm90"):
             return
         attn_consumer_regs()
         taken = 0
+        posted = cuda.shared.array(1, np.int32)
         while True:                                           # the consumers
-            if not prim.wait_flag(box, 0, taken + 1, deadline, err, rank, ROLE_COMPUTE, 100,
-                                  False):
-                return
+            # Thread 0 alone waits for the next item, so all 256 agree on whether it came,
+            # and waits at least timeout_ns from now: once the launch's deadline passed the
+            # producer's own waits fail at once and it reaches its next post (or END) soon, and
+            # a tile it posts must be consumed, or its KV loads would wait for the ring forever.
+            if tid == 0:
+                now = prim.globaltimer()
+                posted[0] = prim.wait_flag(box, 0, taken + 1, max(deadline, now + timeout_ns),
+                                           err, rank, ROLE_COMPUTE, 100, False)
+            prim.bar_sync(BAR_CONSUMERS, SM90_CONSUMERS)     # the answer and the item, for all
+            came = posted[0]
             got = box[2]
+            prim.bar_sync(BAR_CONSUMERS, SM90_CONSUMERS)     # all have read them: free
+            if not came:
+                return
             taken += 1
-            prim.bar_sync(BAR_CONSUMERS, SM90_CONSUMERS)     # all have read it: free
             if tid == 0:
                 prim.release(box, 1, taken, False)
             if got == -1:
@@ -602,7 +612,8 @@ def make_adaptive_kernel(tile):
         # the pool stamps its own end: on the sm_90a tile nothing may follow it (the producer
         # and consumer paths must not rejoin: ptxas would drop setmaxnreg)
         pool_role(first, (q, k, v, out, lse, kv, user_maps, slot_maps, runs),
-                  (flags, arrive, order, cfg), (scale, slot, epoch, call, deadline, err, rank),
+                  (flags, arrive, order, cfg),
+                  (scale, slot, epoch, call, deadline, err, rank, timeout_ns),
                   (k_words, v_words, kv_ptrs, kv_words, flag_ptrs), (queue, ctl, trace))
 
     _KERNELS[key] = ring_attention_adaptive
