@@ -344,8 +344,7 @@ class Gemm:
                 split_k, (int, np.integer)) or split_k < 1):
             raise MkValueError(f"{self.name}: split_k must be None (chosen by shape) or an "
                                f"int >= 1 (1: no split), got {split_k!r}")
-        whole = tile.split(":kn")[0] in (compute.SM90_PINGPONG_TILE, compute.SM90_TMS_TILE)
-        if whole and split_k is not None and split_k > 1:
+        if split_k is not None and split_k > 1 and compute.whole_tiles_only(tile):
             raise MkValueError(f"{self.name}: tile={tile!r} takes no split_k (it computes "
                                "whole tiles only); pass split_k=None or 1")
         self.tile, self.reserved_sms, self.group_m = tile, int(reserved_sms), group_m

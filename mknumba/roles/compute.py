@@ -557,7 +557,13 @@ def sm90_build(publisher=False, b_kn=False, pingpong=False, helper=None, defines
     init, tile, drain = sm90_tile_functions(publisher, b_kn, pingpong, helper, defines, tms)
     return TileBuild(init, tile, SM90_PINGPONG_SHAPE if pingpong else SM90_TILE,
                      sm90_threads(publisher), sm90_smem_bytes(pingpong, tms), True, False, b_kn,
-                     pingpong or tms, drain, tms)
+                     _whole_tiles(pingpong=pingpong, tms=tms), drain, tms)
+
+
+def _whole_tiles(pingpong=False, tms=False, **_):
+    """An sm90 build's ``gemm_only`` from :func:`sm90_build`'s arguments: the ping-pong and
+    the tensor-store tiles compute whole tiles only."""
+    return bool(pingpong or tms)
 
 
 #: the library's sm_90a builds other than "sm90" -> sm90_build's arguments, made on first use
@@ -574,6 +580,16 @@ def is_sm90_name(name):
     """Whether ``name`` is one of the library's sm_90a tile builds (which the simulator knows
     by name but cannot run)."""
     return name == "sm90" or name in _SM90_LAZY
+
+
+def whole_tiles_only(name):
+    """Whether the tile build ``name`` computes whole tiles only (``TileBuild.gemm_only``: no
+    split-K), known without making it (the simulator knows the sm_90a builds by name only)."""
+    if name == "auto" or name == "sm90":
+        return False
+    if name in _SM90_LAZY:
+        return _whole_tiles(**_SM90_LAZY[name])
+    return tile_build(name).gemm_only
 
 
 def tile_build(name):
@@ -618,6 +634,7 @@ def register_tile(name, build):
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
            "SM90_PINGPONG_TILE", "SM90_PINGPONG_SHAPE", "SM90_TMS_TILE", "is_sm90_name",
+           "whole_tiles_only",
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions", "sm90_build",
            "sm90_defines", "publish_after",
