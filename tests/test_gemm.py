@@ -178,7 +178,8 @@ def test_plans_of_one_op_share_its_grid():
         shared_bps(200, 132, 2)
 
 
-SPLIT_SCRIPT = textwrap.dedent("""
+#: the simulator scripts' runner of split GEMMs (SPLIT_SCRIPT, TAIL_SCRIPT)
+SPLIT_RUN = textwrap.dedent("""
     import os
     import numpy as np
     from numba import cuda
@@ -214,7 +215,9 @@ SPLIT_SCRIPT = textwrap.dedent("""
             assert err < 1e-2, (m, n, k, layout, call, err)
             worst = max(worst, err)
         return next(iter(op._plans.values())), worst
+""")
 
+SPLIT_SCRIPT = SPLIT_RUN + textwrap.dedent("""
     # (m, n, k, B's layout, split_k, blocks of the simulated GPU, slices expected): ragged m, n
     # and K (no K a multiple of slices * 64), B as [n, k], row-major [k, n] and a w.T view;
     # None: the op's rule (one tile, K of 33 k-steps: 2 slices); blocks=2: each block runs
@@ -271,6 +274,106 @@ def test_split_k_in_simulator():
     poisoned, the rule's choice and forced ones, several units per block, the wrap, a fold's
     bounded wait."""
     assert run_python(SPLIT_SCRIPT).count("ok") == 7
+
+
+def test_tail_split_rule_and_order():
+    """The tail split's rule at issue 23's shapes on an H200 (132 blocks, fewer with SMs held
+    back): the last round's tiles, when at most half the blocks get one, cut into slices
+    that all run at once, none shorter than SPLIT_MIN_STEPS k-steps, one slice fewer when that
+    divides K evenly; the order runs the other tiles whole first."""
+    from mknumba.kernels.gemm import _sim_safe, split_order, tail_split_for
+    # 512 x 28672: 448 tiles, 3 rounds + 52
+    assert tail_split_for(448, 1024, 132) == (0, 1)      # 16 k-steps: one slice's worth
+    for k in (2048, 4096, 8192):
+        assert tail_split_for(448, k, 132) == (52, 2)    # 132 // 52 slices
+    assert tail_split_for(512, 4096, 124) == (16, 4)     # 4096^3, 8 SMs held back: 4 + 16
+    assert tail_split_for(512, 4096, 116) == (48, 2)     # 16 held back: 4 + 48
+    assert tail_split_for(512, 4096, 132) == (0, 1)      # 116 of 132: no idle half
+    assert tail_split_for(3584, 4096, 132) == (20, 4)    # 4096 x 28672: 6 // 20, 64 k-steps
+    assert tail_split_for(7168, 4096, 132) == (40, 2)    # 8192 x 28672: 3 does not divide 64
+    assert tail_split_for(7168, 3072, 132) == (40, 3)    # 48 k-steps: 3 does
+    assert tail_split_for(4096, 1024, 132) == (0, 1)     # 16384 x 8192: a tail of 4, K short
+    assert tail_split_for(4096, 2048, 132) == (4, 2)
+    assert tail_split_for(4096, 8192, 132) == (4, 8)     # 128 k-steps: no more than 8
+    assert tail_split_for(2 * 132 + 26, 6144, 132) == (26, 4)   # 96 k-steps: 5 -> 4
+    assert tail_split_for(2 * 132 + 26, 4480, 132) == (26, 4)   # 70: 4 (3 divides no better)
+    assert tail_split_for(100, 8192, 132) == (0, 1) and tail_split_for(264, 8192, 132) == (0, 1)
+    order = np.array([0, 2, 1, 4, 3], np.int32)
+    units = split_order(order, 2, tail=2)                # tiles 4 and 3 of 5 in 2 slices
+    assert units.dtype == np.int32
+    assert list(units) == [0, 2, 1, 4, 3, 9, 8, 14, 13], list(units)
+    assert list(split_order(order, 2)) == list(split_order(order, 2, tail=5))
+    # the simulator meets every slice before its fold when all of the tail's units run in
+    # one round, in blocks up to the fold's
+    assert _sim_safe(1, 2, 4) and _sim_safe(1, 3, 4) and _sim_safe(2, 2, 6)
+    assert not _sim_safe(2, 2, 4) and not _sim_safe(1, 4, 4)
+
+
+TAIL_SCRIPT = SPLIT_RUN + textwrap.dedent("""
+    from mknumba.roles.compute import SIMT_TILE
+    from mknumba.sched.tiles import default_group_m, grouped_order
+    G.SPLIT_MIN_STEPS = 1      # slices of one k-step: the rule splits tiny K here
+    os.environ["MKNUMBA_TIMEOUT_S"] = "0.2"   # read when an op plans a shape (the last check)
+
+    # (m, n, k, B's layout, simulated SMs, held back, tail, slices): ragged m, n and K, B as
+    # a w.T view of [n, k] and row-major [k, n]; 5 tiles on 4 blocks, 3 slices (the last 8
+    # deep), 3 calls across the 2**32 wrap of the call counter (epochs 2**32 - 1, then 1); 14
+    # tiles on 6 of 7 blocks: a tail of 2, each block 2 whole tiles first (phase 2's ring
+    # starts again at seq 0). The simulator runs blocks one at a time: every tail unit in the
+    # first round, the folds last
+    for m, n, k, layout, sms, held, tail, slices in [
+            (1, 152, 136, "kn_view", 4, 0, 1, 3), (2, 424, 72, "kn", 7, 1, 2, 2)]:
+        G._SIM_SMS = sms
+        op = G.Gemm(reserved_sms=held)
+        wrap = tail == 1
+        plan, err = run(op, m, n, k, layout, calls=3 if wrap else 1,
+                        start=2**32 - 2 if wrap else None)
+        assert (plan.tail, plan.slices) == (tail, slices), (plan.tail, plan.slices)
+        tiles_m, tiles_n = -(-m // SIMT_TILE[0]), -(-n // SIMT_TILE[1])
+        whole = grouped_order(tiles_m, tiles_n, default_group_m(tiles_m, tiles_n, sms - held))
+        tiles = tiles_m * tiles_n
+        order = plan.order.copy_to_host()
+        assert list(order[:tiles - tail]) == list(whole[:tiles - tail])
+        assert op.calls() == ((0, 1) if wrap else (1, 1)), op.calls()
+        # every tile's flag (phase 1's whole tiles, phase 2's folds) at the epoch, the tail's
+        # slices' too, and no other slice flag written
+        flags = plan.flags.copy_to_host()
+        assert (flags[:tiles] == 1).all(), flags
+        for j in range(slices):
+            got, mine = flags[(1 + j) * tiles:(2 + j) * tiles], order[tiles - tail:tiles]
+            assert (got[mine] == 1).all(), got
+            assert (np.delete(got, mine) == (2**32 - 2 if wrap else 0)).all(), got
+        print("ok", m, n, k, layout, tiles, "tiles on", sms - held, "blocks", f"{err:.1e}")
+        if wrap:
+            timed = op, plan, m, n, k, tiles
+
+    # that op again, a fold moved ahead of its tail's slices (phase 2's order rotated): its
+    # wait ends at the deadline and is recorded; the op raises it (calls(), and the next call,
+    # before it launches)
+    op, plan, m, n, k, tiles = timed
+    G._SIM_SMS = 4
+    order = plan.order.copy_to_host()
+    order[tiles - 1:] = np.roll(order[tiles - 1:], 1)      # [whole tiles, fold, slices]
+    plan.order.copy_to_device(order)
+    da, db = cuda.to_device(np.zeros((m, k), np.uint16)), cuda.to_device(np.zeros((n, k),
+                                                                                  np.uint16))
+    op(da, db.T, out=cuda.device_array((m, n), np.uint16))
+    for attempt in (op.calls, lambda: op(da, db.T)):
+        try:
+            attempt()
+            raise AssertionError("no timeout raised")
+        except MkTimeoutError as e:
+            assert "compute role" in str(e) and "flag 9 to reach epoch 2" in str(e), e
+    print("ok timeout")
+""")
+
+
+def test_tail_split_in_simulator():
+    """The tail split on the SIMT twin: whole tiles, then the last round's tiles in slices and
+    folds, against float64 references (inputs changed in place, outputs poisoned), each
+    layout of B, a tail of 1 and 2 tiles, blocks with several whole tiles; the flags; calls
+    across the wrap; a fold's bounded wait."""
+    assert run_python(TAIL_SCRIPT).count("ok") == 3
 
 
 # ---- sm_90a: compile the kernel with the linked helper and link a cubin, without a GPU ---------

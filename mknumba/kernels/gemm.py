@@ -20,6 +20,25 @@ its last one, so a fold waits on units that run or ran, never on one queued behi
 a fold a block runs only folds, which touch no ring slot, so the sm_90a ring's phases (``seq *
 k_iters``, equal ``k_iters`` for every slice) stay right.
 
+Tail split (:func:`tail_split_for`): when the tiles outnumber the compute blocks, the last
+round of tiles may leave most blocks idle (448 tiles on 132 blocks: 3 full rounds, then 52
+tiles while 80 blocks wait). Then only the last ``tail`` tiles of the grouped order are split:
+the kernel (``_make_kernel(build, threads, "tail")``, :func:`tail_split_role`) runs two phases,
+each a compute role over its part of the order. Phase 1: the first ``tiles - tail`` tiles
+whole, as the unsplit kernel runs them (:func:`whole_tiles`: into C, ``flags[t]``; the tensor
+maps' first pair, slice 0's, sees all of K from 0 on, as the unsplit maps do). Then a block
+barrier, and phase 2: the tail's units as split-K runs them (:func:`split_units`; units
+``j * tiles + t`` of the tail tiles t, every slice, then the folds: :func:`split_order` with
+``tail``; the same flags and workspace planes), from ``seq`` 0 on a ring started afresh
+(``TileBuild.reinit``, ``mk_gemm_sm90_reinit``): phase 1's tiles run ``K / 64`` k-steps, the
+slices fewer, and the tile's ring phase ``seq * k_iters`` assumes one depth per run. The barrier
+comes after every thread's last phase-1 tile (the producer warp, which leaves each tile once
+its loads are queued, meets it too), so the consumers have waited on every full barrier: no
+copy is in flight when the ring is invalidated. The folds still wait on units that run or ran:
+phase 1 waits on nothing, so every block reaches phase 2; there a block takes units in order,
+and a fold comes after every slice of the tail, as in split-K. The planes are full [m, n] ones,
+as split-K's (the tail's tiles are columns of the grouped order, not a band of rows).
+
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (opt-in:
 the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K),
 ``"sm90:tms"`` (the sm90 tile whose epilogue leaves by TMA tensor stores it does not wait
@@ -50,7 +69,7 @@ from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kerne
                      outputs_in_capture, stream_handle)
 from numba import cuda, types
 
-__all__ = ["gemm", "Gemm", "split_k_for"]
+__all__ = ["gemm", "Gemm", "split_k_for", "tail_split_for"]
 
 Bits2D, Bits3D = array_type(np.uint16, 2), array_type(np.uint16, 3)
 Words64, Flags, Ints = array_type(np.uint64, 1), array_type(np.uint32, 1), array_type(np.int32, 1)
@@ -79,6 +98,25 @@ def split_k_for(tiles, k, blocks):
     fastest split at each of the probe's seven shapes (benchmarks/NOTES.md); 1: no split.
     ``Gemm(split_k=s)`` forces s (``benchmarks/bench_gemm.py --split-k``)."""
     return max(1, min(blocks // tiles, cdiv(k, SPLIT_BK) // SPLIT_MIN_STEPS))
+
+
+def tail_split_for(tiles, k, blocks):
+    """``(tail, s)``: the last ``tail`` tiles of the order cut into ``s`` slices of K each
+    (the tail split, module docstring), or ``(0, 1)``: none. With more tiles than compute
+    blocks, the last round runs ``tail = tiles % blocks`` tiles; when that leaves at least
+    half the blocks idle (``0 < tail <= blocks // 2``), each of its tiles is cut into ``s =
+    min(blocks // tail, k_steps // SPLIT_MIN_STEPS)`` slices (the tail's slices all run at once,
+    none shorter than split-K's), one fewer when that divides the k-steps evenly and ``s`` does
+    not (no ragged slice for one slice less), and no split below 2. Split-K
+    (:func:`split_k_for`) takes the shapes with few tiles, this one those it leaves unsplit."""
+    tail = tiles % blocks
+    if tiles <= blocks or tail == 0 or tail > blocks // 2:
+        return 0, 1
+    steps = cdiv(k, SPLIT_BK)
+    s = min(blocks // tail, steps // SPLIT_MIN_STEPS)
+    if s > 2 and steps % s and steps % (s - 1) == 0:
+        s -= 1
+    return (tail, s) if s >= 2 else (0, 1)
 
 
 #: K up to which "auto" runs whole tiles through the TMA-store epilogue (``sm90:tms``): with
@@ -118,19 +156,25 @@ def split_slices(k, s):
     return (slices, per * SPLIT_BK) if slices > 1 else (1, k)
 
 
-def split_order(order, slices):
+def split_order(order, slices, tail=None):
     """The work units of a split in the order blocks take them: every slice of every tile
     (unit ``j * tiles + t``, slice j of tile t, tiles in ``order``'s order), then each tile's
-    fold (``slices * tiles + t``). One slice: ``order`` itself."""
+    fold (``slices * tiles + t``). One slice: ``order`` itself. ``tail`` (the tail split):
+    only the last ``tail`` tiles of ``order`` so, after the others as they are (whole tiles,
+    units ``t``)."""
     if slices == 1:
         return order
     tiles = len(order)
-    return np.concatenate([order + j * tiles for j in range(slices + 1)]).astype(np.int32)
+    whole = tiles - (tiles if tail is None else tail)
+    return np.concatenate([order[:whole]] + [order[whole:] + j * tiles
+                                             for j in range(slices + 1)]).astype(np.int32)
 
 
 def _sim_safe(tiles, slices, blocks):
     """Whether the simulator, which runs blocks one at a time in grid order, meets every
-    slice a fold waits for before the fold (its block is the fold's or an earlier one)."""
+    slice a fold waits for before the fold (its block is the fold's or an earlier one), for
+    ``tiles`` split tiles (the tail split: the tail's; every block takes its phase-2 units
+    from index ``blk`` of them on)."""
     if slices == 1:
         return True       # no folds
     for i in range(tiles):
@@ -203,14 +247,39 @@ def split_units(build, split=True):
     return unit, place, ready
 
 
+def tail_split_role(build):
+    """The tail split's compute role (module docstring), called as
+    ``roles.compute.make_compute_role``'s: with ``order`` = :func:`split_order` with a
+    ``tail``, it runs the whole tiles first (the unsplit role), then, after a block barrier, the
+    tail's units (the split role, its tile state started afresh: ``build.reinit``). The tail's
+    length follows from the order's: ``tiles - tail + (slices + 1) * tail`` units."""
+    whole_role = compute.make_compute_role(build, (whole_tiles, compute.nothing_to_wait))
+    unit, place, ready = split_units(build)
+    tail_role = compute.make_compute_role(build._replace(init=build.reinit), (place, ready),
+                                          units=unit)
+
+    @cuda.jit(device=True, inline=True)
+    def two_phases(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where):
+        slices, tiles = where[3], where[5]
+        whole = tiles - prim.udiv32(order.shape[0] - tiles, slices)
+        whole_role(smem, tmaps, a, b, order[:whole], tiles_n, blk, blocks, epoch, where)
+        cuda.syncthreads()    # every thread done with phase 1's ring before it starts afresh
+        tail_role(smem, tmaps, a, b, order[whole:], tiles_n, blk, blocks, epoch, where)
+    return two_phases
+
+
 def _make_kernel(build, threads, split):
     """The persistent kernel around one tile build (``roles.compute.TileBuild``), with
-    :func:`split_units` or (not ``split``) whole tiles only. Two kernels, not one: a tile
+    :func:`split_units`, (not ``split``) whole tiles only, or (``split="tail"``) both: whole
+    tiles, then a split tail (:func:`tail_split_role`). Three kernels, not one: a tile
     whose destination is chosen per unit stores through generic addresses, and the unsplit
     GEMM (every large one) keeps its global stores and registers."""
     bounds = {} if SIMULATOR else {"launch_bounds": (threads, 1)}
-    unit, place, ready = split_units(build, split)
-    compute_role = compute.make_compute_role(build, (place, ready), units=unit)
+    if split == "tail":
+        compute_role = tail_split_role(build)
+    else:
+        unit, place, ready = split_units(build, split)
+        compute_role = compute.make_compute_role(build, (place, ready), units=unit)
     bn, n_dim = build.shape[1], 1 if build.b_kn else 0
 
     @cuda.jit(**bounds)
@@ -223,8 +292,9 @@ def _make_kernel(build, threads, split):
         tmaps: the tensor maps of a and b, a pair per slice (sm90); flags uint32[(slices + 1)
         * tiles]: [0, tiles) := epoch when tile t is done, the rest the slices' (split_units);
         frame: the op's call counter (``kernels.launch.Frame``); order int32: the work units
-        (split_order of sched.grouped_order); slices of kc (split_slices); a fold waits at
-        most timeout_ns, then records the error in err (int64[ERR_WORDS], mapped)."""
+        (split_order of sched.grouped_order, with the tail split's ``tail``); slices of kc
+        (split_slices); a fold waits at most timeout_ns, then records the error in err
+        (int64[ERR_WORDS], mapped)."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         epoch, call = begin(frame)
         if cuda.blockIdx.x >= compute_blocks:
@@ -236,13 +306,13 @@ def _make_kernel(build, threads, split):
     return gemm_kernel
 
 
-_KERNELS = {}   # (tile build name, split) -> the persistent kernel around it
+_KERNELS = {}   # (tile build name, split: False, True or "tail") -> the persistent kernel
 _SIM_SMS = 4  # a small "device" for the simulator: 4 SMs, one block each
 
 
 def _build(kind, split=False):
-    """(roles.compute.TileBuild, persistent kernel) of a tile build name, for split-K or
-    whole tiles."""
+    """(roles.compute.TileBuild, persistent kernel) of a tile build name, for split-K
+    (True), whole tiles (False) or the tail split ("tail")."""
     b = compute.tile_build(kind)
     if (kind, split) not in _KERNELS:
         _KERNELS[kind, split] = _make_kernel(b, b.threads, split)
@@ -326,12 +396,15 @@ class Gemm:
     lifetime (a captured CUDA graph may refer to them); the first call of a shape must not be
     inside a capture. After a call, ``tile_flags(m, n, k, b_layout)[t] == epoch`` for every
     output tile ``t = tile_m * tiles_n + tile_n``. ``split_k``: slices of K per output tile
-    (split-K, see the module docstring): None lets :func:`split_k_for` choose by shape, an int
-    forces at most that many (1: no split; fewer when K has fewer 64-deep steps).
+    (split-K, see the module docstring): None lets :func:`split_k_for` choose by shape, and
+    where it does not split, :func:`tail_split_for` split the last round's tiles (the tail
+    split); an int forces at most that many for every tile (1: no split, nor a tail split;
+    fewer when K has fewer 64-deep steps).
 
     ``tile``: "auto" runs, on a Hopper GPU (sm_90a), the tensor-store build ``"sm90:tms"`` for
-    shapes it does not split with K <= :data:`TMS_MAX_K` and the default ``"sm90"`` elsewhere
-    (chosen per shape; the SIMT twin without sm_90a); or a build by name (module docstring):
+    shapes it does not split (nor their tail) with K <= :data:`TMS_MAX_K` and the default
+    ``"sm90"`` elsewhere (chosen per shape; the SIMT twin without sm_90a); or a build by name
+    (module docstring):
     ``"sm90"``, ``"sm90:pp"`` and ``"sm90:tms"`` (these two whole tiles only: ``split_k`` None
     or 1), ``"simt"``.
     """
@@ -513,13 +586,22 @@ class _Plan:
         tiles, blocks = tiles_m * tiles_n, grid.compute_blocks
         group_m = op.group_m or default_group_m(tiles_m, tiles_n, blocks)
         split = split_k_for(tiles, k, blocks) if op.split_k is None else op.split_k
+        # the tail split where the rule leaves the shape unsplit, with a tile build that can
+        # start its ring afresh and runs split units (not the whole-tile builds)
+        self.tail, base_build = 0, compute.tile_build(base)
+        if op.split_k is None and split == 1 and base_build.reinit is not None and \
+                not base_build.gemm_only:
+            self.tail, split = tail_split_for(tiles, k, blocks)
+            if SIMULATOR and not _sim_safe(self.tail, split_slices(k, split)[0], blocks):
+                self.tail, split = 0, 1      # a fold would wait on a later simulated block
         if kind != base and split_slices(k, split)[0] > 1:
-            # "auto" splits this shape: the default tile (the same tile shape, so the same
-            # tiles), whose split kernel is compiled and checked against the grid below
+            # "auto" splits this shape (or its tail): the default tile (the same tile shape,
+            # so the same tiles), whose split kernel is compiled and checked against the grid
+            # below
             kind = base
             build, kernel = _build(kind)
         self.slices, self.kc = split_slices(k, 1 if build.gemm_only else split)
-        if SIMULATOR and not _sim_safe(tiles, self.slices, blocks):
+        if SIMULATOR and not _sim_safe(self.tail or tiles, self.slices, blocks):
             raise MkValueError(f"{op.name}: split_k={self.slices} with {tiles} tiles on "
                                f"{blocks} blocks: the simulator runs blocks one at a time, and "
                                "a fold would wait on a later block; take fewer slices, or "
@@ -527,9 +609,13 @@ class _Plan:
         if self.slices > 1:
             # the split kernel runs the same grid (the op's call counter counts its blocks), so
             # it must fit as many blocks per SM: a fold waits on blocks that must be running
-            kernel = _build(kind, True)[1]
+            kernel = _build(kind, "tail" if self.tail else True)[1]
             compiled, split_bps = compile_kernel(kernel, build.threads, build.smem_bytes)
-            if split_bps < bps:
+            if split_bps < bps and self.tail:      # the rule's choice: then no tail split
+                self.tail, self.slices, self.kc = 0, 1, k
+                kernel = _build(kind)[1]
+                compiled, _ = compile_kernel(kernel, build.threads, build.smem_bytes)
+            elif split_bps < bps:
                 raise MkError(f"{op.name}: the split-K kernel fits {split_bps} blocks per SM, "
                               f"the GEMM's grid has {bps}; pass split_k=1")
         _, frame, self.err = op._counter(device, grid.grid)
@@ -540,11 +626,13 @@ class _Plan:
                                             np.uint32))
         self.tile_flags = self.flags[:tiles]     # the tiles' own; then the slices' (split_units)
         self.order = cuda.to_device(split_order(grouped_order(tiles_m, tiles_n, int(group_m)),
-                                                self.slices))
+                                                self.slices, self.tail or None))
         split = self.slices > 1
         # the workspace: plane 1 + j holds slice j's partials (plane 0, the addend's own
         # plane, is never read); one slice: C as [1, m, n] stands in, never read either
         self.ws = cuda.device_array((self.slices + 1, m, n), np.uint16) if split else None
+        # a pair of maps per slice; the first sees all of K, as the unsplit maps do: the tail
+        # split's whole tiles read through it
         self.tmaps = (TensorMaps(m, n, k, build.shape, slices=self.slices, kc=self.kc,
                                  c_map=build.c_map)
                       if build.tma else NoTensorMaps(TensorMaps.ROW * self.slices))

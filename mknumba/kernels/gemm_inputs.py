@@ -110,7 +110,8 @@ class TensorMaps(MapTable):
 
     ``slices`` > 1 (split-K, ``kernels.gemm``): a row holds ``slices`` such pairs, pair j
     seeing A and B from k = j * ``kc`` on, to the end of K (a slice that ends past K reads
-    zeros there), so every slice runs the same k-steps.
+    zeros there), so every slice runs the same k-steps; pair 0 sees all of K, as the one pair
+    of an unsplit table does (the tail split's whole tiles read through it).
 
     ``c_map`` (one slice only): a third map after the pair, of C [m, n] (contiguous) in boxes
     of 64 columns x 16 rows (one consumer warp's chunk, ``cuda/gemm_tile.cu`` MK_TMA_STORE);

@@ -109,7 +109,8 @@ SIMT_THREADS = 128
 
 
 # ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
-_SM90_BUILDS = {}   # (publisher, b_kn, pingpong, helper, defines, tms) -> (init, tile, drain)
+_SM90_BUILDS = {}   # (publisher, b_kn, pingpong, helper, defines, tms) -> (init, tile, drain,
+#                     reinit)
 
 
 def sm90_defines(publisher=False, b_kn=False, tms=False):
@@ -121,11 +122,12 @@ def sm90_defines(publisher=False, b_kn=False, tms=False):
 
 def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None, defines="",
                         tms=False):
-    """``(init, tile, drain)`` device functions around ``cuda/gemm_tile.cu`` built with
-    ``MK_PUBLISHER=publisher``, ``MK_B_KN=b_kn`` and ``MK_TMA_STORE=tms`` (see the helper's
-    header; b_kn: B is [k, n], not [n, k]; drain: None, or with ``tms`` the block's end,
+    """``(init, tile, drain, reinit)`` device functions around ``cuda/gemm_tile.cu`` built
+    with ``MK_PUBLISHER=publisher``, ``MK_B_KN=b_kn`` and ``MK_TMA_STORE=tms`` (see the
+    helper's header; b_kn: B is [k, n], not [n, k]; drain: None, or with ``tms`` the block's
+    end; reinit: the ring started afresh, of the library's own gemm_tile.cu only, else None;
     :class:`TileBuild`), or with ``pingpong`` around ``cuda/gemm_pingpong.cu`` (no publisher;
-    the same calling sequence). ``helper``: another source with gemm_tile.cu's entry points
+    the same calling sequence; no reinit). ``helper``: another source with gemm_tile.cu's entry points
     (a probe's variant, e.g. ``benchmarks/cuda/gemm_epilogues.cu``, which may include the
     library's files by name: :func:`linked_source`), ``defines`` prepended to it. Launch with
     ``sm90_smem_bytes(pingpong, tms)`` and ``sm90_threads(publisher)``."""
@@ -137,6 +139,7 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
                            "no publisher warp")
     key = (bool(publisher), bool(b_kn), bool(pingpong), helper, defines, bool(tms))
     if key not in _SM90_BUILDS:
+        own = helper is None and not pingpong       # the library's gemm_tile.cu
         helper = linked_source(helper or (PINGPONG_HELPER if pingpong else HELPER),
                                defines + sm90_defines(publisher, b_kn, tms))
         prefix = "mk_gemm_sm90pp" if pingpong else "mk_gemm_sm90"
@@ -167,7 +170,18 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
         # 0..DRAIN_PUBLISHERS - 1 in the threads that publish its flags, else -1
         drain = (cuda.declare_device(f"{prefix}_drain", i32(), link=[helper], abi="c")
                  if tms else None)
-        _SM90_BUILDS[key] = (gemm_init, gemm_tile, drain)
+        # between two runs of tiles whose ring phases do not continue (the caller syncs the
+        # block before and after): every barrier invalidated and initialised again
+        if own:
+            reinit_fn = cuda.declare_device(f"{prefix}_reinit", i32(u64, u64), link=[helper],
+                                            abi="c")
+
+            @cuda.jit(device=True)
+            def reinit(smem, tmaps):
+                reinit_fn(data_ptr(smem), data_ptr(tmaps))
+        else:
+            reinit = None
+        _SM90_BUILDS[key] = (gemm_init, gemm_tile, drain, reinit)
     return _SM90_BUILDS[key]
 
 
@@ -211,7 +225,7 @@ def linked_source(helper, defines=""):
 
 
 if not SIMULATOR:
-    gemm_init_sm90, gemm_tile_sm90, _ = sm90_tile_functions()
+    gemm_init_sm90, gemm_tile_sm90, _, gemm_reinit_sm90 = sm90_tile_functions()
 
 
 # ---- bf16 <-> fp32 on raw bits -----------------------------------------------------------------
@@ -510,17 +524,20 @@ TO_OWNER = (to_owner, inbox_ready)
 #: fused ops refuse it); drain: None, or a device function () -> int that the tiles of a build
 #: which publishes no flag per tile need after the block's last one (:func:`publish_after`);
 #: c_map: the tile stores C through a third tensor map after A's and B's, of the caller's ``c``
-#: (``kernels.gemm_inputs.TensorMaps`` with ``c_map``).
+#: (``kernels.gemm_inputs.TensorMaps`` with ``c_map``); reinit: None, or a device function
+#: like ``init`` that starts the tile's state afresh after tiles ran (every thread of the block
+#: past a barrier, and one after it), so that ``seq`` may restart at 0 with tiles of another
+#: depth (mk.Gemm's tail split; the SIMT tile keeps no state: its ``init``).
 TileBuild = namedtuple("TileBuild",
                        "init tile shape threads smem_bytes tma timing_only b_kn gemm_only drain "
-                       "c_map", defaults=(False, False, None, False))
+                       "c_map reinit", defaults=(False, False, None, False, None))
 _BUILDS = {"simt": TileBuild(gemm_init_simt, gemm_tile_simt, SIMT_TILE, SIMT_THREADS, 0, False,
-                             False),
+                             False, reinit=gemm_init_simt),
            "simt:kn": TileBuild(gemm_init_simt, gemm_tile_simt_kn, SIMT_TILE, SIMT_THREADS, 0,
-                                False, False, True)}
+                                False, False, True, reinit=gemm_init_simt)}
 if not SIMULATOR:
     _BUILDS["sm90"] = TileBuild(gemm_init_sm90, gemm_tile_sm90, SM90_TILE, SM90_THREADS,
-                                SM90_SMEM_BYTES, True, False)
+                                SM90_SMEM_BYTES, True, False, reinit=gemm_reinit_sm90)
 
 
 class KernelBuilds:
@@ -554,10 +571,11 @@ def sm90_build(publisher=False, b_kn=False, pingpong=False, helper=None, defines
     also with b_kn, and on request the ping-pong tile or the tensor-store tile (mk.Gemm only);
     ``benchmarks/probe_gemm_tile.py`` registers variants from its own sources (``helper``;
     :func:`register_tile`)."""
-    init, tile, drain = sm90_tile_functions(publisher, b_kn, pingpong, helper, defines, tms)
+    init, tile, drain, reinit = sm90_tile_functions(publisher, b_kn, pingpong, helper,
+                                                    defines, tms)
     return TileBuild(init, tile, SM90_PINGPONG_SHAPE if pingpong else SM90_TILE,
                      sm90_threads(publisher), sm90_smem_bytes(pingpong, tms), True, False, b_kn,
-                     _whole_tiles(pingpong=pingpong, tms=tms), drain, tms)
+                     _whole_tiles(pingpong=pingpong, tms=tms), drain, tms, reinit)
 
 
 def _whole_tiles(pingpong=False, tms=False, **_):

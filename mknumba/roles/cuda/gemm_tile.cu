@@ -20,6 +20,8 @@
 // The ring is never reset between tiles: the caller passes `seq`, the number of tiles this block
 // has already run, and k-step g = seq * k_iters + kk uses slot g % STAGES with phase (g / STAGES) & 1.
 // Hence the producer runs ahead into the next tile while the consumers finish this one's epilogue.
+// A kernel that then runs tiles of another depth (mk.Gemm's tail split) starts the ring afresh
+// between the two with mk_gemm_sm90_reinit, and seq from 0.
 //
 // A finished tile leaves the registers through 2 KB of staging per consumer warp (gemm_common.cuh
 // store_warp_rows: stmatrix, then 16-byte loads and stores that cover whole 128-byte rows).
@@ -109,17 +111,43 @@ __device__ __forceinline__ void consumer_barrier() {
 // Once per block, before the first tile; thread 0 initialises the barriers, the caller then
 // runs __syncthreads(). tmaps: address of the 128-byte CUtensorMaps: A, then B (with
 // MK_TMA_STORE then C: the caller's c from row c_row0 on, boxes of 64 columns x 16 rows).
+namespace {
+// Thread 0's part of mk_gemm_sm90_init (and of mk_gemm_sm90_reinit, after the invalidation).
+__device__ __forceinline__ void init_barriers(const Ring &r, unsigned long long tmaps) {
+    init_ring<STAGES>(r.full, r.empty, CONSUMER_WARPGROUPS, tmaps);
+    if (MK_TMA_STORE) prefetch_tensormap(tmaps + 256);
+    if (MK_PUBLISHER) {
+        mbar_init(r.staged, CONSUMER_THREADS / 32);  // each consumer warp's stores of a tile
+        mbar_init(r.published, 1);              // the publisher: that tile's flag is out
+    }
+    mbar_init_fence();
+}
+}  // namespace
+
 extern "C" __device__ int mk_gemm_sm90_init(unsigned long long smem, unsigned long long tmaps) {
     MK_STAMP(block_start, 0, 0);
+    if (threadIdx.x == 0) init_barriers(ring_at(smem), tmaps);
+    return 0;
+}
+
+// Between two runs of tiles in one block whose ring phases do not continue each other (mk.Gemm's
+// tail split: whole tiles of K / 64 k-steps, then K slices of fewer, seq from 0 again): thread 0
+// invalidates every barrier (PTX: an mbarrier is invalidated before its location is initialised
+// again) and initialises them as mk_gemm_sm90_init does. The caller runs __syncthreads() before
+// (every thread done with the earlier tiles: the consumers waited on each full barrier, so no
+// copy is in flight, and no thread waits on a barrier any more) and after.
+extern "C" __device__ int mk_gemm_sm90_reinit(unsigned long long smem, unsigned long long tmaps) {
     if (threadIdx.x == 0) {
-        Ring r = ring_at(smem);
-        init_ring<STAGES>(r.full, r.empty, CONSUMER_WARPGROUPS, tmaps);
-        if (MK_TMA_STORE) prefetch_tensormap(tmaps + 256);
-        if (MK_PUBLISHER) {
-            mbar_init(r.staged, CONSUMER_THREADS / 32);  // each consumer warp's stores of a tile
-            mbar_init(r.published, 1);              // the publisher: that tile's flag is out
+        const Ring r = ring_at(smem);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_inval(r.full + 8 * s);
+            mbar_inval(r.empty + 8 * s);
         }
-        mbar_init_fence();
+        if (MK_PUBLISHER) {
+            mbar_inval(r.staged);
+            mbar_inval(r.published);
+        }
+        init_barriers(r, tmaps);
     }
     return 0;
 }

@@ -14,6 +14,12 @@ __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
 
+// Before a barrier's location is initialised again (PTX ISA: mbarrier.init on a valid object is
+// undefined), once no thread waits on it and no arrival or transaction is pending.
+__device__ __forceinline__ void mbar_inval(unsigned bar) {
+    asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
 __device__ __forceinline__ void mbar_wait(unsigned bar, unsigned phase) {
     unsigned done;
     do {
