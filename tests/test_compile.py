@@ -184,20 +184,23 @@ def _hopper_kernel(name):
     return make_kernel("sm90", name.endswith("adaptive")), SM90_THREADS
 
 
-#: the plain GEMM's kernels here -> (tile build (roles.compute.tile_build), split-K kernel)
+#: the plain GEMM's kernels here -> (tile build (roles.compute.tile_build), split-K kernel:
+#: False, True, or "tail": the tail split's)
 GEMM_BUILDS = {"gemm": ("sm90", False), "gemm_kn": ("sm90:kn", False),
                "gemm_pp": ("sm90:pp", False), "gemm_pp_kn": ("sm90:pp:kn", False),
                "gemm_tms": ("sm90:tms", False), "gemm_tms_kn": ("sm90:tms:kn", False),
-               "gemm_split": ("sm90", True), "gemm_split_kn": ("sm90:kn", True)}
+               "gemm_split": ("sm90", True), "gemm_split_kn": ("sm90:kn", True),
+               "gemm_tail": ("sm90", "tail"), "gemm_tail_kn": ("sm90:kn", "tail")}
 #: registers per thread of the plain GEMM's kernels, either layout of B: ptxas's count for the
 #: [n, k] build, rounded up to its allocation unit of 8 (the [k, n] build must not need more);
 #: the ping-pong tile's [k, n] build needs a few more (its two MMAs per k16 step share B), and
-#: so does the split-K kernel, whose epilogue can fold partials
+#: so do the split-K kernels (split and tail), whose epilogue can fold partials
 GEMM_REGISTERS = {"sm90": 160, "sm90:pp": 168, "sm90:tms": 160, "split": 168}
 
 
 @pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_pp", "gemm_pp_kn", "gemm_tms",
-                                  "gemm_tms_kn", "gemm_split", "gemm_split_kn", "gemm_reduce",
+                                  "gemm_tms_kn", "gemm_split", "gemm_split_kn", "gemm_tail",
+                                  "gemm_tail_kn", "gemm_reduce",
                                   "gemm_reduce_adaptive", "ring_attention",
                                   "ring_attention_adaptive"])
 @pytest.mark.slow
@@ -209,9 +212,11 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     (allgather_gemm and moe_dispatch_gemm: checked in their own tests below, which link them
     anyway.) The plain GEMM's tiles (gemm_tile.cu, and the ping-pong gemm_pingpong.cu) with B
     [n, k] and [k, n] (MK_B_KN: a transposed wgmma B, tnspB = 1, from TMA boxes of 64
-    N-columns), the tensor-store tile (gemm_tile.cu with MK_TMA_STORE) and the split-K kernel:
-    no spills, registers within GEMM_REGISTERS; the split kernel's folds load 16 bytes at a
-    time; the tensor-store tile stores only by TMA, each chunk after waiting for its buffer's
+    N-columns), the tensor-store tile (gemm_tile.cu with MK_TMA_STORE), the split-K kernel and
+    the tail split's: no spills, registers within GEMM_REGISTERS; the split kernels' folds
+    load 16 bytes at a time; the tail split's whole tiles store to global memory, then the
+    block meets and the ring is invalidated and initialised again before the tail's tiles
+    (tail_split_order); the tensor-store tile stores only by TMA, each chunk after waiting for its buffer's
     last store to read it and after a proxy fence, publishes its flags only after waiting for
     every store (tms_epilogue_order). Those and the ring kernel (the attention tile:
     setmaxnreg, S and P V overlapped, the consumer warpgroups' turns) are checked on ptxas's
@@ -252,21 +257,46 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         # wgmma's scale-d (1, or the ping-pong tile's predicate p) and imm-trans-b
         tnsp = set(re.findall(r"%rd\d+, %rd\d+, (?:1|p), 1, 1, 0, ([01]);", ptx))
         assert tnsp == {"1" if name.endswith("kn") else "0"}, tnsp
-        assert ptx.count("wgmma.mma_async") == (8 if pingpong else 4)   # unrolled k16 steps
+        split, tail = "_split" in name, "_tail" in name
+        # unrolled k16 steps (the tail split: a tile for each phase)
+        assert ptx.count("wgmma.mma_async") == (8 if pingpong or tail else 4)
         assert "0 bytes spill stores, 0 bytes spill loads" in log, log
-        if "_split" not in name:
+        if not (split or tail):
             assert "0 bytes stack frame" in log, log
         # a split's fold sums the planes with 16-byte loads, many in flight (fold_planes); the
         # unsplit kernel adds nothing and keeps none of that code
-        assert ("ld.global.cg.v4.u32" in ptx) == ("_split" in name)
+        assert ("ld.global.cg.v4.u32" in ptx) == (split or tail)
         regs = int(re.search(r"Used (\d+) registers", log).group(1))
         tms = name.startswith("gemm_tms")
-        limit = ("split" if "_split" in name else "sm90:pp" if pingpong else "sm90:tms" if tms
+        limit = ("split" if split or tail else "sm90:pp" if pingpong else "sm90:tms" if tms
                  else "sm90")
         assert regs <= GEMM_REGISTERS[limit], log
         assert ("cp.async.bulk.tensor.2d.global" in ptx) == tms
         if tms:
             tms_epilogue_order(ptx)
+        assert ("mbarrier.inval" in ptx) == tail     # only the tail split starts a ring again
+        if tail:
+            tail_split_order(ptx)
+
+
+def tail_split_order(ptx):
+    """The tail split's kernel in the linked PTX (kernels.gemm.tail_split_role): phase 1's
+    tile (its four k16 MMAs, global 16-byte stores of C), a block barrier, thread 0
+    invalidating the ring's 8 barriers (4 slots, full and empty) and initialising them again
+    (gemm_tile.cu mk_gemm_sm90_reinit), the init fence, a block barrier, then phase 2's tile
+    (its MMAs, generic stores: slices into planes, folds into C)."""
+    mma = [m.start() for m in re.finditer("wgmma.mma_async", ptx)]
+    inval = [m.start() for m in re.finditer(r"mbarrier\.inval\.shared::cta\.b64", ptx)]
+    assert len(mma) == 8 and len(inval) == 8, (len(mma), len(inval))
+    meet = ptx.rindex("bar.sync \t0;", 0, inval[0])
+    inits = [m.start() for m in re.finditer("mbarrier.init", ptx[inval[-1]:])]
+    fence = ptx.index("fence.mbarrier_init", inval[-1])
+    again = ptx.index("bar.sync \t0;", fence)
+    assert mma[3] < meet < inval[0] and len(inits) >= 8 and inval[-1] + inits[7] < fence
+    assert again < mma[4], "phase 2's MMAs before the ring is initialised again"
+    phase1 = ptx[:meet]
+    assert "st.global.v4.u32" in phase1 and "st.v4.u32" not in phase1
+    assert "st.global.v4.u32" not in ptx[again:] and "st.v4.u32" in ptx[again:]
 
 
 def tms_epilogue_order(ptx):
