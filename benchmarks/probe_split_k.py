@@ -21,6 +21,7 @@ many slices ``split_k_for`` picks (``rule``).
 """
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -41,8 +42,9 @@ def slices_only():
     """Plans made inside leave every fold out of the work order."""
     orig = G.split_order
 
-    def no_folds(order, slices):
-        return orig(order, slices)[:len(order) * slices]
+    def no_folds(order, slices, tail=None):
+        units = orig(order, slices, tail)          # the folds: the last (tail or all) tiles
+        return units if slices == 1 else units[:len(units) - (tail or len(order))]
     G.split_order = no_folds
     try:
         yield
@@ -82,6 +84,31 @@ def time_us(fn, reps=7, target_s=0.005):
     return sorted(times)[len(times) // 2]
 
 
+def layouts(m, n, k, names):
+    """``(layout, (a, b, c, ref))`` per layout in ``names`` ("nk,kn"): random bf16 a [m, k]
+    and B as a [k, n] view of an [n, k] array ("nk") or row-major [k, n] ("kn"), the same
+    values either way; c [m, n] for the result and ``ref`` its fp32 reference."""
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    ref = a.float() @ w.float().T
+    c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    for layout in names.split(","):
+        yield layout, (a, w.T if layout == "nk" else w.T.contiguous(), c, ref)
+
+
+def measure(row, a, b, c, ref, key, op, ctx=contextlib.nullcontext(), check=True):
+    """``row[key]``: us per call of ``op(a, b, out=c)`` (time_us), after a first call (inside
+    ``ctx``: it plans) into a poisoned ``c`` whose relative error against ``ref`` goes to
+    ``row["errs"][key]`` (unless not ``check``)."""
+    c.fill_(float("nan"))
+    with ctx:
+        op(a, b, out=c)
+    torch.cuda.synchronize()
+    if check:
+        row["errs"][key] = ((c.float() - ref).norm() / ref.norm()).item()
+    row[key] = time_us(lambda: op(a, b, out=c))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--splits", default="2,4,8")
@@ -103,23 +130,9 @@ def main():
     for m, n, k in shapes:
         tiles = cdiv(m, bm) * cdiv(n, bn)
         rule = G.split_slices(k, G.split_k_for(tiles, k, blocks))[0]
-        a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        ref = a.float() @ w.float().T
-        c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-        for layout in args.layouts.split(","):
-            b = w.T if layout == "nk" else w.T.contiguous()    # [k, n]: a view, or row-major
+        for layout, operands in layouts(m, n, k, args.layouts):
             row = dict(m=m, n=n, k=k, layout=layout, tiles=tiles, rule=rule, errs={})
-
-            def run(key, op, ctx=contextlib.nullcontext(), check=True):
-                c.fill_(float("nan"))
-                with ctx:                     # the first call plans
-                    op(a, b, out=c)
-                torch.cuda.synchronize()
-                if check:
-                    row["errs"][key] = ((c.float() - ref).norm() / ref.norm()).item()
-                row[key] = time_us(lambda: op(a, b, out=c))
-
+            run = functools.partial(measure, row, *operands)
             run("torch", lambda a, b, out: torch.matmul(a, b, out=out))
             run("unsplit", G.Gemm(split_k=1))
             run("split1", G.Gemm(split_k=1), split_kernel_unsplit())

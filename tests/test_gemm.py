@@ -215,6 +215,18 @@ SPLIT_RUN = textwrap.dedent("""
             assert err < 1e-2, (m, n, k, layout, call, err)
             worst = max(worst, err)
         return next(iter(op._plans.values())), worst
+
+    def expect_timeout(op, call, flag):
+        # call() ran a fold whose slices do not come: its wait ended at the deadline and was
+        # recorded; the op raises it (calls(), and the next call, before it launches)
+        call()
+        for attempt in (op.calls, call):
+            try:
+                attempt()
+                raise AssertionError("no timeout raised")
+            except MkTimeoutError as e:
+                assert "compute role" in str(e) and f"flag {flag} to reach epoch 2" in str(e), e
+        print("ok timeout")
 """)
 
 SPLIT_SCRIPT = SPLIT_RUN + textwrap.dedent("""
@@ -258,14 +270,8 @@ SPLIT_SCRIPT = SPLIT_RUN + textwrap.dedent("""
     plan.order.copy_to_device(np.roll(plan.order.copy_to_host(), 1))
     da, db = cuda.to_device(np.zeros((2, 136), np.uint16)), cuda.to_device(np.zeros((8, 136),
                                                                                      np.uint16))
-    op(da, db, b_layout="nk", out=cuda.device_array((2, 8), np.uint16))
-    for attempt in (op.calls, lambda: op(da, db, b_layout="nk")):
-        try:
-            attempt()
-            raise AssertionError("no timeout raised")
-        except MkTimeoutError as e:
-            assert "compute role" in str(e) and "flag 1 to reach epoch 2" in str(e), e
-    print("ok timeout")
+    expect_timeout(op, lambda: op(da, db, b_layout="nk", out=cuda.device_array((2, 8),
+                                                                             np.uint16)), 1)
 """)
 
 
@@ -347,9 +353,7 @@ TAIL_SCRIPT = SPLIT_RUN + textwrap.dedent("""
         if wrap:
             timed = op, plan, m, n, k, tiles
 
-    # that op again, a fold moved ahead of its tail's slices (phase 2's order rotated): its
-    # wait ends at the deadline and is recorded; the op raises it (calls(), and the next call,
-    # before it launches)
+    # that op again, a fold moved ahead of its tail's slices (phase 2's order rotated)
     op, plan, m, n, k, tiles = timed
     G._SIM_SMS = 4
     order = plan.order.copy_to_host()
@@ -357,14 +361,7 @@ TAIL_SCRIPT = SPLIT_RUN + textwrap.dedent("""
     plan.order.copy_to_device(order)
     da, db = cuda.to_device(np.zeros((m, k), np.uint16)), cuda.to_device(np.zeros((n, k),
                                                                                   np.uint16))
-    op(da, db.T, out=cuda.device_array((m, n), np.uint16))
-    for attempt in (op.calls, lambda: op(da, db.T)):
-        try:
-            attempt()
-            raise AssertionError("no timeout raised")
-        except MkTimeoutError as e:
-            assert "compute role" in str(e) and "flag 9 to reach epoch 2" in str(e), e
-    print("ok timeout")
+    expect_timeout(op, lambda: op(da, db.T, out=cuda.device_array((m, n), np.uint16)), 9)
 """)
 
 
@@ -584,26 +581,12 @@ def test_gemm_matches_fp32_reference(m, n, k, layout):
     assert (tiles == epoch).all()
 
 
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("layout", ["nk", "kn"])
-@pytest.mark.parametrize("m,n,k,split_k", [
-    # issue 23's grid where 128 x 256 tiles leave most SMs idle: the op's rule splits
-    (512, 1024, 14336, None), (1024, 1024, 4096, None), (2048, 1024, 8192, None),
-    (512, 4096, 4096, None),
-    # ragged m and n, K not a multiple of the slices' 64-deep steps
-    (389, 1032, 4104, None), (1000, 776, 3000, None),
-    # forced: several slices per block before the folds (64 tiles, 4 slices: 320 units), and
-    # more tiles than blocks (512 tiles: folds after folds)
-    (2048, 1024, 8192, 4), (4096, 4096, 2048, 2)])
-def test_gemm_split_k_matches_fp32_reference(m, n, k, split_k, layout):
-    """Split-K on the GPU: 20 calls, a and b rewritten in place before each (the same
-    addresses: tensor maps and workspace reused), the output poisoned (NaN); each result
-    against an fp32 reference of that call's inputs (bf16 partials: one more rounding per
-    slice); every flag at the last call's epoch."""
+def _twenty_calls(op, m, n, k, layout):
+    """20 calls of ``op`` (B [n, k] or row-major [k, n]: ``layout``), a and b rewritten in
+    place before each (the same addresses: tensor maps and workspace reused), the output
+    poisoned (NaN); each result against an fp32 reference of that call's inputs (relative
+    error <= 1e-2: bf16 partials add a rounding per slice). Returns the worst error."""
     torch = pytest.importorskip("torch")
-    from mknumba.kernels.gemm import Gemm
-    op = Gemm(split_k=split_k)
     a = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
     b_nk = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
     b = b_nk if layout == "nk" else torch.empty(k, n, device="cuda", dtype=torch.bfloat16)
@@ -622,11 +605,63 @@ def test_gemm_split_k_matches_fp32_reference(m, n, k, split_k, layout):
         err = ((out.float() - ref).norm() / ref.norm()).item()
         assert err <= 1e-2, (call, err)
         worst = max(worst, err)
+    return worst
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("m,n,k,split_k", [
+    # issue 23's grid where 128 x 256 tiles leave most SMs idle: the op's rule splits
+    (512, 1024, 14336, None), (1024, 1024, 4096, None), (2048, 1024, 8192, None),
+    (512, 4096, 4096, None),
+    # ragged m and n, K not a multiple of the slices' 64-deep steps
+    (389, 1032, 4104, None), (1000, 776, 3000, None),
+    # forced: several slices per block before the folds (64 tiles, 4 slices: 320 units), and
+    # more tiles than blocks (512 tiles: folds after folds)
+    (2048, 1024, 8192, 4), (4096, 4096, 2048, 2)])
+def test_gemm_split_k_matches_fp32_reference(m, n, k, split_k, layout):
+    """Split-K on the GPU: 20 calls (:func:`_twenty_calls`); every flag at the last call's
+    epoch."""
+    from mknumba.kernels.gemm import Gemm
+    op = Gemm(split_k=split_k)
+    worst = _twenty_calls(op, m, n, k, layout)
     plan = next(iter(op._plans.values()))
     assert plan.slices > 1, "the rule did not split"
     assert op.calls() == (20, 20)
     assert (plan.flags.copy_to_host() == 20).all()
     print(f"{m}x{n}x{k} {layout}: {plan.slices} slices of {plan.kc}, worst rel err {worst:.1e}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("m,n,k,reserved,tail", [
+    # issue 23's wave-quantized shapes on an H200 (132 SMs): 448 tiles = 3 rounds + 52;
+    # 512 tiles on 124 blocks (4 + 16); 4096 tiles (31 + 4); ragged m, n and K (33 k-steps:
+    # slices of 17 and 16)
+    (512, 28672, 2048, 0, 52), (4096, 4096, 4096, 8, 16), (16384, 8192, 2048, 0, 4),
+    (389, 28664, 2056, 0, 52)])
+def test_gemm_tail_split_matches_fp32_reference(m, n, k, reserved, tail, layout):
+    """The tail split on the GPU (whole tiles, then the last round's tiles in slices and
+    folds on a ring started afresh): 20 calls (:func:`_twenty_calls`); every tile flag and
+    the tail's slice flags at the last call's epoch."""
+    torch = pytest.importorskip("torch")
+    from mknumba.kernels.gemm import Gemm
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the tails named here are an H200's (132 SMs)")
+    op = Gemm(reserved_sms=reserved)
+    worst = _twenty_calls(op, m, n, k, layout)
+    plan = next(iter(op._plans.values()))
+    assert plan.tail == tail and plan.slices > 1, (plan.tail, plan.slices)
+    assert op.calls() == (20, 20)
+    flags, order = plan.flags.copy_to_host(), plan.order.copy_to_host()
+    tiles = len(plan.tile_flags)
+    assert (flags[:tiles] == 20).all()
+    for j in range(plan.slices):
+        assert (flags[(1 + j) * tiles:][order[tiles - tail:tiles]] == 20).all(), j
+    print(f"{m}x{n}x{k} {layout} reserved {reserved}: tail {tail} in {plan.slices} slices of "
+          f"{plan.kc}, worst rel err {worst:.1e}")
 
 
 @pytest.mark.gpu
