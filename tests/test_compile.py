@@ -216,9 +216,9 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     the tail split's: no spills, registers within GEMM_REGISTERS; the split kernels' folds
     load 16 bytes at a time; the tail split's whole tiles store to global memory, then the
     block meets and the ring is invalidated and initialised again before the tail's tiles
-    (tail_split_order); the tensor-store tile stores only by TMA, each chunk after waiting for its buffer's
-    last store to read it and after a proxy fence, publishes its flags only after waiting for
-    every store (tms_epilogue_order). Those and the ring kernel (the attention tile:
+    (tail_split_order); the tensor-store tile stores only by TMA, each chunk after waiting for
+    its buffer's last store to read it and after a proxy fence, publishes its flags only after
+    waiting for every store (tms_epilogue_order). Those and the ring kernel (the attention tile:
     setmaxnreg, S and P V overlapped, the consumer warpgroups' turns) are checked on ptxas's
     log of the link numba does on a GPU
     (``_link_sm90a(as_launched=True)``)."""

@@ -404,9 +404,8 @@ class Gemm:
     ``tile``: "auto" runs, on a Hopper GPU (sm_90a), the tensor-store build ``"sm90:tms"`` for
     shapes it does not split (nor their tail) with K <= :data:`TMS_MAX_K` and the default
     ``"sm90"`` elsewhere (chosen per shape; the SIMT twin without sm_90a); or a build by name
-    (module docstring):
-    ``"sm90"``, ``"sm90:pp"`` and ``"sm90:tms"`` (these two whole tiles only: ``split_k`` None
-    or 1), ``"simt"``.
+    (module docstring): ``"sm90"``, ``"sm90:pp"`` and ``"sm90:tms"`` (these two whole tiles
+    only: ``split_k`` None or 1, no tail split), ``"simt"``.
     """
 
     name = "mknumba.gemm"
