@@ -295,12 +295,13 @@ def test_tail_split_rule_and_order():
     assert tail_split_for(512, 4096, 124) == (16, 4)     # 4096^3, 8 SMs held back: 4 + 16
     assert tail_split_for(512, 4096, 116) == (48, 2)     # 16 held back: 4 + 48
     assert tail_split_for(512, 4096, 132) == (0, 1)      # 116 of 132: no idle half
-    assert tail_split_for(3584, 4096, 132) == (20, 4)    # 4096 x 28672: 6 // 20, 64 k-steps
-    assert tail_split_for(7168, 4096, 132) == (40, 2)    # 8192 x 28672: 3 does not divide 64
-    assert tail_split_for(7168, 3072, 132) == (40, 3)    # 48 k-steps: 3 does
-    assert tail_split_for(4096, 1024, 132) == (0, 1)     # 16384 x 8192: a tail of 4, K short
-    assert tail_split_for(4096, 2048, 132) == (4, 2)
-    assert tail_split_for(4096, 8192, 132) == (4, 8)     # 128 k-steps: no more than 8
+    # many rounds: a split tail saves less than TAIL_MIN_GAIN (4096 / 8192 x 28672, 16384 x
+    # 8192: 28, 55 and 32 rounds)
+    for tiles in (3584, 7168, 4096):
+        assert tail_split_for(tiles, 8192, 132) == (0, 1)
+    assert tail_split_for(2 * 132 + 40, 4096, 132) == (40, 2)   # 3 does not divide 64 k-steps
+    assert tail_split_for(2 * 132 + 40, 3072, 132) == (40, 3)   # 48 k-steps: 3 does
+    assert tail_split_for(2 * 132 + 4, 8192, 132) == (4, 8)     # 128 k-steps: no more than 8
     assert tail_split_for(2 * 132 + 26, 6144, 132) == (26, 4)   # 96 k-steps: 5 -> 4
     assert tail_split_for(2 * 132 + 26, 4480, 132) == (26, 4)   # 70: 4 (3 divides no better)
     assert tail_split_for(100, 8192, 132) == (0, 1) and tail_split_for(264, 8192, 132) == (0, 1)
@@ -638,10 +639,10 @@ def test_gemm_split_k_matches_fp32_reference(m, n, k, split_k, layout):
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("m,n,k,reserved,tail", [
     # issue 23's wave-quantized shapes on an H200 (132 SMs): 448 tiles = 3 rounds + 52;
-    # 512 tiles on 124 blocks (4 + 16); 4096 tiles (31 + 4); ragged m, n and K (33 k-steps:
-    # slices of 17 and 16)
-    (512, 28672, 2048, 0, 52), (4096, 4096, 4096, 8, 16), (16384, 8192, 2048, 0, 4),
-    (389, 28664, 2056, 0, 52)])
+    # 512 tiles on 124 and 116 blocks (4 + 16, 4 + 48); ragged m, n and K (65 k-steps:
+    # slices of 33 and 32)
+    (512, 28672, 4096, 0, 52), (4096, 4096, 4096, 8, 16), (4096, 4096, 4096, 16, 48),
+    (389, 28664, 4104, 0, 52)])
 def test_gemm_tail_split_matches_fp32_reference(m, n, k, reserved, tail, layout):
     """The tail split on the GPU (whole tiles, then the last round's tiles in slices and
     folds on a ring started afresh): 20 calls (:func:`_twenty_calls`); every tile flag and

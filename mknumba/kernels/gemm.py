@@ -85,6 +85,11 @@ SPLIT_BK = compute.SM90_BK
 #: partials: together about what 12-16 k-steps of the sm90 tile take), so a slice carries at
 #: least that
 SPLIT_MIN_STEPS = 16
+#: the tail split (:func:`tail_split_for`) only where it can save at least this fraction of
+#: the kernel's time: slices and folds cost about as much as a round of tiles loses by small
+#: tails of many rounds (8192 x 28672 x 4096 on an H200: 55 rounds, 2-4% slower; 4096^3 with
+#: 8 SMs held back: 5 rounds, 17% faster: benchmarks/NOTES.md)
+TAIL_MIN_GAIN = 0.05
 
 
 def split_k_for(tiles, k, blocks):
@@ -107,8 +112,10 @@ def tail_split_for(tiles, k, blocks):
     half the blocks idle (``0 < tail <= blocks // 2``), each of its tiles is cut into ``s =
     min(blocks // tail, k_steps // SPLIT_MIN_STEPS)`` slices (the tail's slices all run at once,
     none shorter than split-K's), one fewer when that divides the k-steps evenly and ``s`` does
-    not (no ragged slice for one slice less), and no split below 2. Split-K
-    (:func:`split_k_for`) takes the shapes with few tiles, this one those it leaves unsplit."""
+    not (no ragged slice for one slice less), and no split below 2; and only where that
+    can save :data:`TAIL_MIN_GAIN` of the time: the last round's ``1 - 1 / s`` of a round
+    over ``ceil(tiles / blocks)`` rounds. Split-K (:func:`split_k_for`) takes the shapes with
+    few tiles, this one those it leaves unsplit."""
     tail = tiles % blocks
     if tiles <= blocks or tail == 0 or tail > blocks // 2:
         return 0, 1
@@ -116,7 +123,9 @@ def tail_split_for(tiles, k, blocks):
     s = min(blocks // tail, steps // SPLIT_MIN_STEPS)
     if s > 2 and steps % s and steps % (s - 1) == 0:
         s -= 1
-    return (tail, s) if s >= 2 else (0, 1)
+    if s < 2 or (1 - 1 / s) < TAIL_MIN_GAIN * cdiv(tiles, blocks):
+        return 0, 1
+    return tail, s
 
 
 #: K up to which "auto" runs whole tiles through the TMA-store epilogue (``sm90:tms``): with
@@ -586,10 +595,12 @@ class _Plan:
         group_m = op.group_m or default_group_m(tiles_m, tiles_n, blocks)
         split = split_k_for(tiles, k, blocks) if op.split_k is None else op.split_k
         # the tail split where the rule leaves the shape unsplit, with a tile build that can
-        # start its ring afresh and runs split units (not the whole-tile builds)
+        # start its ring afresh and runs split units (not the whole-tile builds), and not
+        # where "auto" takes the tensor-store tile: at K <= TMS_MAX_K its epilogue gains more
+        # than a split tail's slices of at most 32 k-steps do (an H200: benchmarks/NOTES.md)
         self.tail, base_build = 0, compute.tile_build(base)
-        if op.split_k is None and split == 1 and base_build.reinit is not None and \
-                not base_build.gemm_only:
+        if op.split_k is None and split == 1 and kind == base and \
+                base_build.reinit is not None and not base_build.gemm_only:
             self.tail, split = tail_split_for(tiles, k, blocks)
             if SIMULATOR and not _sim_safe(self.tail, split_slices(k, split)[0], blocks):
                 self.tail, split = 0, 1      # a fold would wait on a later simulated block
