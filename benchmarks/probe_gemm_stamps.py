@@ -1,12 +1,13 @@
 """Where the sm90 GEMM tile's time goes: a per-block timeline of mk.Gemm (diagnostic, one GPU).
 
     timeout 300 python benchmarks/probe_gemm_stamps.py --out $OUT/gemm_stamps.json
-        [--variants sm90,st,...] [--shapes m,n,k[,split] ...]
+        [--variants sm90,st,...] [--shapes m,n,k[,split] ...] [--layouts nk,kn]
 
 Builds the library's tile with its probe hooks defined (``benchmarks/cuda/gemm_stamps.cu``:
 clock64 and %globaltimer per event, one thread recording each, a few stores a tile) and runs
 it through ``mk.Gemm`` beside the library's own builds and torch.matmul (cuBLAS), same run,
-same operands (B [n, k] as ``w.T``). Per shape and split of K (None: ``split_k_for``'s pick):
+same operands (B [n, k] as ``w.T``; with ``--layouts`` also or instead B [k, n] row-major,
+through each build's ``:kn`` twin). Per shape and split of K (None: ``split_k_for``'s pick):
 
 - every variant's us per call (median of back-to-back calls), torch / ours, and its relative
   error against an fp32 reference (each variant's output is checked, stamped builds too);
@@ -122,18 +123,21 @@ class Stamps:
         return (f"#define PROBE_STAMPS {self.buf.data_ptr():#x}ull\n#define PROBE_ITEMS {ITEMS}"
                 f"\n#define PROBE_BLOCKS {self.blocks}\n" + extra)
 
-    def register(self, name):
-        """Make the stamped build ``name`` (STAMPED) known as tile ``probe:<name>``."""
+    def register(self, name, kn=False):
+        """Make the stamped build ``name`` (STAMPED) known as tile ``probe:<name>``, or with
+        ``kn`` its build reading B as [k, n] as ``probe:<name>:kn`` (what ``Gemm(tile=
+        "probe:<name>")`` runs for a row-major [k, n] b)."""
         from mknumba.roles import compute
         from numba import cuda, types
-        tile = f"probe:{name}"
+        tile = f"probe:{name}" + (":kn" if kn else "")
         publisher, tms, extra = STAMPED[name]
         defines = self.defines(extra)
-        build = compute.sm90_build(publisher, helper=STAMPS_CU, defines=defines, tms=tms)
+        build = compute.sm90_build(publisher, b_kn=kn, helper=STAMPS_CU, defines=defines,
+                                   tms=tms)
         # the role's stamp function from the very file the tile links (sm90_tile_functions
-        # appends the build's defines so; B [n, k]): one definition of the tile there
-        path = compute.linked_source(STAMPS_CU,
-                                     defines + compute.sm90_defines(publisher, tms=tms))
+        # appends the build's defines so): one definition of the tile there
+        path = compute.linked_source(STAMPS_CU, defines + compute.sm90_defines(
+            publisher, b_kn=kn, tms=tms))
         self.role_stamp[build.tile] = cuda.declare_device(
             "mk_probe_role_stamp", types.int32(types.int32), link=[path], abi="c")
         compute.register_tile(tile, build)
@@ -326,6 +330,9 @@ def main():
     p.add_argument("--shapes", nargs="*", default=None,
                    help="m,n,k[,split] (split 0: the op's rule), with every asked variant")
     p.add_argument("--stamped-runs", type=int, default=3)
+    p.add_argument("--layouts", default="nk",
+                   help="comma-separated layouts of B: nk (a w.T view of [n, k] w), kn "
+                        "(row-major [k, n])")
     args = p.parse_args()
     import torch
     from mknumba.kernels import gemm as G
@@ -343,32 +350,37 @@ def main():
     stamps = Stamps(2 * sms)
     tiles_of = {}          # variant -> mk tile name
     records, raws = [], {}
-    for m, n, k, split, variants in shapes:
+    for (m, n, k, split, variants), layout in [(s, lay) for s in shapes
+                                               for lay in args.layouts.split(",")]:
         variants = [v for v in variants if want is None or v in want]
         tiles = cdiv(m, 128) * cdiv(n, 256)
         slices = G.split_slices(k, split or G.split_k_for(tiles, k, sms))[0]
         k_steps = cdiv(G.split_slices(k, slices)[1], 64)
-        print(f"== {m}x{n}x{k} split {split or 'rule'} -> {slices} slice(s): {tiles} tiles of "
-              f"128x256, {k_steps} k-steps per unit, {sms} SMs", flush=True)
+        print(f"== {m}x{n}x{k} B {layout} split {split or 'rule'} -> {slices} slice(s): "
+              f"{tiles} tiles of 128x256, {k_steps} k-steps per unit, {sms} SMs", flush=True)
         torch.manual_seed(k + m)
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         ref = a.float() @ w.float().T
+        b = w.T if layout == "nk" else w.T.contiguous()   # [k, n]: a view, or row-major
         c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         iters = max(10, min(200, int(3e3 / (2 * m * n * k / 600e6))))    # ~3 ms at 600 TF/s
-        rec = dict(m=m, n=n, k=k, split=split, slices=slices, tiles=tiles, variants={},
+        rec = dict(m=m, n=n, k=k, b_layout=layout, split=split, slices=slices, tiles=tiles, variants={},
                    stamps={})
 
         def timed(fn):
             return common.time_ms(fn, iters, warmup=3, median=True)[1] * 1e3
 
         rec["torch_us"] = step("torch.matmul", lambda: timed(
-            lambda: torch.matmul(a, w.T, out=c)))
+            lambda: torch.matmul(a, b, out=c)))
         print(f"    torch {rec['torch_us']:.1f} us", flush=True)
         for v in variants:
             try:
                 if v in STAMPED and v not in tiles_of:
                     tiles_of[v] = step(f"register {v}", lambda: stamps.register(v))
+                if v in STAMPED and layout == "kn" and (v, "kn") not in tiles_of:
+                    tiles_of[v, "kn"] = step(f"register {v} (B [k, n])",
+                                             lambda: stamps.register(v, kn=True))
                 opts = dict(LIBRARY[v]) if v in LIBRARY else dict(tile=tiles_of[v])
                 if v in WHOLE_TILES and slices > 1:
                     continue
@@ -376,12 +388,12 @@ def main():
 
                 def first():
                     c.fill_(float("nan"))
-                    op(a, w.T, out=c)
+                    op(a, b, out=c)
                     torch.cuda.synchronize()
                     return ((c.float() - ref).norm() / ref.norm()).item()
                 err = step(f"{v}: first call (plans, compiles on first use) and check",
                            first, 240)
-                us = step(f"{v}: timing ({iters} calls)", lambda: timed(lambda: op(a, w.T,
+                us = step(f"{v}: timing ({iters} calls)", lambda: timed(lambda: op(a, b,
                                                                                   out=c)))
                 rec["variants"][v] = dict(us=round(us, 2), err=err,
                                           ratio=round(rec["torch_us"] / us, 4))
@@ -395,14 +407,14 @@ def main():
                 runs = []
                 for r in range(args.stamped_runs):
                     raw = step(f"{v}: stamped launch {r + 1}", lambda: stamps.run(
-                        lambda: op(a, w.T, out=c)))
+                        lambda: op(a, b, out=c)))
                     runs.append((analyse(raw, us, k_steps, order, tiles, plan.slices), raw))
                 runs.sort(key=lambda x: x[0]["span_us"])
                 s, raw = runs[len(runs) // 2]
                 s["spans_us"] = [x[0]["span_us"] for x in runs]
                 rec["stamps"][v] = s
                 used = max(1, s["blocks"])
-                raws[f"{m}x{n}x{k}_s{slices}_{v}"] = raw[:used]
+                raws[f"{m}x{n}x{k}_{layout}_s{slices}_{v}"] = raw[:used]
                 if len(order) > ITEMS * used:
                     print(f"    (only the first {ITEMS} items of each block are stamped)")
                 show(v, s)
