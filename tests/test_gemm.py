@@ -316,6 +316,23 @@ def test_tail_split_rule_and_order():
     assert not _sim_safe(2, 2, 4) and not _sim_safe(1, 4, 4)
 
 
+def test_auto_takes_the_pingpong_tile_where_tiles_are_few():
+    """"auto"'s ping-pong rule (``pp_for``) at issue 23's few-tile shapes on an H200 (132
+    blocks): where 128 x 256 tiles are at most half the blocks and split-K would take at most
+    2 slices, up to K = 8192; never for other builds, many tiles, or more slices."""
+    from mknumba.kernels.gemm import pp_for
+    for m, n in ((512, 4096), (2048, 1024)):               # 64 tiles: 1-2 slices
+        assert all(pp_for("sm90", m, n, k, 132) for k in (512, 1024, 2048, 4096, 8192))
+        assert not pp_for("sm90", m, n, 14336, 132)         # two slices win there
+    for m, n in ((512, 1024), (1024, 1024)):               # 16 / 32 tiles
+        assert all(pp_for("sm90:kn", m, n, k, 132) for k in (512, 1024, 2048))
+        assert not any(pp_for("sm90", m, n, k, 132) for k in (4096, 8192))  # 4+ slices
+    assert not pp_for("sm90", 512, 8192, 1024, 132)         # 128 tiles: more than half
+    assert pp_for("sm90", 512, 8192, 1024, 300)             # ... of 132, not of 300 blocks
+    assert not pp_for("simt", 512, 1024, 512, 132) and not pp_for("sm90:tms", 512, 1024, 512,
+                                                                   132)
+
+
 TAIL_SCRIPT = SPLIT_RUN + textwrap.dedent("""
     from mknumba.roles.compute import SIMT_TILE
     from mknumba.sched.tiles import default_group_m, grouped_order
@@ -613,11 +630,12 @@ def _twenty_calls(op, m, n, k, layout):
 @requires_gpu
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("m,n,k,split_k", [
-    # issue 23's grid where 128 x 256 tiles leave most SMs idle: the op's rule splits
-    (512, 1024, 14336, None), (1024, 1024, 4096, None), (2048, 1024, 8192, None),
-    (512, 4096, 4096, None),
+    # issue 23's grid where 128 x 256 tiles leave most SMs idle and K is long (shorter K:
+    # "auto" takes the ping-pong tile, pp_for): the op's rule splits
+    (512, 1024, 14336, None), (1024, 1024, 4096, None), (2048, 1024, 14336, None),
+    (512, 4096, 9216, None),
     # ragged m and n, K not a multiple of the slices' 64-deep steps
-    (389, 1032, 4104, None), (1000, 776, 3000, None),
+    (389, 1032, 4104, None), (1000, 776, 9000, None),
     # forced: several slices per block before the folds (64 tiles, 4 slices: 320 units), and
     # more tiles than blocks (512 tiles: folds after folds)
     (2048, 1024, 8192, 4), (4096, 4096, 2048, 2)])
@@ -663,6 +681,26 @@ def test_gemm_tail_split_matches_fp32_reference(m, n, k, reserved, tail, layout)
         assert (flags[(1 + j) * tiles:][order[tiles - tail:tiles]] == 20).all(), j
     print(f"{m}x{n}x{k} {layout} reserved {reserved}: tail {tail} in {plan.slices} slices of "
           f"{plan.kc}, worst rel err {worst:.1e}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("m,n,k", [(512, 4096, 2048), (1000, 1000, 1096), (2048, 1024, 8192)])
+def test_auto_pingpong_matches_fp32_reference(m, n, k, layout):
+    """"auto" on few-tile shapes runs the ping-pong tile (128 x 128 tiles: its plan has that
+    many tile flags; ragged m, n and K too): 20 calls (:func:`_twenty_calls`), every tile
+    flag at the last call's epoch."""
+    torch = pytest.importorskip("torch")
+    from mknumba.kernels.gemm import Gemm
+    if torch.cuda.get_device_properties(0).multi_processor_count != 132:
+        pytest.skip("the rule's picks named here are an H200's (132 SMs)")
+    op = Gemm()
+    worst = _twenty_calls(op, m, n, k, layout)
+    plan = next(iter(op._plans.values()))
+    assert len(plan.tile_flags) == -(-m // 128) * -(-n // 128) and plan.slices == 1
+    assert op.calls() == (20, 20) and (plan.tile_flags.copy_to_host() == 20).all()
+    print(f"{m}x{n}x{k} {layout}: ping-pong tiles, worst rel err {worst:.1e}")
 
 
 @pytest.mark.gpu

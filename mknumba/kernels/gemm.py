@@ -39,8 +39,9 @@ phase 1 waits on nothing, so every block reaches phase 2; there a block takes un
 and a fold comes after every slice of the tail, as in split-K. The planes are full [m, n] ones,
 as split-K's (the tail's tiles are columns of the grouped order, not a band of rows).
 
-Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (opt-in:
-the ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K),
+Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (the
+ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K; "auto"
+takes it where 128 x 256 tiles are few and K short: ``pp_for``),
 ``"sm90:tms"`` (the sm90 tile whose epilogue leaves by TMA tensor stores it does not wait
 for, ``roles.compute.SM90_TMS_TILE``; no split-K: its tile flags go out at each block's end,
 after its stores completed; "auto" takes it for unsplit shapes with K <= ``TMS_MAX_K``) or
@@ -48,8 +49,8 @@ after its stores completed; "auto" takes it for unsplit shapes with K <= ``TMS_M
 given: [n, k] (or a ``w.T`` view of one), or row-major [k, n] through its ``":kn"`` build
 (``kernels.gemm_inputs``). Calls go through the launch frame (``kernels.launch``): planned
 once per shape and layout of B, then an address bind and one driver launch. The plans of one
-op may run different kernels ("auto": the tensor-store build or the default one by shape; B's
-two layouts), but all launch the grid of its call counter (:func:`shared_bps`).
+op may run different kernels ("auto": the ping-pong, tensor-store or default build by shape;
+B's two layouts), but all launch the grid of its call counter (:func:`shared_bps`).
 """
 import threading
 
@@ -69,7 +70,7 @@ from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kerne
                      outputs_in_capture, stream_handle)
 from numba import cuda, types
 
-__all__ = ["gemm", "Gemm", "split_k_for", "tail_split_for"]
+__all__ = ["gemm", "Gemm", "split_k_for", "tail_split_for", "pp_for"]
 
 Bits2D, Bits3D = array_type(np.uint16, 2), array_type(np.uint16, 3)
 Words64, Flags, Ints = array_type(np.uint64, 1), array_type(np.uint32, 1), array_type(np.int32, 1)
@@ -132,6 +133,26 @@ def tail_split_for(tiles, k, blocks):
 #: few k-steps a tile, its stores weigh most, and they leave without stalling the consumers;
 #: from 4096 on the default epilogue is as fast or faster (an H200: benchmarks/NOTES.md)
 TMS_MAX_K = 2048
+
+
+#: K up to which "auto" runs the ping-pong tile where 128 x 256 tiles are few
+#: (:func:`pp_for`); at 14336 the sm90 tile's two slices are faster (an H200: NOTES.md)
+PP_MAX_K = 8192
+
+
+def pp_for(kind, m, n, k, blocks):
+    """Whether "auto" takes the ping-pong tile (``"sm90:pp"``: 128 x 128 tiles, whole tiles,
+    no split) for a shape whose tile build would be ``kind`` on ``blocks`` compute blocks:
+    where 128 x 256 tiles are few (at most half the blocks get one: split-K's region) and
+    split-K would cut K in at most 2 slices, up to :data:`PP_MAX_K`: twice the tiles there
+    beat two slices and their fold (an H200, gated grid: 512 x 4096 and 2048 x 1024 at K
+    512-8192 0.56-0.85x -> 0.78-0.87x cuBLAS; 512 / 1024 x 1024 at K <= 2048 0.33-0.46x ->
+    0.44-0.65x), while more slices win (K >= 4096 at 512 / 1024 x 1024)."""
+    if kind not in ("sm90", "sm90:kn"):
+        return False
+    bm, bn = compute.SM90_TILE
+    tiles = cdiv(m, bm) * cdiv(n, bn)
+    return tiles <= blocks // 2 and split_k_for(tiles, k, blocks) <= 2 and k <= PP_MAX_K
 
 
 def tms_for(kind, k):
@@ -410,9 +431,11 @@ class Gemm:
     split); an int forces at most that many for every tile (1: no split, nor a tail split;
     fewer when K has fewer 64-deep steps).
 
-    ``tile``: "auto" runs, on a Hopper GPU (sm_90a), the tensor-store build ``"sm90:tms"`` for
-    shapes it does not split (nor their tail) with K <= :data:`TMS_MAX_K` and the default
-    ``"sm90"`` elsewhere (chosen per shape; the SIMT twin without sm_90a); or a build by name
+    ``tile``: "auto" runs, on a Hopper GPU (sm_90a), the ping-pong build ``"sm90:pp"`` where
+    128 x 256 tiles are few and split-K would take at most 2 slices (:func:`pp_for`), the
+    tensor-store build ``"sm90:tms"`` for other shapes it does not split (nor their tail) with
+    K <= :data:`TMS_MAX_K`, and the default ``"sm90"`` elsewhere (chosen per shape; the SIMT
+    twin without sm_90a); or a build by name
     (module docstring): ``"sm90"``, ``"sm90:pp"`` and ``"sm90:tms"`` (these two whole tiles
     only: ``split_k`` None or 1, no tail split), ``"simt"``.
     """
@@ -564,6 +587,11 @@ class Gemm:
         return got
 
 
+def _device_sms():
+    """SMs of the current GPU (the simulator's small device: ``_SIM_SMS``)."""
+    return _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+
+
 class _Plan:
     """One shape and layout of B of a :class:`Gemm`: the compiled kernel, its order table and
     flags, the tensor maps, and the prepared :class:`~mknumba.kernels.launch.Launch`."""
@@ -572,7 +600,11 @@ class _Plan:
         kind = kind_for(op.tile) if device not in op._frames else op._frames[device][0]
         self.b_kn = b_kn(mode)
         base = kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
-        if op.tile == "auto" and tms_for(kind, k) and (op.split_k or 1) == 1:
+        if op.tile == "auto" and op.split_k is None and \
+                pp_for(kind, m, n, k, max(1, _device_sms() - op.reserved_sms)):
+            kind = compute.SM90_PINGPONG_TILE       # one block an SM, as the default tile
+            kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
+        elif op.tile == "auto" and tms_for(kind, k) and (op.split_k or 1) == 1:
             kind = compute.kn_kind(compute.SM90_TMS_TILE, op.name) if self.b_kn else \
                 compute.SM90_TMS_TILE
         build, kernel = _build(kind)
@@ -580,7 +612,7 @@ class _Plan:
             raise MkValueError(f"{op.name}: tile={op.tile!r} takes no split_k (it computes "
                                "whole tiles only); pass split_k=None or 1")
         compiled, bps = compile_kernel(kernel, build.threads, build.smem_bytes)
-        sms = _SIM_SMS if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+        sms = _device_sms()
         # every plan of the op launches one grid (its call counter counts blocks); a split's
         # own kernel is checked against it below
         known = op._frames[device][1].grid if device in op._frames else None
@@ -604,10 +636,10 @@ class _Plan:
             self.tail, split = tail_split_for(tiles, k, blocks)
             if SIMULATOR and not _sim_safe(self.tail, split_slices(k, split)[0], blocks):
                 self.tail, split = 0, 1      # a fold would wait on a later simulated block
-        if kind != base and split_slices(k, split)[0] > 1:
-            # "auto" splits this shape (or its tail): the default tile (the same tile shape,
-            # so the same tiles), whose split kernel is compiled and checked against the grid
-            # below
+        if kind != base and build.shape == base_build.shape and split_slices(k, split)[0] > 1:
+            # "auto" splits this shape (or its tail): the default tile (the tensor-store
+            # tile's shape, so the same tiles), whose split kernel is compiled and checked
+            # against the grid below; the ping-pong tile was chosen knowing the split
             kind = base
             build, kernel = _build(kind)
         self.slices, self.kc = split_slices(k, 1 if build.gemm_only else split)
