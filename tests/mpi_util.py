@@ -1,5 +1,6 @@
 """Launch a test program on N ranks with mpiexec (MPICH or Open MPI) and check it passed."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -42,14 +43,9 @@ def require_gpus(n, env=None):
                     "to run the ranks on shared GPUs, for correctness only)")
 
 
-def run_mpi(script, n, *args, env=None, simulator=True, timeout=600, expect_fail=False,
-            gpus=None):
-    """Run ``tests/mpi/<script>`` (or ``script``, an absolute path) on ``n`` ranks and return
-    its output. The test fails if the program fails (or, with ``expect_fail``, if it
-    succeeds). Off the simulator it is skipped where the machine has fewer than ``gpus``
-    GPUs (default ``n``; see :func:`require_gpus`)."""
-    if not simulator:
-        require_gpus(n if gpus is None else gpus, env)
+def _launch(script, n, args, env, simulator, timeout):
+    """mpiexec ``tests/mpi/<script>`` (or ``script``, an absolute path) on ``n`` ranks:
+    (command, return code, stdout + stderr)."""
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = ROOT + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env["PYTHONUNBUFFERED"] = "1"
@@ -67,12 +63,90 @@ def run_mpi(script, n, *args, env=None, simulator=True, timeout=600, expect_fail
     cmd = mpiexec() + ["-n", str(n), sys.executable, "-m", "mpi4py",
                        os.path.join(HERE, "mpi", script), *map(str, args)]
     p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    out = p.stdout + p.stderr
+    return cmd, p.returncode, p.stdout + p.stderr
+
+
+def run_mpi(script, n, *args, env=None, simulator=True, timeout=600, expect_fail=False,
+            gpus=None):
+    """Run ``tests/mpi/<script>`` (or ``script``, an absolute path) on ``n`` ranks and return
+    its output. The test fails if the program fails (or, with ``expect_fail``, if it
+    succeeds). Off the simulator it is skipped where the machine has fewer than ``gpus``
+    GPUs (default ``n``; see :func:`require_gpus`)."""
+    if not simulator:
+        require_gpus(n if gpus is None else gpus, env)
+    cmd, rc, out = _launch(script, n, args, env, simulator, timeout)
     if expect_fail:
-        assert p.returncode != 0, f"{' '.join(cmd)} succeeded but should have failed:\n{out}"
+        assert rc != 0, f"{' '.join(cmd)} succeeded but should have failed:\n{out}"
     else:
-        assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}:\n{out[-6000:]}"
+        assert rc == 0, f"{' '.join(cmd)} exited {rc}:\n{out[-6000:]}"
     return out
+
+
+class SharedLaunch:
+    """Simulator runs of several tests in one mpiexec start on ``n`` ranks
+    (``tests/mpi/launch_sets.py``), which saves each later run the start (mpiexec, imports,
+    the library's first-use work). Each test registers its run under its own name
+    (``add``, at import) and gets that run's output from :meth:`output`, as :func:`run_mpi`
+    would return it; the first call launches the runs of every test of the session's
+    selection that registered one here (the test's own always). A test fails when its run
+    failed (the output shows its lines and the job's), or did not run because an earlier run
+    of the launch failed (naming that test)."""
+
+    def __init__(self, n, timeout=600):
+        self.n, self.timeout = n, timeout
+        self.runs = {}            # test name -> (program, args, env)
+        self.results = {}         # test name -> (passed, output), once launched
+
+    def add(self, test, script, *args, env=None):
+        """``test``: the test's name as pytest gives it (``request.node.name``, with the
+        parameter ids); ``env``: variables for this run alone (mk.init reads them)."""
+        assert test not in self.runs, test
+        self.runs[test] = (script, [str(a) for a in args], dict(env or {}))
+
+    def output(self, request):
+        name = request.node.name
+        assert name in self.runs, f"{name} registered no run with this launch"
+        if name not in self.results:
+            selected = {item.name for item in request.session.items
+                        if getattr(item, "module", None) is request.module}
+            self.launch([t for t in self.runs if (t in selected or t == name)
+                         and t not in self.results])
+        passed, out = self.results[name]
+        assert passed, out
+        return out
+
+    def launch(self, names):
+        """Run the runs of ``names``, in that order, in one mpiexec start; record each one's
+        result: (True, its output) or (False, why it failed or did not run)."""
+        argv = []
+        for t in names:
+            script, args, env = self.runs[t]
+            argv += ["/"] + [f"{k}={'' if v is None else v}" for k, v in env.items()]
+            argv += [script, *args]
+        try:
+            cmd, rc, out = _launch("launch_sets.py", self.n, argv[1:], None, True, self.timeout)
+        except subprocess.TimeoutExpired as e:        # each test says so, none launches again
+            cmd, rc, out = e.cmd, f"timed out after {self.timeout} s", e.stdout or ""
+            out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        self.returncode = rc
+        lines = out.splitlines()
+        failed = None
+        for i, t in enumerate(names):
+            mine = [line[len(f"{i}| "):] for line in lines if line.startswith(f"{i}| ")]
+            text = "\n".join(mine) + "\n"
+            ended = sum(any(line.startswith(f"END rank {r} ") for line in mine)
+                        for r in range(self.n)) == self.n
+            if ended:
+                self.results[t] = (True, text)
+            elif failed is None:
+                failed = t
+                rest = "\n".join(line for line in lines if not re.match(r"\d+\| ", line))
+                self.results[t] = (False, f"{t}: its run failed (exit {rc}) in the shared "
+                                          f"launch {' '.join(cmd)}\n{text[-5000:]}\n"
+                                          f"-- the job's other output:\n{rest[-2000:]}")
+            else:
+                self.results[t] = (False, f"{t}: did not run: the shared launch stopped at "
+                                          f"{failed}'s run")
 
 
 def run_python(code, *args, simulator=True, timeout=600):

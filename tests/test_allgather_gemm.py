@@ -9,7 +9,7 @@ two ranks is 40 rows each, so the 32-row tile row 1 spans both shards; parts of 
 import numpy as np
 import pytest
 
-from mpi_util import run_mpi
+from mpi_util import SharedLaunch, run_mpi
 
 from mknumba.sched.tiles import arrival_order, gather_order
 
@@ -47,24 +47,31 @@ def test_tile_order_follows_arrival(shard, bm):
 
 
 # ---- simulator, several ranks -------------------------------------------------------------------
-def test_sim_1x2_every_check():
+# The runs of 2 ranks share one mpiexec start (each its own mk.init and layout).
+TWO = SharedLaunch(2)
+SIM_1X2_CHECKS = ("calls", "inplace", "bad", "disagree", "wrap", "alternate", "adaptive",
+                  "timeout")
+TWO.add("test_sim_1x2_every_check", "allgather_gemm_checks.py", ",".join(SIM_1X2_CHECKS), *SIM,
+        "calls=3")
+TWO.add("test_sim_2x1_through_the_proxy", "allgather_gemm_checks.py", "calls", *SIM, "calls=2",
+        env={"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:ordered"})
+
+
+def test_sim_1x2_every_check(request):
     """3 calls back to back (b row-major and as w.T, the gathered A into a buffer of the
     caller's), a and b updated in place, bad input, ranks that disagree, the wrap of the call
     counter, alternating with an AllGather, comm_sms="adaptive" (3 calls across the wrap), a
     peer that never calls: one launch."""
-    checks = ("calls", "inplace", "bad", "disagree", "wrap", "alternate", "adaptive",
-              "timeout")
-    out = run_mpi("allgather_gemm_checks.py", 2, ",".join(checks), *SIM, "calls=3")
-    for check in checks:
+    out = TWO.output(request)
+    for check in SIM_1X2_CHECKS:
         _passes(out, check, 2)
-    assert out.count("topology 1x2") == 2 * len(checks), out[-4000:]
+    assert out.count("topology 1x2") == 2 * len(SIM_1X2_CHECKS), out[-4000:]
 
 
 @pytest.mark.slow
-def test_sim_2x1_through_the_proxy():
+def test_sim_2x1_through_the_proxy(request):
     """Each shard goes to the other node through the proxy (ordered: data, then flag)."""
-    env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:ordered"}
-    out = run_mpi("allgather_gemm_checks.py", 2, "calls", *SIM, "calls=2", env=env)
+    out = TWO.output(request)
     _passes(out, "calls", 2)
     assert out.count("topology 2x1") == 2, out[-4000:]
 

@@ -9,7 +9,7 @@ tile row per rank, n = 32, k = 8): every simulated call costs seconds on two cor
 """
 import pytest
 
-from mpi_util import run_mpi
+from mpi_util import SharedLaunch, run_mpi
 
 SIM_SHAPE = ("m=64", "n=32", "k=8", "gm=32", "gn=32", "gk=8", "ag=24")
 SIM_CHECKS = ("inplace", "wrap", "alternate", "free", "capture", "disagree", "dtypes")
@@ -19,14 +19,21 @@ def _passes(out, check, n):
     assert out.count(f"PASS {check} ") == n, out[-4000:]
 
 
+# The simulator runs share one mpiexec start (each its own mk.init and layout).
+TWO = SharedLaunch(2)
+TWO.add("test_sim_1x2_frame_checks", "frame_checks.py", ",".join(SIM_CHECKS), *SIM_SHAPE)
+TWO.add("test_sim_2x1_wrap", "frame_checks.py", "wrap", *SIM_SHAPE,
+        env={"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:ordered"})
+
+
 # ---- simulator ----------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_sim_1x2_frame_checks():
+def test_sim_1x2_frame_checks(request):
     """Every simulator check on one node of two GPUs, in one launch: fused ops with a and b
     updated in place between calls (b row-major and as a column-major view), the wrap of the
     call counter and epoch after ``_start_at(2**32 - 3)``, ops called in turn, free, calls that
     would allocate inside a capture, ranks that disagree, the bf16 spellings."""
-    out = run_mpi("frame_checks.py", 2, ",".join(SIM_CHECKS), *SIM_SHAPE)
+    out = TWO.output(request)
     for check in SIM_CHECKS:
         _passes(out, check, 2)
     assert out.count("topology 1x2") == 2 * len(SIM_CHECKS), out[-4000:]
@@ -34,11 +41,10 @@ def test_sim_1x2_frame_checks():
 
 
 @pytest.mark.slow
-def test_sim_2x1_wrap():
+def test_sim_2x1_wrap(request):
     """Across the wrap between two nodes (the proxy's sim transport): ``_start_at`` also sets
     the network flags and chunk counters."""
-    env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:ordered"}
-    out = run_mpi("frame_checks.py", 2, "wrap", *SIM_SHAPE, env=env)
+    out = TWO.output(request)
     _passes(out, "wrap", 2)
     assert out.count("topology 2x1") == 2 and out.count("frame=(3, 4)") == 2, out[-4000:]
 

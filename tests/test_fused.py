@@ -7,7 +7,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from mpi_util import run_mpi, run_python
+from mpi_util import SharedLaunch, run_mpi, run_python
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -132,19 +132,27 @@ def _passes(out, n):
     assert out.count("PASS") == n, out[-3000:]
 
 
+# The simulator runs of 2 ranks (1x2 and 2x1) share one mpiexec start, those of 4 ranks
+# another: each run is a set of options of fused_checks.py in its own mk.init.
+TWO, FOUR = SharedLaunch(2), SharedLaunch(4)
+SIM_1X2 = [("on", "mixed", "on"), ("on", "off", "off"), ("off", "on", "off")]
+for _d, _s, _f in SIM_1X2:
+    TWO.add(f"test_sim_1x2_both_kernels[{_d}-{_s}-{_f}]", "fused_checks.py", "both", 128, 64,
+            16, 2, "numba", 0, "auto", _d, _s, _f)
+
+
 @pytest.mark.parametrize("deliver,shared,fold", [
-    ("on", "mixed", "on"),
-    pytest.param("on", "off", "off", marks=pytest.mark.slow),
-    pytest.param("off", "on", "off", marks=pytest.mark.slow)])
-def test_sim_1x2_both_kernels(deliver, shared, fold):
+    SIM_1X2[0],
+    pytest.param(*SIM_1X2[1], marks=pytest.mark.slow),
+    pytest.param(*SIM_1X2[2], marks=pytest.mark.slow)])
+def test_sim_1x2_both_kernels(deliver, shared, fold, request):
     """deliver: compute blocks write the tiles the other GPU owns into its
     inbox; off: the owner loads them from the other GPU. shared: AllReduce into its shared
     output, which the owner writes on both GPUs when delivering (direct), else through the
     copy; mixed: rank 0 into its shared output, rank 1 into an array of its own, which it
     copies out of its shared output. fold: ReduceScatter's owner adds the delivered tile in
     its own tile's epilogue."""
-    out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, "auto", deliver,
-                  shared, fold)
+    out = TWO.output(request)
     _passes(out, 4)
     assert out.count("join=0") == 4, out[-2000:]       # blocks run one at a time here
     assert out.count(f"deliver={int(deliver == 'on')}") == 4, out[-2000:]
@@ -163,31 +171,41 @@ def test_sim_one_rank_is_the_plain_gemm():
     assert out.count("solo=1") == 2, out[-2000:]
 
 
+for _mode in ("ordered", "completion"):
+    TWO.add(f"test_sim_2x1_both_kernels[{_mode}]", "fused_checks.py", "both", 128, 32, 8, 2,
+            "numba", 1, env={"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": f"sim:{_mode}"})
+
+
 @pytest.mark.parametrize("mode", ["ordered", "completion"])
 @pytest.mark.slow
-def test_sim_2x1_both_kernels(mode):
-    env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": f"sim:{mode}"}
-    _passes(run_mpi("fused_checks.py", 2, "both", 128, 32, 8, 2, "numba", 1, env=env), 4)
+def test_sim_2x1_both_kernels(mode, request):
+    _passes(TWO.output(request), 4)
 
 
-def test_sim_1x2_adaptive_across_the_wrap():
+TWO.add("test_sim_1x2_adaptive_across_the_wrap", "fused_checks.py", "both", 128, 64, 16, 2,
+        "numba", 0, "auto", "auto", "off", "auto", "adaptive", 2**32 - 1)
+
+
+def test_sim_1x2_adaptive_across_the_wrap(request):
     """comm_sms='adaptive' (roles.controller): blocks take tiles and reduce (AllReduce: then
     pull) items from queues and change role between them; two calls from just short of 2**32
     calls (the call counter, the epoch and the queues' tickets wrap), each against the float64
     reference, the trace of the last one saved and checked (fused_checks)."""
-    out = run_mpi("fused_checks.py", 2, "both", 128, 64, 16, 2, "numba", 0, "auto", "auto", "off",
-                  "auto", "adaptive", 2**32 - 1)
+    out = TWO.output(request)
     _passes(out, 4)
     assert out.count("adaptive=1") == 4, out[-2000:]
     assert out.count("calls_seen=1 ") == 4, out[-2000:]     # 2**32 + 1 calls, mod 2**32
 
 
-def test_sim_2x1_adaptive():
+TWO.add("test_sim_2x1_adaptive", "fused_checks.py", "rs", 128, 32, 8, 2, "numba", 1, "auto",
+        "auto", "off", "auto", "adaptive",
+        env={"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:completion"})
+
+
+def test_sim_2x1_adaptive(request):
     """The controller between two nodes: compute and reduce blocks are flexible, send and
     receive keep their blocks; the network chunks are counted as reduce items finish."""
-    env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:completion"}
-    out = run_mpi("fused_checks.py", 2, "rs", 128, 32, 8, 2, "numba", 1, "auto", "auto", "off",
-                  "auto", "adaptive", env=env)
+    out = TWO.output(request)
     _passes(out, 2)
     assert out.count("adaptive=1") == 2, out[-2000:]
 
@@ -257,29 +275,38 @@ def test_timeline_layout():
     assert [e["name"] for e in doc["traceEvents"] if e["ph"] == "X"] == ["send 3", "push 3"]
 
 
-def test_sim_1x4_both_kernels():
+FOUR.add("test_sim_1x4_both_kernels", "fused_checks.py", "both", 128, 32, 8, 2, "numba", 0,
+         "auto", "on", "off", "on", env={"MKNUMBA_GPUS_PER_NODE": "4"})
+
+
+def test_sim_1x4_both_kernels(request):
     """Four GPUs on one node: each owner sums its tile and three delivered inbox planes
     (ReduceScatter: in its own tile's epilogue, fold)."""
-    out = run_mpi("fused_checks.py", 4, "both", 128, 32, 8, 2, "numba", 0, "auto", "on", "off",
-                  "on", env={"MKNUMBA_GPUS_PER_NODE": "4"})
+    out = FOUR.output(request)
     _passes(out, 8)
     assert out.count("deliver=1") == 8, out[-2000:]
     assert out.count("fold=1") == 4, out[-2000:]
 
 
-@pytest.mark.slow
-def test_sim_2x2_both_kernels():
-    env = {"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:completion"}
-    _passes(run_mpi("fused_checks.py", 4, "both", 128, 32, 8, 2, "numba", 1, env=env), 8)
+FOUR.add("test_sim_2x2_both_kernels", "fused_checks.py", "both", 128, 32, 8, 2, "numba", 1,
+         env={"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:completion"})
 
 
 @pytest.mark.slow
-def test_sim_2x2_allreduce_shared_output():
+def test_sim_2x2_both_kernels(request):
+    _passes(FOUR.output(request), 8)
+
+
+FOUR.add("test_sim_2x2_allreduce_shared_output", "fused_checks.py", "ar", 128, 32, 8, 2,
+         "numba", 1, "auto", "auto", "on",
+         env={"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:ordered"})
+
+
+@pytest.mark.slow
+def test_sim_2x2_allreduce_shared_output(request):
     """Between nodes the receive role writes the finished tile into every local GPU's shared
     output (no copy)."""
-    env = {"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:ordered"}
-    out = run_mpi("fused_checks.py", 4, "ar", 128, 32, 8, 2, "numba", 1, "auto", "auto", "on",
-                  env=env)
+    out = FOUR.output(request)
     _passes(out, 4)
     assert out.count("direct=1") == 4, out[-2000:]
 

@@ -11,50 +11,55 @@ experts=8 max_tokens=8`` with NUMBA_ENABLE_CUDASIM=1.
 """
 import pytest
 
-from mpi_util import run_mpi
+from mpi_util import SharedLaunch, run_mpi
 
 SIM = ("comm_sms=6", "unit=4")       # 2 pack and 4 pull blocks: every role strides
+
+
+# Between nodes: fewer blocks and smaller sizes (each rank's blocks run one at a time).
+SIM_NODES = ("comm_sms=3", "unit=4", "hidden=8", "ffn=8", "ehf=0")
+# The runs of 2 ranks share one mpiexec start (each its own mk.init and layout).
+TWO = SharedLaunch(2)
+SIM_1X2_CHECKS = ("calls", "inplace", "bad", "badid", "disagree", "capacity", "timeout")
+TWO.add("test_sim_1x2_every_check", "moe_dispatch_checks.py", ",".join(SIM_1X2_CHECKS), *SIM)
+TWO.add("test_sim_1x2_adaptive_across_the_wrap", "moe_dispatch_checks.py", "calls", "unit=4",
+        "adaptive=1")
+TWO.add("test_sim_2x1_through_the_proxy", "moe_dispatch_checks.py", "calls,badid", *SIM_NODES,
+        "max_tokens=8", env={"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:ordered"})
 
 
 def _passes(out, check, n):
     assert out.count(f"PASS {check} ") == n, out[-4000:]
 
 
-def test_sim_1x2_every_check():
+def test_sim_1x2_every_check(request):
     """Five routings (uniform, Zipf-hot, every token to one expert, a rank that sends
     nothing, experts and a rank that receive nothing) on two ops called in turn across the
     epoch's wrap, w updated in place, bad input, expert ids out of range (found on the
     device), ranks that disagree, a capacity overflow, a peer that never calls: one
     launch."""
-    checks = ("calls", "inplace", "bad", "badid", "disagree", "capacity", "timeout")
-    out = run_mpi("moe_dispatch_checks.py", 2, ",".join(checks), *SIM)
-    for check in checks:
+    out = TWO.output(request)
+    for check in SIM_1X2_CHECKS:
         _passes(out, check, 2)
-    assert out.count("topology 1x2") == 2 * len(checks), out[-4000:]
+    assert out.count("topology 1x2") == 2 * len(SIM_1X2_CHECKS), out[-4000:]
 
 
-def test_sim_1x2_adaptive_across_the_wrap():
+def test_sim_1x2_adaptive_across_the_wrap(request):
     """comm_sms="adaptive" (``roles.controller``): the compute blocks also pull the rows, 16
     at a time, each next item the controller's; the five routings (an expert, a rank that
     receives nothing, a rank that sends nothing, every token to one expert) across the epoch's
     wrap against the float64 reference; the controller measured each tile and pull once, and
     the queues hold the epoch rule's tickets."""
-    out = run_mpi("moe_dispatch_checks.py", 2, "calls", "unit=4", "adaptive=1")
+    out = TWO.output(request)
     _passes(out, "calls", 2)
     assert out.count("adaptive=1") == 2 and out.count("'pull': 0") == 2, out[-4000:]
 
 
-# Between nodes: fewer blocks and smaller sizes (each rank's blocks run one at a time).
-SIM_NODES = ("comm_sms=3", "unit=4", "hidden=8", "ffn=8", "ehf=0")
-
-
-def test_sim_2x1_through_the_proxy():
+def test_sim_2x1_through_the_proxy(request):
     """The five routings across two nodes of one GPU: each rank's meta region and token
     units go to the other node through the proxy (ordered: data, then flag), the forward
     role there announces them; an expert id out of range on one rank."""
-    env = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:ordered"}
-    out = run_mpi("moe_dispatch_checks.py", 2, "calls,badid", *SIM_NODES, "max_tokens=8",
-                  env=env)
+    out = TWO.output(request)
     _passes(out, "calls", 2)
     _passes(out, "badid", 2)
     assert out.count("topology 2x1") == 4, out[-4000:]

@@ -15,7 +15,7 @@ from mknumba.proxy.transports import parse_spec
 from mknumba.proxy.transports.verbs import rdma_available
 from mknumba.proxy.transports.verbs_plan import (IBV_WR_RDMA_WRITE, FlagSource, pack_conn_info,
                                                  unpack_conn_info, work_requests)
-from mpi_util import run_mpi
+from mpi_util import SharedLaunch
 
 FIELDS = dict(peer=3, src_win=1, src_off=(5 << 32) + 7, dst_win=2, dst_off=(1 << 40) + 9,
               nbytes=4096, chunk=77, flag_win=4, flag_slot=1234, epoch=0xFFFFFFFE)
@@ -239,13 +239,19 @@ def test_device_enqueue_compiles_for_sm90(fake_sm90):
 
 
 ENV = {"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_PROXY_SLOTS": "16"}
+# The programs' runs of 2 ranks share one mpiexec start, those of 4 another (each its own
+# mk.init; the failing proxy runs last).
+LAUNCH = {2: SharedLaunch(2), 4: SharedLaunch(4)}
+STRESS = [(2, "sim:ordered"), (2, "sim:completion"), (4, "sim:ordered"), (4, "sim:completion")]
+for _n, _spec in STRESS:
+    LAUNCH[_n].add(f"test_sim_stress_10k_commands[{_n}-{_spec}]", "proxy_stress.py", _spec,
+                   10000, env=ENV)
 
 
-@pytest.mark.parametrize("n,spec", [(2, "sim:ordered"), (2, "sim:completion"),
-                                    (4, "sim:ordered"), (4, "sim:completion")])
+@pytest.mark.parametrize("n,spec", STRESS)
 @pytest.mark.slow
-def test_sim_stress_10k_commands(n, spec):
-    out = run_mpi("proxy_stress.py", n, spec, 10000, env=ENV, timeout=300)
+def test_sim_stress_10k_commands(n, spec, request):
+    out = LAUNCH[n].output(request)
     assert "every byte and flag checked" in out
 
 
@@ -290,26 +296,41 @@ def test_dma_coalesces_adjacent_commands_only():
     assert _coalesced(overlap) == ([(7040, 1300, 20), (7000, 1000, 60)], True)
 
 
-@pytest.mark.parametrize("spec,event_bytes", [("dma-host:ordered", None),
-                                              ("dma-host:completion:batch", None),
-                                              ("dma-host:ordered:batch", "0")])
-def test_dma_compiled_path_over_host_memory(spec, event_bytes):
+DMA_HOST = [("dma-host:ordered", None), ("dma-host:completion:batch", None),
+            ("dma-host:ordered:batch", "0")]
+for _spec, _event_bytes in DMA_HOST:
+    LAUNCH[2].add(f"test_dma_compiled_path_over_host_memory[{_spec}-{_event_bytes}]",
+                  "proxy_stress.py", _spec, 1000,
+                  env=dict(ENV, MKNUMBA_DMA_EVENT_BYTES=_event_bytes))
+
+
+@pytest.mark.parametrize("spec,event_bytes", DMA_HOST)
+def test_dma_compiled_path_over_host_memory(spec, event_bytes, request):
     """The dma transport's compiled issue and progress over a host stand-in for libcuda; with
     MKNUMBA_DMA_EVENT_BYTES=0 every batch writes its flags on the second stream behind an event
     (the script checks that every batch did)."""
-    env = dict(ENV, MKNUMBA_DMA_EVENT_BYTES=event_bytes) if event_bytes else ENV
-    out = run_mpi("proxy_stress.py", 2, spec, 1000, env=env, timeout=300)
+    out = LAUNCH[2].output(request)
     assert "every byte and flag checked" in out
 
 
-@pytest.mark.parametrize("spec", ["sim:completion", "dma-host:ordered"])
-def test_windows_are_released_and_reused(spec):
-    out = run_mpi("proxy_windows.py", 2, spec, 20, env=ENV, timeout=300)
+WINDOWS = ["sim:completion", "dma-host:ordered"]
+for _spec in WINDOWS:
+    LAUNCH[2].add(f"test_windows_are_released_and_reused[{_spec}]", "proxy_windows.py", _spec,
+                  20, env=ENV)
+
+
+@pytest.mark.parametrize("spec", WINDOWS)
+def test_windows_are_released_and_reused(spec, request):
+    out = LAUNCH[2].output(request)
     assert "reused; stale command refused" in out
 
 
-def test_proxy_failure_surfaces():
-    out = run_mpi("proxy_errors.py", 2, env=dict(ENV, MKNUMBA_TIMEOUT_S="2"), timeout=120)
+LAUNCH[2].add("test_proxy_failure_surfaces", "proxy_errors.py",
+              env=dict(ENV, MKNUMBA_TIMEOUT_S="2"))
+
+
+def test_proxy_failure_surfaces(request):
+    out = LAUNCH[2].output(request)
     assert "proxy error surfaced" in out and "credit wait timed out" in out
 
 

@@ -6,7 +6,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from mpi_util import run_mpi, run_python
+from mpi_util import SharedLaunch, run_mpi, run_python
 
 import mknumba  # noqa: E402,F401
 from mknumba.sched.sequence import positions, shard, unshard  # noqa: E402
@@ -117,29 +117,36 @@ def _passes(out, n):
     assert out.count("PASS ring") == 4 * n, out[-3000:]
 
 
-@pytest.mark.parametrize("ranks,gpn,transport", [
-    pytest.param(2, 2, None, id="1x2"),
-    pytest.param(4, 4, None, id="1x4", marks=pytest.mark.slow),
-    pytest.param(2, 1, "sim:ordered", id="2x1", marks=pytest.mark.slow),
-    pytest.param(4, 2, "sim:completion", id="2x2", marks=pytest.mark.slow)])
-def test_sim_ring(ranks, gpn, transport):
+# The runs of 2 ranks share one mpiexec start, those of 4 another (each its own mk.init and
+# layout).
+LAUNCH = {2: SharedLaunch(2), 4: SharedLaunch(4)}
+SIM_RINGS = [("1x2", 2, 2, None), ("1x4", 4, 4, None), ("2x1", 2, 1, "sim:ordered"),
+             ("2x2", 4, 2, "sim:completion")]
+for _id, _ranks, _gpn, _transport in SIM_RINGS:
+    LAUNCH[_ranks].add(f"test_sim_ring[{_id}]", "ring_checks.py", 1, 6, 2, 1, 16, 2,
+                       env={"MKNUMBA_GPUS_PER_NODE": str(_gpn), "MKNUMBA_TRANSPORT": _transport})
+LAUNCH[2].add("test_sim_1x2_adaptive_across_the_wrap", "ring_checks.py", 1, 6, 2, 1, 16, 2,
+              "numba", "adaptive", env={"MKNUMBA_GPUS_PER_NODE": "2"})
+
+
+@pytest.mark.parametrize("ranks", [
+    pytest.param(2, id="1x2"),
+    pytest.param(4, id="1x4", marks=pytest.mark.slow),
+    pytest.param(2, id="2x1", marks=pytest.mark.slow),
+    pytest.param(4, id="2x2", marks=pytest.mark.slow)])
+def test_sim_ring(ranks, request):
     """Both layouts, causal and not, GQA, seq_local 6 (a partial tile of 8 rows), 2 calls;
     between nodes the slices go through the proxy (both completion modes) and, on 2x2, are
     forwarded inside the node."""
-    env = {"MKNUMBA_GPUS_PER_NODE": str(gpn)}
-    if transport:
-        env["MKNUMBA_TRANSPORT"] = transport
-    out = run_mpi("ring_checks.py", ranks, 1, 6, 2, 1, 16, 2, env=env)
-    _passes(out, ranks)
+    _passes(LAUNCH[ranks].output(request), ranks)
 
 
-def test_sim_1x2_adaptive_across_the_wrap():
+def test_sim_1x2_adaptive_across_the_wrap(request):
     """comm_sms="adaptive" (``roles.controller``): the compute blocks also push this rank's
     slice, each next item the controller's; both layouts, causal and not, 2 calls from call
     2**32 - 2 (across the epoch's wrap) against the float64 reference; the controller's
     counts, the queues' tickets, which blocks did the items, the saved trace."""
-    out = run_mpi("ring_checks.py", 2, 1, 6, 2, 1, 16, 2, "numba", "adaptive",
-                  env={"MKNUMBA_GPUS_PER_NODE": "2"})
+    out = LAUNCH[2].output(request)
     assert out.count("PASS adaptive ring") == 4 * 2, out[-3000:]
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import mknumba as mk
-from mpi_util import gpu_count, run_mpi
+from mpi_util import SharedLaunch, gpu_count, run_mpi
 
 # Checks that share one launch (one MPI start-up each); the timeout check shortens every
 # wait's bound, so it runs alone, on one node and across two (the proxy's wait), each of two
@@ -26,16 +26,23 @@ RUNS = ([pytest.param(CHECKS, *getattr(p, "values", p), marks=getattr(p, "marks"
          pytest.param("timeout", 2, 1, "sim:ordered", marks=pytest.mark.slow)])
 
 
+# The runs of 2 ranks share one mpiexec start, those of 4 another (each its own mk.init and
+# layout; the timeout runs last).
+LAUNCH = {2: SharedLaunch(2), 4: SharedLaunch(4)}
+for _run in RUNS:
+    _checks, _ranks, _gpn, _transport = _run.values
+    LAUNCH[_ranks].add(f"test_simulator[{'-'.join(map(str, _run.values))}]", "runtime_checks.py",
+                       _checks, env={"MKNUMBA_GPUS_PER_NODE": _gpn and str(_gpn),
+                                     "MKNUMBA_TRANSPORT": _transport})
+
+
 def _passed(out, check, n):
     assert sum(f"PASS {check} rank {r}" in out for r in range(n)) == n, out[-3000:]
 
 
 @pytest.mark.parametrize("checks,ranks,gpn,transport", RUNS, ids=str)
-def test_simulator(checks, ranks, gpn, transport):
-    env = {"MKNUMBA_GPUS_PER_NODE": str(gpn)} if gpn else {}
-    if transport:
-        env["MKNUMBA_TRANSPORT"] = transport
-    out = run_mpi("runtime_checks.py", ranks, checks, env=env, timeout=300)
+def test_simulator(checks, ranks, gpn, transport, request):
+    out = LAUNCH[ranks].output(request)
     for check in checks.split(","):
         _passed(out, check, ranks)
 
@@ -77,5 +84,16 @@ def test_no_mpi_is_a_clear_error(monkeypatch):
 
 
 def test_exception_on_one_rank_aborts_instead_of_hanging():
-    out = run_mpi("runtime_checks.py", 2, "raise", timeout=120, expect_fail=True)
+    """Also how a shared launch (mpi_util.SharedLaunch) reports a failing run: that run's
+    test gets its output, the runs before it pass, the runs after it did not run."""
+    launch = SharedLaunch(2, timeout=120)
+    for name, check in (("before", "topology"), ("fails", "raise"), ("after", "topology")):
+        launch.add(name, "runtime_checks.py", check)
+    launch.launch(["before", "fails", "after"])
+    (ok, before), (failed, out), (ran, after) = (launch.results[t]
+                                                 for t in ("before", "fails", "after"))
+    assert ok and before.count("PASS topology") == 2, before
+    assert launch.returncode != 0 and not failed, out[-3000:]
+    assert out.startswith("fails: its run failed"), out[-3000:]
     assert "rank 0 failed on purpose" in out, out[-3000:]
+    assert not ran and after == "after: did not run: the shared launch stopped at fails's run"

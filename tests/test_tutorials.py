@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from mpi_util import ROOT, run_mpi
+from mpi_util import ROOT, SharedLaunch, run_mpi
 
 TUTORIAL = os.path.join(ROOT, "examples", "tutorial")
 LESSONS = sorted(f for f in os.listdir(TUTORIAL) if f[:2].isdigit() and f.endswith(".py"))
@@ -20,9 +20,15 @@ def _check(lesson, out):
     assert len(oks) == 1 and oks[0].endswith(": OK"), out[-3000:]
 
 
+# In the simulator the lessons share one mpiexec start, one after another.
+SIM = SharedLaunch(2)
+for _lesson in LESSONS:
+    SIM.add(f"test_lesson[{_lesson}]", os.path.join(TUTORIAL, _lesson))
+
+
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_lesson(lesson):
-    _check(lesson, run_mpi(os.path.join(TUTORIAL, lesson), 2, timeout=300))
+def test_lesson(lesson, request):
+    _check(lesson, SIM.output(request))
 
 
 @pytest.mark.gpu
