@@ -90,7 +90,8 @@ class SharedLaunch:
     would return it; the first call launches the runs of every test of the session's
     selection that registered one here (the test's own always). A test fails when its run
     failed (the output shows its lines and the job's), or did not run because an earlier run
-    of the launch failed (naming that test)."""
+    of the launch failed (naming that test), or when the job failed or timed out after every
+    run had ended (at exit: any run may have left that behind, so each test fails)."""
 
     def __init__(self, n, timeout=600):
         self.n, self.timeout = n, timeout
@@ -126,8 +127,9 @@ class SharedLaunch:
         try:
             cmd, rc, out = _launch("launch_sets.py", self.n, argv[1:], None, True, self.timeout)
         except subprocess.TimeoutExpired as e:        # each test says so, none launches again
-            cmd, rc, out = e.cmd, f"timed out after {self.timeout} s", e.stdout or ""
-            out = out.decode(errors="replace") if isinstance(out, bytes) else out
+            cmd, rc = e.cmd, f"timed out after {self.timeout} s"
+            out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                          for x in (e.stdout, e.stderr))
         self.returncode = rc
         lines = out.splitlines()
         failed = None
@@ -147,6 +149,15 @@ class SharedLaunch:
             else:
                 self.results[t] = (False, f"{t}: did not run: the shared launch stopped at "
                                           f"{failed}'s run")
+        if failed is None and rc != 0:
+            # every run ended, then the job failed or hung on its way out (MPI_Finalize, a
+            # thread, a crash at exit): state any run left behind, so no run's test passes
+            rest = "\n".join(line for line in lines if not re.match(r"\d+\| ", line))
+            for t in names:
+                self.results[t] = (False, f"{t}: its run ended, but the shared launch "
+                                          f"{' '.join(cmd)} then exited {rc} (after runs "
+                                          f"{', '.join(names)}; run them alone to tell which "
+                                          f"one):\n{rest[-3000:]}")
 
 
 def run_python(code, *args, simulator=True, timeout=600):

@@ -4,6 +4,7 @@ Simulator runs (CI): tests/mpi/runtime_checks.py under mpiexec with NUMBA_ENABLE
 GPU runs: the same program on real GPUs (marked ``gpu``).
 """
 import sys
+import textwrap
 
 import pytest
 
@@ -97,3 +98,29 @@ def test_exception_on_one_rank_aborts_instead_of_hanging():
     assert out.startswith("fails: its run failed"), out[-3000:]
     assert "rank 0 failed on purpose" in out, out[-3000:]
     assert not ran and after == "after: did not run: the shared launch stopped at fails's run"
+
+
+def test_shared_launch_fails_every_run_when_the_job_fails_after_them(tmp_path):
+    """A job that fails (or hangs) on its way out, after every run ended (an exit handler, a
+    thread, MPI_Finalize), fails each run's test: any run may have left it behind."""
+    prog = tmp_path / "ends.py"
+    prog.write_text(textwrap.dedent("""
+        import atexit, os, sys, time
+        from mpi4py import MPI
+        print("PASS ends rank", MPI.COMM_WORLD.Get_rank(), flush=True)
+        if sys.argv[1:] == ["exit"]:
+            atexit.register(os._exit, 3)      # the rank exits 3, without MPI_Finalize
+        elif sys.argv[1:] == ["hang"]:
+            atexit.register(time.sleep, 60)
+    """))
+    for last, rc in (("exit", 3), ("hang", "timed out after 6 s"), ("fine", 0)):
+        launch = SharedLaunch(2, timeout=6 if last == "hang" else 60)
+        launch.add("first", str(prog))
+        launch.add("last", str(prog), last)
+        launch.launch(["first", "last"])
+        assert launch.returncode == rc or (rc == 3 and launch.returncode != 0), \
+            launch.returncode
+        for t in ("first", "last"):
+            ok, out = launch.results[t]
+            assert ok == (rc == 0), (last, t, out)
+            assert rc == 0 or out.startswith(f"{t}: its run ended, but the shared launch"), out
