@@ -301,7 +301,7 @@ def test_tail_split_rule_and_order():
         assert tail_split_for(tiles, 8192, 132) == (0, 1)
     assert tail_split_for(2 * 132 + 40, 4096, 132) == (40, 2)   # 3 does not divide 64 k-steps
     assert tail_split_for(2 * 132 + 40, 3072, 132) == (40, 3)   # 48 k-steps: 3 does
-    assert tail_split_for(2 * 132 + 4, 8192, 132) == (4, 8)     # 128 k-steps: no more than 8
+    assert tail_split_for(2 * 132 + 4, 8192, 132) == (4, 4)     # TAIL_MAX_SLICES
     assert tail_split_for(2 * 132 + 26, 6144, 132) == (26, 4)   # 96 k-steps: 5 -> 4
     assert tail_split_for(2 * 132 + 26, 4480, 132) == (26, 4)   # 70: 4 (3 divides no better)
     assert tail_split_for(100, 8192, 132) == (0, 1) and tail_split_for(264, 8192, 132) == (0, 1)

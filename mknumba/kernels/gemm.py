@@ -91,6 +91,9 @@ SPLIT_MIN_STEPS = 16
 #: tails of many rounds (8192 x 28672 x 4096 on an H200: 55 rounds, 2-4% slower; 4096^3 with
 #: 8 SMs held back: 5 rounds, 17% faster: benchmarks/NOTES.md)
 TAIL_MIN_GAIN = 0.05
+#: the most slices of a split tail: its workspace is ``s + 1`` planes the size of C (full
+#: planes, as split-K's), and tails were measured up to 4 slices
+TAIL_MAX_SLICES = 4
 
 
 def split_k_for(tiles, k, blocks):
@@ -111,7 +114,7 @@ def tail_split_for(tiles, k, blocks):
     (the tail split, module docstring), or ``(0, 1)``: none. With more tiles than compute
     blocks, the last round runs ``tail = tiles % blocks`` tiles; when that leaves at least
     half the blocks idle (``0 < tail <= blocks // 2``), each of its tiles is cut into ``s =
-    min(blocks // tail, k_steps // SPLIT_MIN_STEPS)`` slices (the tail's slices all run at once,
+    min(blocks // tail, k_steps // SPLIT_MIN_STEPS, TAIL_MAX_SLICES)`` slices (the tail's slices all run at once,
     none shorter than split-K's), one fewer when that divides the k-steps evenly and ``s`` does
     not (no ragged slice for one slice less), and no split below 2; and only where that
     can save :data:`TAIL_MIN_GAIN` of the time: the last round's ``1 - 1 / s`` of a round
@@ -121,7 +124,7 @@ def tail_split_for(tiles, k, blocks):
     if tiles <= blocks or tail == 0 or tail > blocks // 2:
         return 0, 1
     steps = cdiv(k, SPLIT_BK)
-    s = min(blocks // tail, steps // SPLIT_MIN_STEPS)
+    s = min(blocks // tail, steps // SPLIT_MIN_STEPS, TAIL_MAX_SLICES)
     if s > 2 and steps % s and steps % (s - 1) == 0:
         s -= 1
     if s < 2 or (1 - 1 / s) < TAIL_MIN_GAIN * cdiv(tiles, blocks):
@@ -425,14 +428,16 @@ class Gemm:
     call of that shape binds its arrays' addresses and launches. Plans are kept for the op's
     lifetime (a captured CUDA graph may refer to them); the first call of a shape must not be
     inside a capture. After a call, ``tile_flags(m, n, k, b_layout)[t] == epoch`` for every
-    output tile ``t = tile_m * tiles_n + tile_n``. ``split_k``: slices of K per output tile
+    output tile ``t = tile_m * tiles_n + tile_n`` of the plan's build (128 x 256 tiles; 128 x
+    128 where "auto" takes the ping-pong tile). ``split_k``: slices of K per output tile
     (split-K, see the module docstring): None lets :func:`split_k_for` choose by shape, and
     where it does not split, :func:`tail_split_for` split the last round's tiles (the tail
     split); an int forces at most that many for every tile (1: no split, nor a tail split;
     fewer when K has fewer 64-deep steps).
 
     ``tile``: "auto" runs, on a Hopper GPU (sm_90a), the ping-pong build ``"sm90:pp"`` where
-    128 x 256 tiles are few and split-K would take at most 2 slices (:func:`pp_for`), the
+    128 x 256 tiles are few and split-K would take at most 2 slices (:func:`pp_for`; only
+    with ``split_k`` None), the
     tensor-store build ``"sm90:tms"`` for other shapes it does not split (nor their tail) with
     K <= :data:`TMS_MAX_K`, and the default ``"sm90"`` elsewhere (chosen per shape; the SIMT
     twin without sm_90a); or a build by name

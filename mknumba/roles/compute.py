@@ -140,7 +140,9 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
                            "no publisher warp")
     key = (bool(publisher), bool(b_kn), bool(pingpong), helper, defines, bool(tms))
     if key not in _SM90_BUILDS:
-        own = helper is None and not pingpong       # the library's gemm_tile.cu
+        # the library's gemm_tile.cu without the publisher warp: the builds whose restart
+        # ran on a GPU (mk.Gemm's tail split; the publisher build's has not)
+        own = helper is None and not pingpong and not publisher
         helper = linked_source(helper or (PINGPONG_HELPER if pingpong else HELPER),
                                defines + sm90_defines(publisher, b_kn, tms))
         prefix = "mk_gemm_sm90pp" if pingpong else "mk_gemm_sm90"
