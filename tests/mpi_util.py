@@ -132,6 +132,7 @@ class SharedLaunch:
                           for x in (e.stdout, e.stderr))
         self.returncode = rc
         lines = out.splitlines()
+        rest = "\n".join(line for line in lines if not re.match(r"\d+\| ", line))  # no run's
         failed = None
         for i, t in enumerate(names):
             mine = [line[len(f"{i}| "):] for line in lines if line.startswith(f"{i}| ")]
@@ -142,7 +143,6 @@ class SharedLaunch:
                 self.results[t] = (True, text)
             elif failed is None:
                 failed = t
-                rest = "\n".join(line for line in lines if not re.match(r"\d+\| ", line))
                 self.results[t] = (False, f"{t}: its run failed (exit {rc}) in the shared "
                                           f"launch {' '.join(cmd)}\n{text[-5000:]}\n"
                                           f"-- the job's other output:\n{rest[-2000:]}")
@@ -152,7 +152,6 @@ class SharedLaunch:
         if failed is None and rc != 0:
             # every run ended, then the job failed or hung on its way out (MPI_Finalize, a
             # thread, a crash at exit): state any run left behind, so no run's test passes
-            rest = "\n".join(line for line in lines if not re.match(r"\d+\| ", line))
             for t in names:
                 self.results[t] = (False, f"{t}: its run ended, but the shared launch "
                                           f"{' '.join(cmd)} then exited {rc} (after runs "

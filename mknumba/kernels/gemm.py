@@ -114,12 +114,13 @@ def tail_split_for(tiles, k, blocks):
     (the tail split, module docstring), or ``(0, 1)``: none. With more tiles than compute
     blocks, the last round runs ``tail = tiles % blocks`` tiles; when that leaves at least
     half the blocks idle (``0 < tail <= blocks // 2``), each of its tiles is cut into ``s =
-    min(blocks // tail, k_steps // SPLIT_MIN_STEPS, TAIL_MAX_SLICES)`` slices (the tail's slices all run at once,
-    none shorter than split-K's), one fewer when that divides the k-steps evenly and ``s`` does
-    not (no ragged slice for one slice less), and no split below 2; and only where that
-    can save :data:`TAIL_MIN_GAIN` of the time: the last round's ``1 - 1 / s`` of a round
-    over ``ceil(tiles / blocks)`` rounds. Split-K (:func:`split_k_for`) takes the shapes with
-    few tiles, this one those it leaves unsplit."""
+    min(blocks // tail, k_steps // SPLIT_MIN_STEPS, TAIL_MAX_SLICES)`` slices (the tail's
+    slices all run at once, none shorter than split-K's), one fewer when that divides the
+    k-steps evenly and ``s`` does not (no ragged slice for one slice less), and no split
+    below 2; and only where that can save :data:`TAIL_MIN_GAIN` of the time: the last
+    round's ``1 - 1 / s`` of a round over ``ceil(tiles / blocks)`` rounds. Split-K
+    (:func:`split_k_for`) takes the shapes with few tiles, this one those it leaves
+    unsplit."""
     tail = tiles % blocks
     if tiles <= blocks or tail == 0 or tail > blocks // 2:
         return 0, 1
@@ -437,12 +438,11 @@ class Gemm:
 
     ``tile``: "auto" runs, on a Hopper GPU (sm_90a), the ping-pong build ``"sm90:pp"`` where
     128 x 256 tiles are few and split-K would take at most 2 slices (:func:`pp_for`; only
-    with ``split_k`` None), the
-    tensor-store build ``"sm90:tms"`` for other shapes it does not split (nor their tail) with
-    K <= :data:`TMS_MAX_K`, and the default ``"sm90"`` elsewhere (chosen per shape; the SIMT
-    twin without sm_90a); or a build by name
-    (module docstring): ``"sm90"``, ``"sm90:pp"`` and ``"sm90:tms"`` (these two whole tiles
-    only: ``split_k`` None or 1, no tail split), ``"simt"``.
+    with ``split_k`` None), the tensor-store build ``"sm90:tms"`` for other shapes it does not
+    split (nor their tail) with K <= :data:`TMS_MAX_K`, and the default ``"sm90"`` elsewhere
+    (chosen per shape; the SIMT twin without sm_90a); or a build by name (module docstring):
+    ``"sm90"``, ``"sm90:pp"`` and ``"sm90:tms"`` (these two whole tiles only: ``split_k``
+    None or 1, no tail split), ``"simt"``.
     """
 
     name = "mknumba.gemm"
