@@ -87,6 +87,17 @@ def test_gpu_graph_gemm_one_process():
 
 
 @pytest.mark.gpu
+def test_gpu_graph_gemm_tail_split():
+    """mk.Gemm captured by torch.cuda.graph at a shape "auto" runs with the tail split (512 x
+    28672 x 4096 on an H200: whole tiles, then the last round's tiles in K slices and folds),
+    20 replays with fresh data and ordinary calls between them, every output checked."""
+    out = run_mpi("frame_checks.py", 1, "graph", "gm=512", "gn=28672", "gk=4096", "fused=0",
+                  "calls=20", simulator=False, env=GPU_ENV)
+    _passes(out, "graph", 1)
+    assert "ops=1 replays=20" in out, out[-4000:]
+
+
+@pytest.mark.gpu
 def test_gpu_1x2_graph_fused():
     """Both fused ops (and the Gemm on each rank) captured by torch.cuda.graph on two ranks:
     every replay is a new call with a new epoch on both ranks."""
