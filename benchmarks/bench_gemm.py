@@ -12,7 +12,8 @@ Writes the records of docs/design.md §8 and prints a table last.
 
 ``--grid``: issue 23's grid instead (M in 512..16384, N in 1024..28672, K in 512..14336, 144
 shapes), both layouts of B, all SMs: per shape one correctness check per layout and ours beside
-cuBLAS (``torch.matmul`` on the same operands), each timed for about 10 ms a repetition.
+cuBLAS (``torch.matmul`` on the same operands), each timed for about 10 ms a repetition,
+the two's repetitions alternating.
 ``benchmarks/plot_gemm_grid.py`` renders the result (geometric mean, worst points, a heat map).
 ``--split-k S``: ``Gemm(split_k=S)`` (1: no split; default: the op's rule), each record saying
 how many slices ran (``slices``); ``--shapes``: only these shapes (e.g. to sweep S on a few).
@@ -62,26 +63,32 @@ def iters_for(flops, rep_s=0.01, rate=6e14):
     return max(3, min(500, int(rep_s * rate / flops)))
 
 
-def time_ms(fn, iters):
-    """GPU ms per call, the median of 5 repetitions of ``iters`` back-to-back calls. Each
-    repetition queues behind a kernel that holds the stream while the host issues the calls,
-    so small shapes time the GPU's work, not the host's launch rate (ours and cuBLAS's host
-    costs: bench_host_cost.py)."""
-    for _ in range(3):
-        fn()
+def time_ms(fn, iters, *others):
+    """GPU ms per call of ``fn`` (and of each of ``others``, then a tuple), the median of 5
+    repetitions of ``iters`` back-to-back calls. Each repetition queues behind a kernel that
+    holds the stream while the host issues the calls, so small shapes time the GPU's work, not
+    the host's launch rate (ours and cuBLAS's host costs: bench_host_cost.py). With
+    ``others``, the functions' repetitions alternate (fn, other, fn, other, ...), so a drift of
+    the GPU's clock over the run weighs on each of them alike."""
+    fns = (fn,) + others
+    for f in fns:
+        for _ in range(3):
+            f()
     torch.cuda.synchronize()
-    times = []
+    times = [[] for _ in fns]
     hold = int(2e9 * (iters * 30e-6 + 1e-3))     # clock cycles: ~30 us of host time a call
     for _ in range(5):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(hold)
-        s.record()
-        for _ in range(iters):
-            fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / iters)
-    return sorted(times)[len(times) // 2]
+        for f, ts in zip(fns, times):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(hold)
+            s.record()
+            for _ in range(iters):
+                f()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e) / iters)
+    med = [sorted(ts)[len(ts) // 2] for ts in times]
+    return med[0] if not others else tuple(med)
 
 
 def sass_report(op, sass_dir):
@@ -131,8 +138,8 @@ def grid(args, gpu, sms):
             op(a, b_arg, out=c)
             torch.cuda.synchronize()
             err = ((c.float() - ref).norm() / ref.norm()).item()   # NaN if unwritten
-            t = time_ms(lambda: op(a, b_arg, out=c), iters)
-            tb = time_ms(lambda: torch.matmul(a, b_arg, out=c), iters)
+            t, tb = time_ms(lambda: op(a, b_arg, out=c),
+                            lambda: torch.matmul(a, b_arg, out=c), iters)
             slices = next(p.slices for key, p in op._plans.items()
                           if key[:3] == (m, n, k) and (key[3] == "kn") == (layout == "kn"))
             records.append(dict(base, b_layout=layout, ours_ms=t, baseline_ms=tb,
@@ -203,8 +210,8 @@ def main():
                     topology="1x1", transport="none", baseline="cublas", gpu=gpu, date=date,
                     command=cmd, sms=sms, sass=sass or None)
         bt = b.T.contiguous()                         # [k, n] row-major, read as it is
-        t_kn = time_ms(lambda: ops[0](a, bt, b_layout="kn", out=c), iters)
-        t_cublas_kn = time_ms(lambda: torch.matmul(a, bt, out=c), iters)
+        t_kn, t_cublas_kn = time_ms(lambda: ops[0](a, bt, b_layout="kn", out=c),
+                                    lambda: torch.matmul(a, bt, out=c), iters)
         records.append(dict(base, b_layout="kn", ours_ms=t_kn, baseline_ms=t_cublas_kn,
                             speedup=t_cublas_kn / t_kn, floor_ms=t_cublas_kn,
                             tflops=flops / t_kn / 1e9, baseline_tflops=flops / t_cublas_kn / 1e9,
