@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gemm.py --out benchmarks/results/gemm.json [--sass-dir DIR]
     python benchmarks/bench_gemm.py --grid --out benchmarks/results/gemm_grid.json [--tile T]
-        [--split-k S] [--shapes MxNxK,...]
+        [--split-k S] [--shapes MxNxK,...] [--pp-shapes BMxBN,...]
 
 For every shape: a correctness check on fresh random inputs (poisoned output, relative Frobenius
 error against an fp32 reference), then the median time of ours (0, 8, 16, 32 SMs held back) and of
@@ -17,6 +17,9 @@ the two's repetitions alternating.
 ``benchmarks/plot_gemm_grid.py`` renders the result (geometric mean, worst points, a heat map).
 ``--split-k S``: ``Gemm(split_k=S)`` (1: no split; default: the op's rule), each record saying
 how many slices ran (``slices``); ``--shapes``: only these shapes (e.g. to sweep S on a few).
+``--pp-shapes``: the ping-pong tile shapes "auto" may choose (``kernels.gemm.PP_TILE_COST``
+restricted to these; ``128x128``: the rule without the smaller tiles); each record names the
+tile shape its plan ran (``tile_shape``).
 """
 import argparse
 import datetime
@@ -31,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import mknumba  # noqa: E402,F401
+import mknumba.kernels.gemm as G  # noqa: E402
 from mknumba.kernels.gemm import Gemm  # noqa: E402
 
 SQUARE = [(4096, 4096, 4096), (8192, 8192, 8192)]
@@ -140,14 +144,17 @@ def grid(args, gpu, sms):
             err = ((c.float() - ref).norm() / ref.norm()).item()   # NaN if unwritten
             t, tb = time_ms(lambda: op(a, b_arg, out=c),
                             lambda: torch.matmul(a, b_arg, out=c), iters)
-            slices = next(p.slices for key, p in op._plans.items()
-                          if key[:3] == (m, n, k) and (key[3] == "kn") == (layout == "kn"))
+            plan = next(p for key, p in op._plans.items()
+                        if key[:3] == (m, n, k) and (key[3] == "kn") == (layout == "kn"))
+            slices = plan.slices
             records.append(dict(base, b_layout=layout, ours_ms=t, baseline_ms=tb,
-                                slices=slices,
+                                slices=slices, tile_shape=list(plan.tile_shape),
+                                pp_shapes=args.pp_shapes,
                                 speedup=tb / t, floor_ms=tb, tflops=flops / t / 1e9,
                                 baseline_tflops=flops / tb / 1e9, rel_err=err))
             print(f"{m}x{n}x{k} {layout}: ours {t:.4f} ms cublas {tb:.4f} ms "
-                  f"ratio {tb / t:.3f} err {err:.1e} slices {slices}", flush=True)
+                  f"ratio {tb / t:.3f} err {err:.1e} slices {slices} "
+                  f"tile {plan.tile_shape[0]}x{plan.tile_shape[1]}", flush=True)
     return records
 
 
@@ -161,7 +168,16 @@ def main():
     p.add_argument("--split-k", type=int, default=None,
                    help="Gemm(split_k=S) (--grid; 1: no split; default: the op's rule)")
     p.add_argument("--shapes", default=None, help="--grid: only these, e.g. 512x1024x14336,...")
+    p.add_argument("--pp-shapes", default=None,
+                   help="--grid: the ping-pong tile shapes 'auto' may take, e.g. 128x128,64x64 "
+                        "(default: every shape of kernels.gemm.PP_TILE_COST)")
     args = p.parse_args()
+    if args.pp_shapes:
+        keep = {tuple(int(x) for x in s.split("x")) for s in args.pp_shapes.split(",")}
+        unknown = keep - set(G.PP_TILE_COST)
+        if unknown or not keep:
+            p.error(f"--pp-shapes: not of {sorted(G.PP_TILE_COST)}: {sorted(unknown)}")
+        G.PP_TILE_COST = {s: c for s, c in G.PP_TILE_COST.items() if s in keep}
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
     sms = torch.cuda.get_device_properties(0).multi_processor_count

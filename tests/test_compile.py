@@ -191,6 +191,10 @@ GEMM_BUILDS = {"gemm": ("sm90", False), "gemm_kn": ("sm90:kn", False),
                "gemm_tms": ("sm90:tms", False), "gemm_tms_kn": ("sm90:tms:kn", False),
                "gemm_split": ("sm90", True), "gemm_split_kn": ("sm90:kn", True),
                "gemm_tail": ("sm90", "tail"), "gemm_tail_kn": ("sm90:kn", "tail")}
+#: the ping-pong tile's other shapes ("sm90:pp:<BM>x<BN>", roles.compute.pp_name), B [n, k] and
+#: [k, n]: gemm_pp_<BM>x<BN>(_kn)
+GEMM_BUILDS.update({f"gemm_pp_{bm}x{bn}{kn}": (f"sm90:pp:{bm}x{bn}{kn.replace('_', ':')}", False)
+                    for bm, bn in ((128, 64), (64, 128), (64, 64)) for kn in ("", "_kn")})
 #: registers per thread of the plain GEMM's kernels, either layout of B: ptxas's count for the
 #: [n, k] build, rounded up to its allocation unit of 8 (the [k, n] build must not need more);
 #: the ping-pong tile's [k, n] build needs a few more (its two MMAs per k16 step share B), and
@@ -198,7 +202,9 @@ GEMM_BUILDS = {"gemm": ("sm90", False), "gemm_kn": ("sm90:kn", False),
 GEMM_REGISTERS = {"sm90": 160, "sm90:pp": 168, "sm90:tms": 160, "split": 168}
 
 
-@pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_pp", "gemm_pp_kn", "gemm_tms",
+@pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_pp", "gemm_pp_kn", "gemm_pp_128x64",
+                                  "gemm_pp_128x64_kn", "gemm_pp_64x128", "gemm_pp_64x128_kn",
+                                  "gemm_pp_64x64", "gemm_pp_64x64_kn", "gemm_tms",
                                   "gemm_tms_kn", "gemm_split", "gemm_split_kn", "gemm_tail",
                                   "gemm_tail_kn", "gemm_reduce",
                                   "gemm_reduce_adaptive", "ring_attention",
@@ -210,7 +216,7 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     a run-time step): kernels divide with primitives.udiv32 / steps (what serialized wgmma
     cost the GEMM: benchmarks/NOTES.md).
     (allgather_gemm and moe_dispatch_gemm: checked in their own tests below, which link them
-    anyway.) The plain GEMM's tiles (gemm_tile.cu, and the ping-pong gemm_pingpong.cu) with B
+    anyway.) The plain GEMM's tiles (gemm_tile.cu, and gemm_pingpong.cu in its four shapes) with B
     [n, k] and [k, n] (MK_B_KN: a transposed wgmma B, tnspB = 1, from TMA boxes of 64
     N-columns), the tensor-store tile (gemm_tile.cu with MK_TMA_STORE), the split-K kernel and
     the tail split's: no spills, registers within GEMM_REGISTERS; the split kernels' folds
@@ -258,8 +264,14 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         tnsp = set(re.findall(r"%rd\d+, %rd\d+, (?:1|p), 1, 1, 0, ([01]);", ptx))
         assert tnsp == {"1" if name.endswith("kn") else "0"}, tnsp
         split, tail = "_split" in name, "_tail" in name
-        # unrolled k16 steps (the tail split: a tile for each phase)
-        assert ptx.count("wgmma.mma_async") == (8 if pingpong or tail else 4)
+        # unrolled k16 steps (the tail split: a tile for each phase; the ping-pong tile: one
+        # m64nBNk16 per 64 rows of the tile, of BN columns)
+        rows = 64 if name.startswith("gemm_pp_64x") else 128
+        assert ptx.count("wgmma.mma_async") == (rows // 16 if pingpong else 8 if tail else 4)
+        if pingpong:
+            cols = 64 if re.match(r"gemm_pp_\d+x64", name) else 128
+            assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16",
+                                  ptx)) == {str(cols)}
         assert "0 bytes spill stores, 0 bytes spill loads" in log, log
         if not (split or tail):
             assert "0 bytes stack frame" in log, log

@@ -318,19 +318,109 @@ def test_tail_split_rule_and_order():
 
 def test_auto_takes_the_pingpong_tile_where_tiles_are_few():
     """"auto"'s ping-pong rule (``pp_for``) at issue 23's few-tile shapes on an H200 (132
-    blocks): where 128 x 256 tiles are at most half the blocks and split-K would take at most
-    2 slices, up to K = 8192; never for other builds, many tiles, or more slices."""
+    blocks): where 128 x 256 tiles are at most half the blocks, up to K = 8192; never for
+    other builds, many tiles, or K = 14336 (split-K's slices win there)."""
     from mknumba.kernels.gemm import pp_for
-    for m, n in ((512, 4096), (2048, 1024)):               # 64 tiles: 1-2 slices
-        assert all(pp_for("sm90", m, n, k, 132) for k in (512, 1024, 2048, 4096, 8192))
-        assert not pp_for("sm90", m, n, 14336, 132)         # two slices win there
-    for m, n in ((512, 1024), (1024, 1024)):               # 16 / 32 tiles
-        assert all(pp_for("sm90:kn", m, n, k, 132) for k in (512, 1024, 2048))
-        assert not any(pp_for("sm90", m, n, k, 132) for k in (4096, 8192))  # 4+ slices
+    for m, n in ((512, 4096), (2048, 1024), (512, 1024), (1024, 1024)):   # 64 / 16 / 32 tiles
+        assert all(pp_for(kind, m, n, k, 132) for k in (512, 1024, 2048, 4096, 8192)
+                   for kind in ("sm90", "sm90:kn"))
+        assert not pp_for("sm90", m, n, 14336, 132)
     assert not pp_for("sm90", 512, 8192, 1024, 132)         # 128 tiles: more than half
     assert pp_for("sm90", 512, 8192, 1024, 300)             # ... of 132, not of 300 blocks
     assert not pp_for("simt", 512, 1024, 512, 132) and not pp_for("sm90:tms", 512, 1024, 512,
                                                                    132)
+
+
+#: issue 23's few-tile rows on an H200 (132 blocks) -> the ping-pong tile shape "auto" takes
+#: there (pp_shape_for with PP_TILE_COST), at the K where pp_for takes one
+PP_PICKS = {(512, 1024): ((64, 64), (512, 1024, 2048, 4096, 8192)),   # 128 tiles of 64 x 64
+            (1024, 1024): ((128, 64), (512, 1024, 2048, 4096, 8192)),     # 128 of 128 x 64
+            (512, 4096): ((128, 128), (512, 1024, 2048, 4096, 8192)),     # 128 of 128 x 128
+            (2048, 1024): ((128, 128), (512, 1024, 2048, 4096, 8192))}
+
+
+def test_auto_pingpong_shape_by_tile_count(monkeypatch):
+    """"auto"'s ping-pong tile shape (``pp_shape_for``): over issue 23's 24 shapes of the
+    few-tile rows (K 512-14336), where ``pp_for`` takes a ping-pong tile, the shape whose
+    rounds of tiles times its cost are least (ties to the larger tile), split-K elsewhere as
+    before; fewer blocks or other costs move the pick; a shape left out of PP_TILE_COST is
+    never taken (the rule switched off per tile shape)."""
+    from mknumba.kernels import gemm as G
+    for (m, n), (shape, ks) in PP_PICKS.items():
+        for k in (512, 1024, 2048, 4096, 8192, 14336):
+            assert G.pp_for("sm90", m, n, k, 132) == (k in ks), (m, n, k)
+        assert G.pp_shape_for(m, n, 132) == shape, (m, n)
+    assert G.pp_shape_for(1000, 1000, 132) == (128, 64)        # ragged: 8 x 16 tiles
+    assert G.pp_shape_for(2048, 1024, 300) == (128, 64)        # 256 tiles in one round
+    assert G.pp_shape_for(1024, 1024, 100) == (64, 64)         # 3 rounds x 0.3 < 2 x 0.55
+    assert G.pp_shape_for(1152, 1280, 1000) == (64, 64)        # every shape one round
+    monkeypatch.setattr(G, "PP_TILE_COST", {(128, 128): 1.0, (64, 128): 0.55, (128, 64): 0.55})
+    assert G.pp_shape_for(512, 1024, 132) == (128, 64)         # 64 x 64 off; a tie: taller
+    monkeypatch.setattr(G, "PP_TILE_COST", {(128, 128): 1.0})
+    assert all(G.pp_shape_for(m, n, 132) == (128, 128) for m, n in PP_PICKS)
+    monkeypatch.setattr(G, "PP_TILE_COST", {(128, 128): 1.0, (128, 64): 0.4})
+    assert G.pp_shape_for(2048, 1024, 132) == (128, 64)        # 2 rounds x 0.4 < 1
+
+
+def test_pingpong_builds_by_name(monkeypatch):
+    """The ping-pong tile's shapes by name: "sm90:pp" (128 x 128) and "sm90:pp:<BM>x<BN>",
+    each also ":kn", are sm_90a builds of whole tiles only that Gemm takes by name (and
+    refuses split_k for); no other shape is one. Their rings are as deep as fit an H200 SM
+    (with the kernels' static shared memory). Their tensor maps' boxes follow the build's
+    shape. Outside the simulator the builds themselves: shape, shared memory, threads, the
+    ":kn" twin, the defines of their source, and the fused ops refuse them."""
+    import types as pytypes
+    from mknumba._compat import SIMULATOR
+    from mknumba.kernels import gemm as G
+    from mknumba.kernels import gemm_inputs
+    from mknumba.roles import compute
+    names = {(128, 128): "sm90:pp", (128, 64): "sm90:pp:128x64", (64, 128): "sm90:pp:64x128",
+             (64, 64): "sm90:pp:64x64"}
+    stages = {(128, 128): 6, (128, 64): 8, (64, 128): 8, (64, 64): 13}
+    assert set(compute.SM90_PINGPONG_SHAPES) == set(names)
+    for shape, name in names.items():
+        assert compute.pp_name(shape) == name and compute.pp_stages(shape) == stages[shape]
+        smem = compute.sm90_smem_bytes(shape)
+        assert smem == stages[shape] * (shape[0] + shape[1]) * 128 + 8 * 16 * 128 + \
+            16 * stages[shape] + 16 + 1024
+        assert smem + 16 <= 232448 < smem + (shape[0] + shape[1]) * 128   # no slot more fits
+        for n in (name, name + ":kn"):
+            assert compute.is_sm90_name(n) and compute.whole_tiles_only(n), n
+            G.check_tile_name(n)
+            with pytest.raises(MkValueError, match=f"tile='{n}' takes no split_k"):
+                G.Gemm(tile=n, split_k=2)
+    assert compute.sm90_smem_bytes(True) == compute.sm90_smem_bytes((128, 128))
+    for bad in ("sm90:pp:32x64", "sm90:pp:128x128", "sm90:pp:64x256:kn", "sm90:pp:kn:64x64"):
+        assert not compute.is_sm90_name(bad)
+        with pytest.raises(MkValueError, match="no tile build"):
+            G.check_tile_name(bad)
+    with pytest.raises(MkValueError, match="no ping-pong tile"):
+        compute.pp_shape((64, 256))
+    # tensor-map boxes from the build's shape: A 64 (k) x BM, B [n, k] 64 x BN, B [k, n] 64 x 64
+    boxes = []
+    monkeypatch.setattr(gemm_inputs, "tensor_map",
+                        lambda ptr, dims, box, pitch=None: boxes.append(tuple(box)) or
+                        np.zeros(16, np.uint64))
+    for shape in names:
+        for kn in (False, True):
+            boxes.clear()
+            maps = pytypes.SimpleNamespace(m=520, n=1032, k=200, shape=shape, slices=1, kc=0,
+                                           c_map=False)
+            gemm_inputs.TensorMaps._encode(maps, (0, 0, kn, None))
+            assert boxes == [(64, shape[0]), (64, 64) if kn else (64, shape[1])], boxes
+    if SIMULATOR:
+        return
+    for shape, name in names.items():
+        build, kn = compute.tile_build(name), compute.tile_build(compute.kn_kind(name))
+        assert build.shape == kn.shape == shape and build.gemm_only and kn.b_kn
+        assert build.smem_bytes == kn.smem_bytes == compute.sm90_smem_bytes(shape)
+        assert build.threads == 288 and build.tma and not build.b_kn
+        assert f"#define MK_PP_BM {shape[0]}\n#define MK_PP_BN {shape[1]}\n" \
+            f"#define MK_PP_STAGES {stages[shape]}\n" in compute.sm90_defines(pingpong=shape)
+    monkeypatch.setattr(G, "kind_for", lambda tile, op: tile)     # no GPU asked here
+    for name in ("sm90:pp:64x64", "sm90:pp:128x64:kn"):
+        with pytest.raises(MkValueError, match="mknumba.Gemm only"):
+            G.fused_tile(name, "GemmReduce")
 
 
 TAIL_SCRIPT = SPLIT_RUN + textwrap.dedent("""
@@ -496,7 +586,9 @@ def test_tile_builds_for_b_as_kn():
     threads and shared memory; a build without one (a probe's) is refused by name."""
     from mknumba._compat import SIMULATOR
     from mknumba.roles import compute
-    for kind in ("simt",) + (() if SIMULATOR else ("sm90", "sm90:e2p1", "sm90:pp", "sm90:tms")):
+    for kind in ("simt",) + (() if SIMULATOR else ("sm90", "sm90:e2p1", "sm90:pp", "sm90:tms",
+                                                   "sm90:pp:128x64", "sm90:pp:64x128",
+                                                   "sm90:pp:64x64")):
         base, kn = compute.tile_build(kind), compute.tile_build(compute.kn_kind(kind))
         assert kn.b_kn and not base.b_kn and kn.tile is not base.tile
         assert (kn.shape, kn.threads, kn.smem_bytes, kn.tma, kn.gemm_only) == \
@@ -632,10 +724,10 @@ def _twenty_calls(op, m, n, k, layout):
 @pytest.mark.parametrize("m,n,k,split_k", [
     # issue 23's grid where 128 x 256 tiles leave most SMs idle and K is long (shorter K:
     # "auto" takes the ping-pong tile, pp_for): the op's rule splits
-    (512, 1024, 14336, None), (1024, 1024, 4096, None), (2048, 1024, 14336, None),
+    (512, 1024, 14336, None), (1024, 1024, 10240, None), (2048, 1024, 14336, None),
     (512, 4096, 9216, None),
     # ragged m and n, K not a multiple of the slices' 64-deep steps
-    (389, 1032, 4104, None), (1000, 776, 9000, None),
+    (389, 1032, 8264, None), (1000, 776, 9000, None),
     # forced: several slices per block before the folds (64 tiles, 4 slices: 320 units), and
     # more tiles than blocks (512 tiles: folds after folds)
     (2048, 1024, 8192, 4), (4096, 4096, 2048, 2)])
@@ -686,11 +778,14 @@ def test_gemm_tail_split_matches_fp32_reference(m, n, k, reserved, tail, layout)
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("layout", ["nk", "kn"])
-@pytest.mark.parametrize("m,n,k", [(512, 4096, 2048), (1000, 1000, 1096), (2048, 1024, 8192)])
-def test_auto_pingpong_matches_fp32_reference(m, n, k, layout):
-    """"auto" on few-tile shapes runs the ping-pong tile (128 x 128 tiles: its plan has that
-    many tile flags; ragged m, n and K too): 20 calls (:func:`_twenty_calls`), every tile
-    flag at the last call's epoch."""
+@pytest.mark.parametrize("m,n,k,shape", [
+    (512, 4096, 2048, (128, 128)), (1000, 1000, 1096, (128, 64)), (2048, 1024, 8192, (128, 128)),
+    (512, 1024, 2048, (64, 64)), (1024, 1024, 1024, (128, 64)),
+    (512, 1024, 4160, (64, 64)), (1024, 1024, 8192, (128, 64))])    # K split-K took before
+def test_auto_pingpong_matches_fp32_reference(m, n, k, shape, layout):
+    """"auto" on few-tile shapes runs a ping-pong tile of the shape ``pp_shape_for`` picks
+    (its plan has that many tile flags; ragged m, n and K too): 20 calls
+    (:func:`_twenty_calls`), every tile flag at the last call's epoch."""
     torch = pytest.importorskip("torch")
     from mknumba.kernels.gemm import Gemm
     if torch.cuda.get_device_properties(0).multi_processor_count != 132:
@@ -698,9 +793,37 @@ def test_auto_pingpong_matches_fp32_reference(m, n, k, layout):
     op = Gemm()
     worst = _twenty_calls(op, m, n, k, layout)
     plan = next(iter(op._plans.values()))
-    assert len(plan.tile_flags) == -(-m // 128) * -(-n // 128) and plan.slices == 1
+    bm, bn = shape
+    assert plan.tile_shape == shape and plan.slices == 1, (plan.tile_shape, plan.slices)
+    assert len(plan.tile_flags) == -(-m // bm) * -(-n // bn)
     assert op.calls() == (20, 20) and (plan.tile_flags.copy_to_host() == 20).all()
-    print(f"{m}x{n}x{k} {layout}: ping-pong tiles, worst rel err {worst:.1e}")
+    print(f"{m}x{n}x{k} {layout}: ping-pong tiles {bm}x{bn}, worst rel err {worst:.1e}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("tile", ["sm90:pp:128x64", "sm90:pp:64x128", "sm90:pp:64x64"])
+def test_pingpong_shapes_match_fp32_reference(tile, layout):
+    """The ping-pong tile's smaller shapes by name, B [n, k] and row-major [k, n] (the ":kn"
+    build): per shape 20 calls (:func:`_twenty_calls`: a and b rewritten in place, the output
+    poisoned, each result against an fp32 reference), then every tile flag at the last epoch.
+    Ragged m and n (no multiple of 64 but n = 8; rows and 64-column chunks partly and wholly
+    past the edge), K not a multiple of the 64-deep k-step; from 1-2 tiles (blocks with 0
+    tiles, one warpgroup idle) to thousands (every parity of the warpgroups' turns, ring
+    slots reused across tiles at every phase)."""
+    from mknumba.kernels.gemm import Gemm
+    from mknumba.roles.compute import tile_build
+    op = Gemm(tile=tile)
+    bm, bn = tile_build(tile).shape
+    for m, n, k in [(130, 8, 8), (200, 136, 72), (1000, 2168, 1096), (389, 1032, 4104),
+                    (4160, 8056, 1032)]:
+        worst = _twenty_calls(op, m, n, k, layout)
+        flags = op.tile_flags(m, n, k, layout).copy_to_host()
+        calls, epoch = op.calls()
+        assert len(flags) == -(-m // bm) * -(-n // bn) and (flags == epoch).all(), (m, n, k)
+        print(f"{tile} {m}x{n}x{k} {layout}: {len(flags)} tiles, worst rel err {worst:.1e}")
+    assert op.calls()[0] == 20 * 5
 
 
 @pytest.mark.gpu
@@ -716,10 +839,12 @@ def test_gemm_rejects_wrong_dtype_on_gpu():
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("layout", ["nk", "kn", "kn_view"])
-@pytest.mark.parametrize("tile", ["sm90:pp", "sm90:tms"])
+@pytest.mark.parametrize("tile", ["sm90:pp", "sm90:tms", "sm90:pp:128x64", "sm90:pp:64x128",
+                                  "sm90:pp:64x64"])
 def test_opt_in_tiles_match_fp32_reference(tile, layout):
     """mk.Gemm's opt-in tiles, each also as its ":kn" twin for row-major B: the ping-pong tile
-    ("sm90:pp") and the tensor-store tile ("sm90:tms"). 20 calls back to back (one sync at
+    ("sm90:pp", and its smaller shapes: the tile counts below are 128 x 128's) and the
+    tensor-store tile ("sm90:tms"). 20 calls back to back (one sync at
     the end), each with fresh random inputs into its own poisoned output (a new C address each:
     the tensor-store tile's C maps fill a table and start another), the rows of the buffer
     after C poisoned too and left so, over shapes with 2, 4, 136, 525 and 2079 tiles of

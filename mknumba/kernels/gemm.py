@@ -41,7 +41,9 @@ as split-K's (the tail's tiles are columns of the grouped order, not a band of r
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (the
 ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K; "auto"
-takes it where 128 x 256 tiles are few and K short: ``pp_for``),
+takes it where 128 x 256 tiles are few and K short: ``pp_for``; also in 128 x 64, 64 x 128 and
+64 x 64 tiles, ``"sm90:pp:<BM>x<BN>"``, which "auto" takes there by the tiles' count:
+``pp_shape_for``),
 ``"sm90:tms"`` (the sm90 tile whose epilogue leaves by TMA tensor stores it does not wait
 for, ``roles.compute.SM90_TMS_TILE``; no split-K: its tile flags go out at each block's end,
 after its stores completed; "auto" takes it for unsplit shapes with K <= ``TMS_MAX_K``) or
@@ -70,7 +72,7 @@ from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kerne
                      outputs_in_capture, stream_handle)
 from numba import cuda, types
 
-__all__ = ["gemm", "Gemm", "split_k_for", "tail_split_for", "pp_for"]
+__all__ = ["gemm", "Gemm", "split_k_for", "tail_split_for", "pp_for", "pp_shape_for"]
 
 Bits2D, Bits3D = array_type(np.uint16, 2), array_type(np.uint16, 3)
 Words64, Flags, Ints = array_type(np.uint64, 1), array_type(np.uint32, 1), array_type(np.int32, 1)
@@ -145,18 +147,45 @@ PP_MAX_K = 8192
 
 
 def pp_for(kind, m, n, k, blocks):
-    """Whether "auto" takes the ping-pong tile (``"sm90:pp"``: 128 x 128 tiles, whole tiles,
-    no split) for a shape whose tile build would be ``kind`` on ``blocks`` compute blocks:
-    where 128 x 256 tiles are few (at most half the blocks get one: split-K's region) and
-    split-K would cut K in at most 2 slices, up to :data:`PP_MAX_K`: twice the tiles there
-    beat two slices and their fold (an H200, gated grid: 512 x 4096 and 2048 x 1024 at K
-    512-8192 0.56-0.85x -> 0.78-0.87x cuBLAS; 512 / 1024 x 1024 at K <= 2048 0.33-0.46x ->
-    0.44-0.65x), while more slices win (K >= 4096 at 512 / 1024 x 1024)."""
+    """Whether "auto" takes a ping-pong tile (whole tiles, no split; which shape:
+    :func:`pp_shape_for`) for a shape whose tile build would be ``kind`` on ``blocks`` compute
+    blocks: where 128 x 256 tiles are few (at most half the blocks get one: split-K's region),
+    up to :data:`PP_MAX_K`. Smaller whole tiles beat the slices and folds of split-K there (an
+    H200, gated: 512 x 4096 and 2048 x 1024 at K 512-8192 0.56-0.85x -> 0.78-0.87x cuBLAS;
+    512 x 1024 at K 4096 / 8192 in 64 x 64 tiles 16.5 / 28.4 us against 4 / 8 slices' 23.2 /
+    28.2; 1024 x 1024 in 128 x 64 tiles 17.8 / 32.5 us against 4 slices' 24.3 / 35.3), while
+    at K = 14336 the slices win (benchmarks/NOTES.md)."""
     if kind not in ("sm90", "sm90:kn"):
         return False
     bm, bn = compute.SM90_TILE
     tiles = cdiv(m, bm) * cdiv(n, bn)
-    return tiles <= blocks // 2 and split_k_for(tiles, k, blocks) <= 2 and k <= PP_MAX_K
+    return tiles <= blocks // 2 and k <= PP_MAX_K
+
+
+#: "auto"'s ping-pong tile shapes (:func:`pp_shape_for`) -> the time of one such tile relative
+#: to a 128 x 128 one at the same K (a smaller tile costs more than its share of the area: its
+#: fixed costs, and MMAs of fewer columns or rows per k-step). Estimates; on an H200 they pick
+#: the faster build at every shape timed with more than one (512 x 1024: 64 x 64 over 128 x 64
+#: and 128 x 128; 1024 x 1024: 128 x 64 over 64 x 64; benchmarks/NOTES.md). A shape left out is
+#: never chosen (``{(128, 128): 1.0}``: only "sm90:pp"), so the rule can be switched off per
+#: tile shape.
+PP_TILE_COST = {(128, 128): 1.0, (128, 64): 0.55, (64, 128): 0.55, (64, 64): 0.3}
+
+
+def pp_shape_for(m, n, blocks):
+    """The ping-pong tile shape (BM, BN) "auto" takes where :func:`pp_for` takes the
+    ping-pong tile: of :data:`PP_TILE_COST`'s shapes, the one whose rounds of tiles on
+    ``blocks`` compute blocks (``ceil(tiles / blocks)``) times its cost per tile is least; a
+    tie goes to the larger tile (fewer loads of A and B), then to the taller one. On an H200
+    (132 blocks) with the provisional costs: 512 x 1024 64 x 64 (128 tiles), 1024 x 1024
+    128 x 64 (128), 2048 x 1024 and 512 x 4096 128 x 128 (128)."""
+    best, best_cost = compute.SM90_PINGPONG_SHAPE, None
+    larger_first = sorted(PP_TILE_COST.items(), key=lambda e: (-e[0][0] * e[0][1], -e[0][0]))
+    for (bm, bn), cost in larger_first:
+        total = cdiv(cdiv(m, bm) * cdiv(n, bn), blocks) * cost
+        if best_cost is None or total < best_cost:
+            best, best_cost = (bm, bn), total
+    return best
 
 
 def tms_for(kind, k):
@@ -429,20 +458,20 @@ class Gemm:
     call of that shape binds its arrays' addresses and launches. Plans are kept for the op's
     lifetime (a captured CUDA graph may refer to them); the first call of a shape must not be
     inside a capture. After a call, ``tile_flags(m, n, k, b_layout)[t] == epoch`` for every
-    output tile ``t = tile_m * tiles_n + tile_n`` of the plan's build (128 x 256 tiles; 128 x
-    128 where "auto" takes the ping-pong tile). ``split_k``: slices of K per output tile
-    (split-K, see the module docstring): None lets :func:`split_k_for` choose by shape, and
-    where it does not split, :func:`tail_split_for` split the last round's tiles (the tail
-    split); an int forces at most that many for every tile (1: no split, nor a tail split;
-    fewer when K has fewer 64-deep steps).
+    output tile ``t = tile_m * tiles_n + tile_n`` of the plan's build (128 x 256 tiles; where
+    "auto" takes a ping-pong tile, its shape: :func:`pp_shape_for`). ``split_k``: slices of K
+    per output tile (split-K, see the module docstring): None lets :func:`split_k_for` choose
+    by shape, and where it does not split, :func:`tail_split_for` split the last round's tiles
+    (the tail split); an int forces at most that many for every tile (1: no split, nor a tail
+    split; fewer when K has fewer 64-deep steps).
 
-    ``tile``: "auto" runs, on a Hopper GPU (sm_90a), the ping-pong build ``"sm90:pp"`` where
-    128 x 256 tiles are few and split-K would take at most 2 slices (:func:`pp_for`; only
-    with ``split_k`` None), the tensor-store build ``"sm90:tms"`` for other shapes it does not
-    split (nor their tail) with K <= :data:`TMS_MAX_K`, and the default ``"sm90"`` elsewhere
-    (chosen per shape; the SIMT twin without sm_90a); or a build by name (module docstring):
-    ``"sm90"``, ``"sm90:pp"`` and ``"sm90:tms"`` (these two whole tiles only: ``split_k``
-    None or 1, no tail split), ``"simt"``.
+    ``tile``: "auto" runs, on a Hopper GPU (sm_90a), a ping-pong build where 128 x 256 tiles
+    are few and K <= :data:`PP_MAX_K` (:func:`pp_for`; only with ``split_k`` None; ``"sm90:pp"`` or a smaller tile's, :func:`pp_shape_for`), the tensor-store build
+    ``"sm90:tms"`` for other shapes it does not split (nor their tail) with K <=
+    :data:`TMS_MAX_K`, and the default ``"sm90"`` elsewhere (chosen per shape; the SIMT twin
+    without sm_90a); or a build by name (module docstring):
+    ``"sm90"``, ``"sm90:pp"`` (and ``"sm90:pp:128x64"``, ``":64x128"``, ``":64x64"``) and
+    ``"sm90:tms"`` (these whole tiles only: ``split_k`` None or 1, no tail split), ``"simt"``.
     """
 
     name = "mknumba.gemm"
@@ -607,7 +636,8 @@ class _Plan:
         base = kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
         if op.tile == "auto" and op.split_k is None and \
                 pp_for(kind, m, n, k, max(1, _device_sms() - op.reserved_sms)):
-            kind = compute.SM90_PINGPONG_TILE       # one block an SM, as the default tile
+            # one block an SM, as the default tile; its tile shape by the tiles' count
+            kind = compute.pp_name(pp_shape_for(m, n, max(1, _device_sms() - op.reserved_sms)))
             kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
         elif op.tile == "auto" and tms_for(kind, k) and (op.split_k or 1) == 1:
             kind = compute.kn_kind(compute.SM90_TMS_TILE, op.name) if self.b_kn else \
@@ -666,7 +696,7 @@ class _Plan:
                 raise MkError(f"{op.name}: the split-K kernel fits {split_bps} blocks per SM, "
                               f"the GEMM's grid has {bps}; pass split_k=1")
         _, frame, self.err = op._counter(device, grid.grid)
-        self.m, self.n, self.k, self.mode = m, n, k, mode
+        self.m, self.n, self.k, self.mode, self.tile_shape = m, n, k, mode, build.shape
         # flags start at the last call's epoch, which no later call's reaches (a fresh 0 would
         # read as reached past 2**31 calls: primitives.epoch_reached)
         self.flags = cuda.to_device(np.full((self.slices + 1) * tiles, frame.read()[1],

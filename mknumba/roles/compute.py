@@ -35,7 +35,9 @@ Implementations:
 - ``SM90_PINGPONG_TILE`` (opt-in, mk.Gemm only): ``cuda/gemm_pingpong.cu``, the same ring and
   calling sequence with 128 x 128 tiles, each computed whole by one consumer warpgroup; the two
   warpgroups take alternate tiles (``seq`` odd or even) and turns in the main loop, so one's
-  epilogue runs while the other's MMAs do. A 6-stage ring; 288 threads.
+  epilogue runs while the other's MMAs do. A 6-stage ring; 288 threads. Also built with
+  128 x 64, 64 x 128 and 64 x 64 tiles (``"sm90:pp:<BM>x<BN>"``, :func:`pp_name`), each ring
+  as deep as fits (:func:`pp_stages`: 8, 8 and 13 stages).
 - ``SM90_TMS_TILE`` (opt-in, mk.Gemm without split-K only): ``cuda/gemm_tile.cu`` with
   ``MK_TMA_STORE=1``: the same ring and tile; each consumer warp's 16 x 64 chunks leave by TMA
   tensor stores through C's tensor map (``TileBuild.c_map``) from two 2 KB buffers, and no
@@ -73,11 +75,19 @@ SM90_STAGING = 8 * 16 * 128
 #: fused kernels it was faster at 14 of 16 points (benchmarks/NOTES.md).
 SM90_FUSED_TILE = "sm90:e2p1"
 #: the ping-pong tile (``cuda/gemm_pingpong.cu``): each consumer warpgroup computes whole
-#: 128 x 128 tiles, the two take turns in the main loop, so one's epilogue overlaps the other's
-#: MMAs. Opt-in, mk.Gemm only (the fused ops refuse it: not measured there).
+#: BM x BN tiles, the two take turns in the main loop, so one's epilogue overlaps the other's
+#: MMAs. Opt-in, mk.Gemm only (the fused ops refuse it: not measured there). Built in each
+#: (BM, BN) of SM90_PINGPONG_SHAPES (:func:`pp_name`): "sm90:pp" is 128 x 128, the others
+#: "sm90:pp:<BM>x<BN>" (smaller tiles: more of them where a GEMM has few); the ring as deep as
+#: fits (:func:`pp_stages`). The source takes the shape and depth as defines (sm90_defines).
 SM90_PINGPONG_TILE = "sm90:pp"
-SM90_PINGPONG_SHAPE = (128, 128)    # BM, BN: must match gemm_pingpong.cu
-SM90_PINGPONG_STAGES = 6
+SM90_PINGPONG_SHAPE = (128, 128)    # "sm90:pp"'s BM, BN (gemm_pingpong.cu's defaults)
+SM90_PINGPONG_SHAPES = ((128, 128), (128, 64), (64, 128), (64, 64))
+#: dynamic shared memory an sm90 block may take: an H100 / H200 SM's 227 KB (232448 B) less 64 B
+#: for the static shared memory of the kernels around the tile
+SM90_SMEM_LIMIT = 232448 - 64
+#: the deepest ring of a ping-pong build (64 x 64 fits 13 stages of 16 KB)
+SM90_PINGPONG_MAX_STAGES = 16
 #: the tensor-store tile (``cuda/gemm_tile.cu`` with MK_TMA_STORE): the sm90 tile whose
 #: epilogue's chunks leave by TMA stores nobody waits for, two buffers per consumer warp (twice
 #: the staging); opt-in, mk.Gemm without split-K only (its flags go out at each block's end).
@@ -87,14 +97,52 @@ SM90_TMS_TILE = "sm90:tms"
 DRAIN_PUBLISHERS = 32
 
 
-def sm90_smem_bytes(pingpong=False, tms=False):
-    """Dynamic shared memory of the sm90 tile (or the ping-pong tile, or the tensor-store
-    tile: two chunks of staging per warp): the ring, the epilogue's staging, the barriers (two
-    per slot and two more) and 1 KB to align the base for the 128B swizzle."""
-    (bm, bn), stages = ((SM90_PINGPONG_SHAPE, SM90_PINGPONG_STAGES) if pingpong else
-                        (SM90_TILE, SM90_STAGES))
-    staging = SM90_STAGING * (2 if tms else 1)
+def pp_shape(pingpong):
+    """The (BM, BN) of a ping-pong build from :func:`sm90_build`'s ``pingpong``: None (not
+    one: False), :data:`SM90_PINGPONG_SHAPE` (True) or one of :data:`SM90_PINGPONG_SHAPES`."""
+    if not isinstance(pingpong, (tuple, list)):
+        return SM90_PINGPONG_SHAPE if pingpong else None
+    shape = tuple(int(x) for x in pingpong)
+    if shape not in SM90_PINGPONG_SHAPES:
+        raise MkValueError(f"no ping-pong tile of {shape}: the builds are "
+                           f"{', '.join(f'{bm}x{bn}' for bm, bn in SM90_PINGPONG_SHAPES)}")
+    return shape
+
+
+def pp_name(shape):
+    """The library's name of the ping-pong build of ``shape`` (BM, BN), B as [n, k]."""
+    shape = pp_shape(shape)
+    return (SM90_PINGPONG_TILE if shape == SM90_PINGPONG_SHAPE else
+            f"{SM90_PINGPONG_TILE}:{shape[0]}x{shape[1]}")
+
+
+def _ring_bytes(bm, bn, stages, staging):
+    """A ring of ``stages`` slots of A (bm rows) and B (bn rows) of 64 k, the epilogue's
+    staging, the barriers (two per slot and two more) and 1 KB to align the base for the 128B
+    swizzle."""
     return stages * (bm + bn) * SM90_BK * 2 + staging + 16 * stages + 16 + 1024
+
+
+def pp_stages(shape):
+    """Slots of the ping-pong build of ``shape``'s ring: as many as fit in
+    :data:`SM90_SMEM_LIMIT`, at most :data:`SM90_PINGPONG_MAX_STAGES` (128 x 128: 6, 128 x 64
+    and 64 x 128: 8, 64 x 64: 13)."""
+    bm, bn = pp_shape(shape)
+    stages = SM90_PINGPONG_MAX_STAGES
+    while stages > 2 and _ring_bytes(bm, bn, stages, SM90_STAGING) > SM90_SMEM_LIMIT:
+        stages -= 1
+    return stages
+
+
+SM90_PINGPONG_STAGES = pp_stages(SM90_PINGPONG_SHAPE)
+
+
+def sm90_smem_bytes(pingpong=False, tms=False):
+    """Dynamic shared memory of the sm90 tile (or a ping-pong tile: ``pingpong`` True or its
+    shape, :func:`pp_shape`; or the tensor-store tile: two chunks of staging per warp)."""
+    shape = pp_shape(pingpong)
+    (bm, bn), stages = ((shape, pp_stages(shape)) if shape else (SM90_TILE, SM90_STAGES))
+    return _ring_bytes(bm, bn, stages, SM90_STAGING * (2 if tms else 1))
 
 
 def sm90_threads(publisher=False):
@@ -113,11 +161,16 @@ _SM90_BUILDS = {}   # (publisher, b_kn, pingpong, helper, defines, tms) -> (init
 #                     reinit)
 
 
-def sm90_defines(publisher=False, b_kn=False, tms=False):
+def sm90_defines(publisher=False, b_kn=False, tms=False, pingpong=False):
     """The defines :func:`sm90_tile_functions` appends to a build's own (a probe that links
-    another function from the same source names the same file: :func:`linked_source`)."""
+    another function from the same source names the same file: :func:`linked_source`); a
+    ping-pong build's tile shape and ring depth (:func:`pp_shape`, :func:`pp_stages`)."""
+    shape = pp_shape(pingpong)
+    pp = (f"#define MK_PP_BM {shape[0]}\n#define MK_PP_BN {shape[1]}\n"
+          f"#define MK_PP_STAGES {pp_stages(shape)}\n" if shape else "")
     return (("#define MK_PUBLISHER 1\n" if publisher else "") +
-            ("#define MK_TMA_STORE 1\n" if tms else "") + ("#define MK_B_KN 1\n" if b_kn else ""))
+            ("#define MK_TMA_STORE 1\n" if tms else "") + ("#define MK_B_KN 1\n" if b_kn else "")
+            + pp)
 
 
 def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None, defines="",
@@ -126,8 +179,9 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
     with ``MK_PUBLISHER=publisher``, ``MK_B_KN=b_kn`` and ``MK_TMA_STORE=tms`` (see the
     helper's header; b_kn: B is [k, n], not [n, k]; drain: None, or with ``tms`` the block's
     end; reinit: the ring started afresh, of the library's own gemm_tile.cu only, else None;
-    :class:`TileBuild`), or with ``pingpong`` around ``cuda/gemm_pingpong.cu`` (no publisher;
-    the same calling sequence; no reinit). ``helper``: another source with gemm_tile.cu's
+    :class:`TileBuild`), or with ``pingpong`` (True, or a shape: :func:`pp_shape`) around
+    ``cuda/gemm_pingpong.cu`` (no publisher; the same calling sequence; no reinit).
+    ``helper``: another source with gemm_tile.cu's
     entry points (a probe's variant, e.g. ``benchmarks/cuda/gemm_epilogues.cu``, which may
     include the library's files by name: :func:`linked_source`; no reinit), ``defines``
     prepended to it. Launch with
@@ -138,13 +192,14 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
     if publisher and tms:
         raise MkValueError("the tensor-store tile publishes its flags at the block's end: "
                            "no publisher warp")
-    key = (bool(publisher), bool(b_kn), bool(pingpong), helper, defines, bool(tms))
+    pingpong = pp_shape(pingpong)
+    key = (bool(publisher), bool(b_kn), pingpong, helper, defines, bool(tms))
     if key not in _SM90_BUILDS:
         # the library's gemm_tile.cu without the publisher warp: the builds whose restart
         # ran on a GPU (mk.Gemm's tail split; the publisher build's has not)
         own = helper is None and not pingpong and not publisher
         helper = linked_source(helper or (PINGPONG_HELPER if pingpong else HELPER),
-                               defines + sm90_defines(publisher, b_kn, tms))
+                               defines + sm90_defines(publisher, b_kn, tms, pingpong))
         prefix = "mk_gemm_sm90pp" if pingpong else "mk_gemm_sm90"
         u64, i32 = types.uint64, types.int32
         init_fn = cuda.declare_device(f"{prefix}_init", i32(u64, u64), link=[helper],
@@ -162,7 +217,7 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
         @cuda.jit(device=True)
         def gemm_tile(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, tile_n,
                       seq):
-            """One tile through TMA + wgmma (128 x 256, ping-pong 128 x 128); a and b are
+            """One tile through TMA + wgmma (128 x 256, ping-pong its shape); a and b are
             read through ``tmaps`` (B's layout is the build's: MK_B_KN)."""
             k_iters = (k + SM90_BK - 1) // SM90_BK
             return tile_fn(data_ptr(smem), data_ptr(tmaps), data_ptr(c), np.int32(c.shape[1]),
@@ -576,7 +631,7 @@ def sm90_build(publisher=False, b_kn=False, pingpong=False, helper=None, defines
     :func:`register_tile`)."""
     init, tile, drain, reinit = sm90_tile_functions(publisher, b_kn, pingpong, helper,
                                                     defines, tms)
-    return TileBuild(init, tile, SM90_PINGPONG_SHAPE if pingpong else SM90_TILE,
+    return TileBuild(init, tile, pp_shape(pingpong) or SM90_TILE,
                      sm90_threads(publisher), sm90_smem_bytes(pingpong, tms), True, False, b_kn,
                      _whole_tiles(pingpong=pingpong, tms=tms), drain, tms, reinit)
 
@@ -591,10 +646,10 @@ def _whole_tiles(pingpong=False, tms=False, **_):
 _SM90_LAZY = {"sm90:kn": dict(b_kn=True),
               SM90_FUSED_TILE: dict(publisher=True),
               f"{SM90_FUSED_TILE}:kn": dict(publisher=True, b_kn=True),
-              SM90_PINGPONG_TILE: dict(pingpong=True),
-              f"{SM90_PINGPONG_TILE}:kn": dict(b_kn=True, pingpong=True),
               SM90_TMS_TILE: dict(tms=True),
               f"{SM90_TMS_TILE}:kn": dict(b_kn=True, tms=True)}
+_SM90_LAZY.update({f"{pp_name(shape)}{kn}": dict(b_kn=bool(kn), pingpong=shape)
+                   for shape in SM90_PINGPONG_SHAPES for kn in ("", ":kn")})
 
 
 def is_sm90_name(name):
@@ -615,9 +670,10 @@ def whole_tiles_only(name):
 
 def tile_build(name):
     """The tile build called ``name``: ``"simt"``, ``"sm90"`` (the library's Hopper tile),
-    ``SM90_FUSED_TILE``, ``SM90_PINGPONG_TILE``, ``SM90_TMS_TILE`` (made on first use), or one
-    added with :func:`register_tile`; any of the first five with ``":kn"`` appended
-    (:func:`kn_kind`): the same tile reading B as [k, n]. Raises MkValueError for anything
+    ``SM90_FUSED_TILE``, the ping-pong builds (``SM90_PINGPONG_TILE`` and the other shapes'
+    :func:`pp_name`), ``SM90_TMS_TILE`` (made on first use), or one added with
+    :func:`register_tile`; any of the library's with ``":kn"`` appended (:func:`kn_kind`): the
+    same tile reading B as [k, n]. Raises MkValueError for anything
     else, and in the simulator for the sm_90a builds."""
     if name not in _BUILDS and is_sm90_name(name):
         if SIMULATOR:
@@ -654,7 +710,8 @@ def register_tile(name, build):
 
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
-           "SM90_PINGPONG_TILE", "SM90_PINGPONG_SHAPE", "SM90_TMS_TILE", "is_sm90_name",
+           "SM90_PINGPONG_TILE", "SM90_PINGPONG_SHAPE", "SM90_PINGPONG_SHAPES", "pp_name",
+           "pp_shape", "pp_stages", "SM90_TMS_TILE", "is_sm90_name",
            "whole_tiles_only",
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions", "sm90_build",

@@ -1,16 +1,20 @@
 // Hopper (sm_90a) GEMM tile, "ping-pong" schedule (CUTLASS's KernelTmaWarpSpecializedPingpong):
 // C[tile] = A[tile rows, :] @ B[tile cols, :]^T. Same contract, operands (tensor maps, MK_B_KN)
 // and entry-point arguments as gemm_tile.cu (read its header first); what differs:
-//   warps 0-7  two consumer warpgroups, each computing WHOLE 128 x 128 tiles on its own: the
-//              block's tile seq belongs to warpgroup seq % 2, which runs two wgmma m64n128k16
-//              per k16 step (tile rows 0-63 and 64-127; 2 x 64 fp32 accumulators per thread);
-//              the other warpgroup returns 0 from that call at once and goes on to its own
-//              next tile;
+//   warps 0-7  two consumer warpgroups, each computing WHOLE BM x BN tiles on its own: the
+//              block's tile seq belongs to warpgroup seq % 2, which runs BM / 64 wgmma
+//              m64nBNk16 per k16 step (tile rows 0-63, and with BM = 128 rows 64-127; BN / 2
+//              fp32 accumulators per thread for each); the other warpgroup returns 0 from that
+//              call at once and goes on to its own next tile;
 //   warp 8     the producer: one lane fills the ring in tile order, as in gemm_tile.cu.
+// The tile's shape and the ring's depth are the build's (roles/compute.py derives them and the
+// shared memory from the build's name): MK_PP_BM, MK_PP_BN in {64, 128}, MK_PP_STAGES; by default
+// 128 x 128 in 6 stages. Smaller tiles give a GEMM with few output tiles more of them to spread
+// over the SMs.
 // Only one warpgroup runs its main loop at a time, so one warpgroup's epilogue (and its wait for
 // its next tile's inputs) runs while the other's MMAs keep the tensor cores busy.
-// Ring: STAGES slots of A 16 KB (box 64 x 128) + B 16 KB (box 64 x 128, or with MK_B_KN two
-// boxes 64 (N) x 64 (K) side by side), never reset between tiles (slot and phase from
+// Ring: STAGES slots of A BM x 128 B (box 64 x BM) + B BN x 128 B (box 64 x BN, or with MK_B_KN
+// BN / 64 boxes 64 (N) x 64 (K) side by side), never reset between tiles (slot and phase from
 // g = seq * k_iters + kk, gemm_common.cuh produce_tile); full[s] as in gemm_tile.cu; empty[s]
 // takes ONE arrival per use: the warpgroup that consumed the slot.
 //
@@ -31,23 +35,35 @@
 //   stays pending when the kernel ends, which is harmless. The producer needs no handoff: it
 //   only waits for empty slots, which the main loops free in k-step order.
 // The epilogue is the sm90 tile's (gemm_common.cuh store_warp_rows, 2 KB of staging per warp,
-// private to the warp): the two warpgroups' epilogues need no ordering. The owning warpgroup's
-// thread 0 returns 1 after a named barrier of its 128 threads (barrier 1 + wg).
+// private to the warp, BN / 64 chunks of 64 columns per 16 rows): the two warpgroups'
+// epilogues need no ordering. The owning warpgroup's thread 0 returns 1 after a named barrier
+// of its 128 threads (barrier 1 + wg).
 
 #include "gemm_common.cuh"
 
 #ifndef MK_B_KN
 #define MK_B_KN 0
 #endif
+#ifndef MK_PP_BM
+#define MK_PP_BM 128
+#endif
+#ifndef MK_PP_BN
+#define MK_PP_BN 128
+#endif
+#ifndef MK_PP_STAGES
+#define MK_PP_STAGES 6
+#endif
 
 namespace {
 
-constexpr int BM = 128, BN = 128, BK = 64, STAGES = 6;
+constexpr int BM = MK_PP_BM, BN = MK_PP_BN, BK = 64, STAGES = MK_PP_STAGES;
+static_assert((BM == 64 || BM == 128) && (BN == 64 || BN == 128), "tiles of 64 or 128");
 constexpr int CONSUMER_THREADS = 256;
 constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
 constexpr unsigned STAGING_BYTES = CONSUMER_THREADS / 32 * WARP_STAGING;
-// Layout from the 1024-byte-aligned base (128B swizzle repeats every 1024 B):
-//   [A slot 0..5][B slot 0..5][staging, 2 KB per consumer warp][full 0..5][empty 0..5][order 0, 1]
+// Layout from the 1024-byte-aligned base (128B swizzle repeats every 1024 B; every slot is a
+// multiple of 8 KB):
+//   [A slot 0..STAGES-1][B slots][staging, 2 KB per consumer warp][full 0..][empty 0..][order 0, 1]
 constexpr unsigned B_OFFSET = STAGES * A_BYTES;
 constexpr unsigned STAGING_OFFSET = STAGES * STAGE_BYTES;
 constexpr unsigned BAR_OFFSET = STAGING_OFFSET + STAGING_BYTES;
@@ -77,7 +93,7 @@ extern "C" __device__ int mk_gemm_sm90pp_init(unsigned long long smem, unsigned 
     return 0;
 }
 
-// One 128 x 128 output tile; every thread of the block calls it for every tile (arguments as
+// One BM x BN output tile; every thread of the block calls it for every tile (arguments as
 // mk_gemm_sm90_tile's). Returns 1 in exactly one thread, the owning warpgroup's thread 0, once
 // every thread of that warpgroup has issued its stores of the tile; the other warpgroup returns
 // 0 at once, the producer warp once it has queued the loads.
@@ -102,11 +118,12 @@ extern "C" __device__ int mk_gemm_sm90pp_tile(unsigned long long smem, unsigned 
 
     // ---- this warpgroup's tile: its main loop follows tile seq - 1's (the handoff above)
     if (seq > 0) mbar_wait(r.order + 8 * wg, ((unsigned)(seq - 1) >> 1) & 1);
-    float d0[64], d1[64];  // tile rows 0-63 and 64-127
+    // tile rows 0-63 and, with BM = 128, 64-127 (with BM = 64, d1 is never read: no registers)
+    float d0[BN / 2], d1[BN / 2];
 #pragma unroll
-    for (int i = 0; i < 64; ++i) d0[i] = d1[i] = 0.f;
+    for (int i = 0; i < BN / 2; ++i) d0[i] = d1[i] = 0.f;
     fence_operands(d0);
-    fence_operands(d1);
+    if (BM == 128) fence_operands(d1);
 
     for (int kk = 0; kk < k_iters; ++kk) {
         const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
@@ -114,7 +131,7 @@ extern "C" __device__ int mk_gemm_sm90pp_tile(unsigned long long smem, unsigned 
         const unsigned a = r.a + s * A_BYTES, b = r.b + s * B_BYTES;
         wgmma_fence();
         // k16: 16 bf16 = 32 bytes along A's (and a K-major B's) swizzled rows; with MK_B_KN 16
-        // rows (2 KB) down both boxes of B
+        // rows (2 KB) down every box of B
 #pragma unroll
         for (int k16 = 0; k16 < BK / 16; ++k16) {
 #if MK_B_KN
@@ -122,31 +139,33 @@ extern "C" __device__ int mk_gemm_sm90pp_tile(unsigned long long smem, unsigned 
 #else
             const unsigned long long db = smem_desc(b + 32 * k16);
 #endif
-            wgmma_m64n128k16_ss<MK_B_KN>(d0, smem_desc(a + 32 * k16), db, 1);
-            wgmma_m64n128k16_ss<MK_B_KN>(d1, smem_desc(a + 64 * 128 + 32 * k16), db, 1);
+            wgmma_ss<MK_B_KN>(d0, smem_desc(a + 32 * k16), db, 1);
+            if (BM == 128) wgmma_ss<MK_B_KN>(d1, smem_desc(a + 64 * 128 + 32 * k16), db, 1);
         }
         wgmma_commit();
         // Keep one k-step of MMAs in flight; the previous step's slot can be refilled now.
         wgmma_wait<1>();
         fence_operands(d0);
-        fence_operands(d1);
+        if (BM == 128) fence_operands(d1);
         if (kk > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g - 1) % STAGES));
     }
     // Every MMA of this tile is issued: the next tile's main loop may queue behind them.
     mbar_arrive(r.order + 8 * (wg ^ 1));
     wgmma_wait<0>();
     fence_operands(d0);
-    fence_operands(d1);
+    if (BM == 128) fence_operands(d1);
     if (k_iters > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g0 + k_iters - 1) % STAGES));
 
-    // ---- epilogue: each warp stores its 16 rows of both halves through its staging
+    // ---- epilogue: each warp stores its 16 rows of each 64-row half through its staging
     const int lane = tid % 32, warp = (tid % 128) / 32;
     __nv_bfloat16 *out = (__nv_bfloat16 *)c - (long long)c_row0 * ldc;  // indexed by global row
     const long long plane_elems = (long long)m * n;
     const unsigned stage = r.staging + (tid / 32) * WARP_STAGING;
     const int row0 = tile_m * BM + warp * 16, col0 = tile_n * BN;
     store_warp_rows(d0, stage, lane, out, ldc, row0, col0, m, n, addend, adds, plane_elems);
-    store_warp_rows(d1, stage, lane, out, ldc, row0 + 64, col0, m, n, addend, adds, plane_elems);
+    if (BM == 128)
+        store_warp_rows(d1, stage, lane, out, ldc, row0 + 64, col0, m, n, addend, adds,
+                        plane_elems);
     // Named barrier 1 + wg over this warpgroup (barrier 0 is __syncthreads).
     asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
     return tid % 128 == 0;

@@ -187,6 +187,36 @@ __device__ __forceinline__ void wgmma_m64n128k16_ss(float (&d)[64], unsigned lon
         : "l"(da), "l"(db), "r"(accumulate), "n"(TRANS_B));
 }
 
+// d[64 x 64] (= or +=, by ``accumulate``) A_desc[64 x 16] @ B_desc[64 x 16]^T, as
+// wgmma_m64n128k16_ss
+template <int TRANS_B = 0>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], unsigned long long da,
+                                                   unsigned long long db, int accumulate) {
+    asm volatile(
+        "{\n"
+        ".reg .pred p;\n"
+        "setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1, 0, %35;\n"
+        "}\n"
+        : MK_ACC8(0), MK_ACC8(8), MK_ACC8(16), MK_ACC8(24)
+        : "l"(da), "l"(db), "r"(accumulate), "n"(TRANS_B));
+}
+
+// m64nNk16 with both operands in shared memory, N from the accumulator (N / 2 floats per thread)
+template <int TRANS_B = 0>
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], unsigned long long da,
+                                         unsigned long long db, int accumulate) {
+    wgmma_m64n128k16_ss<TRANS_B>(d, da, db, accumulate);
+}
+template <int TRANS_B = 0>
+__device__ __forceinline__ void wgmma_ss(float (&d)[32], unsigned long long da,
+                                         unsigned long long db, int accumulate) {
+    wgmma_m64n64k16_ss<TRANS_B>(d, da, db, accumulate);
+}
+
 // d[64 x N] += A[64 x 16] @ B_desc[16 x N], A from registers (bf16x2 words a0..a3 in the
 // A-fragment layout, which is the accumulator layout of 16 columns), B MN-major (transposed)
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[64], unsigned a0, unsigned a1,
