@@ -8,17 +8,18 @@ with ``tile_flags[t] = epoch``. The blocks held back (``reserved_sms``) return a
 the fused kernels they run the communication roles and consume those flags.
 
 Split-K (:func:`split_k_for`): when the output has few tiles for the compute blocks and K is
-long, each tile's K is cut into ``s`` slices. The work units are then (tile t, slice j), each
-computing its slice into plane ``1 + j`` of a bf16 workspace and publishing ``flags[(1 + j) *
-tiles + t] = epoch``, and then one fold unit per tile, which reads no K: it waits for the tile's
-``s`` flags and sums the planes into C (the tile contract's ``addend`` with no K: an fp32 sum,
-rounded once; the sm_90a tile reads them with no accumulator, many 16-byte loads in flight per
-thread, ``fold_planes`` in ``roles/cuda/gemm_common.cuh``). A fold takes no slice of its own
-because the compute role waits before a tile starts: its slice would begin only once the others
-were done. The folds come after every slice in the order, and a block takes a unit only after
-its last one, so a fold waits on units that run or ran, never on one queued behind it; and after
-a fold a block runs only folds, which touch no ring slot, so the sm_90a ring's phases (``seq *
-k_iters``, equal ``k_iters`` for every slice) stay right.
+long (with "auto", past :data:`PP_MAX_K`: shorter, the ping-pong tiles run instead), each tile's
+K is cut into ``s`` slices. The work units are then (tile t, slice j), each computing its slice
+into plane ``1 + j`` of a bf16 workspace and publishing ``flags[(1 + j) * tiles + t] = epoch``,
+and then one fold unit per tile, which reads no K: it waits for the tile's ``s`` flags and sums
+the planes into C (the tile contract's ``addend`` with no K: an fp32 sum, rounded once; the
+sm_90a tile reads them with no accumulator, many 16-byte loads in flight per thread,
+``fold_planes`` in ``roles/cuda/gemm_common.cuh``). A fold takes no slice of its own because the
+compute role waits before a tile starts: its slice would begin only once the others were done.
+The folds come after every slice in the order, and a block takes a unit only after its last one,
+so a fold waits on units that run or ran, never on one queued behind it; and after a fold a
+block runs only folds, which touch no ring slot, so the sm_90a ring's phases (``seq * k_iters``,
+equal ``k_iters`` for every slice) stay right.
 
 Tail split (:func:`tail_split_for`): when the tiles outnumber the compute blocks, the last
 round of tiles may leave most blocks idle (448 tiles on 132 blocks: 3 full rounds, then 52
@@ -41,9 +42,9 @@ as split-K's (the tail's tiles are columns of the grouped order, not a band of r
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (the
 ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K; "auto"
-takes it where 128 x 256 tiles are few and K short: ``pp_for``; also in 128 x 64, 64 x 128 and
-64 x 64 tiles, ``"sm90:pp:<BM>x<BN>"``, which "auto" takes there by the tiles' count:
-``pp_shape_for``),
+takes it where 128 x 256 tiles are few and K <= ``PP_MAX_K``: ``pp_for``; also in 128 x 64,
+64 x 128 and 64 x 64 tiles, ``"sm90:pp:<BM>x<BN>"``, which "auto" takes there by the tiles'
+count: ``pp_shape_for``),
 ``"sm90:tms"`` (the sm90 tile whose epilogue leaves by TMA tensor stores it does not wait
 for, ``roles.compute.SM90_TMS_TILE``; no split-K: its tile flags go out at each block's end,
 after its stores completed; "auto" takes it for unsplit shapes with K <= ``TMS_MAX_K``) or
@@ -466,7 +467,8 @@ class Gemm:
     split; fewer when K has fewer 64-deep steps).
 
     ``tile``: "auto" runs, on a Hopper GPU (sm_90a), a ping-pong build where 128 x 256 tiles
-    are few and K <= :data:`PP_MAX_K` (:func:`pp_for`; only with ``split_k`` None; ``"sm90:pp"`` or a smaller tile's, :func:`pp_shape_for`), the tensor-store build
+    are few and K <= :data:`PP_MAX_K` (:func:`pp_for`; only with ``split_k`` None;
+    ``"sm90:pp"`` or a smaller tile's, :func:`pp_shape_for`), the tensor-store build
     ``"sm90:tms"`` for other shapes it does not split (nor their tail) with K <=
     :data:`TMS_MAX_K`, and the default ``"sm90"`` elsewhere (chosen per shape; the SIMT twin
     without sm_90a); or a build by name (module docstring):
