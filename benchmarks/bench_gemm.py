@@ -142,8 +142,8 @@ def grid(args, gpu, sms):
             op(a, b_arg, out=c)
             torch.cuda.synchronize()
             err = ((c.float() - ref).norm() / ref.norm()).item()   # NaN if unwritten
-            t, tb = time_ms(lambda: op(a, b_arg, out=c),
-                            lambda: torch.matmul(a, b_arg, out=c), iters)
+            t, tb = time_ms(lambda: op(a, b_arg, out=c), iters,
+                            lambda: torch.matmul(a, b_arg, out=c))
             plan = next(p for key, p in op._plans.items()
                         if key[:3] == (m, n, k) and (key[3] == "kn") == (layout == "kn"))
             slices = plan.slices
@@ -226,8 +226,8 @@ def main():
                     topology="1x1", transport="none", baseline="cublas", gpu=gpu, date=date,
                     command=cmd, sms=sms, sass=sass or None)
         bt = b.T.contiguous()                         # [k, n] row-major, read as it is
-        t_kn, t_cublas_kn = time_ms(lambda: ops[0](a, bt, b_layout="kn", out=c),
-                                    lambda: torch.matmul(a, bt, out=c), iters)
+        t_kn, t_cublas_kn = time_ms(lambda: ops[0](a, bt, b_layout="kn", out=c), iters,
+                                    lambda: torch.matmul(a, bt, out=c))
         records.append(dict(base, b_layout="kn", ours_ms=t_kn, baseline_ms=t_cublas_kn,
                             speedup=t_cublas_kn / t_kn, floor_ms=t_cublas_kn,
                             tflops=flops / t_kn / 1e9, baseline_tflops=flops / t_cublas_kn / 1e9,
