@@ -178,7 +178,7 @@ def pp_shape_for(m, n, blocks):
     ping-pong tile: of :data:`PP_TILE_COST`'s shapes, the one whose rounds of tiles on
     ``blocks`` compute blocks (``ceil(tiles / blocks)``) times its cost per tile is least; a
     tie goes to the larger tile (fewer loads of A and B), then to the taller one. On an H200
-    (132 blocks) with the provisional costs: 512 x 1024 64 x 64 (128 tiles), 1024 x 1024
+    (132 blocks): 512 x 1024 64 x 64 (128 tiles), 1024 x 1024
     128 x 64 (128), 2048 x 1024 and 512 x 4096 128 x 128 (128)."""
     best, best_cost = compute.SM90_PINGPONG_SHAPE, None
     larger_first = sorted(PP_TILE_COST.items(), key=lambda e: (-e[0][0] * e[0][1], -e[0][0]))
@@ -636,10 +636,10 @@ class _Plan:
         kind = kind_for(op.tile) if device not in op._frames else op._frames[device][0]
         self.b_kn = b_kn(mode)
         base = kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
-        if op.tile == "auto" and op.split_k is None and \
-                pp_for(kind, m, n, k, max(1, _device_sms() - op.reserved_sms)):
+        auto_blocks = max(1, _device_sms() - op.reserved_sms)     # "auto"'s choice of tile
+        if op.tile == "auto" and op.split_k is None and pp_for(kind, m, n, k, auto_blocks):
             # one block an SM, as the default tile; its tile shape by the tiles' count
-            kind = compute.pp_name(pp_shape_for(m, n, max(1, _device_sms() - op.reserved_sms)))
+            kind = compute.pp_name(pp_shape_for(m, n, auto_blocks))
             kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
         elif op.tile == "auto" and tms_for(kind, k) and (op.split_k or 1) == 1:
             kind = compute.kn_kind(compute.SM90_TMS_TILE, op.name) if self.b_kn else \
@@ -676,7 +676,8 @@ class _Plan:
         if kind != base and build.shape == base_build.shape and split_slices(k, split)[0] > 1:
             # "auto" splits this shape (or its tail): the default tile (the tensor-store
             # tile's shape, so the same tiles), whose split kernel is compiled and checked
-            # against the grid below; the ping-pong tile was chosen knowing the split
+            # against the grid below (the ping-pong tiles, of other shapes, run whole: pp_for
+            # takes them instead of a split)
             kind = base
             build, kernel = _build(kind)
         self.slices, self.kc = split_slices(k, 1 if build.gemm_only else split)
