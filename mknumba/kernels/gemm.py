@@ -636,10 +636,10 @@ class _Plan:
         kind = kind_for(op.tile) if device not in op._frames else op._frames[device][0]
         self.b_kn = b_kn(mode)
         base = kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
-        auto_blocks = max(1, _device_sms() - op.reserved_sms)     # "auto"'s choice of tile
-        if op.tile == "auto" and op.split_k is None and pp_for(kind, m, n, k, auto_blocks):
+        if op.tile == "auto" and op.split_k is None and \
+                pp_for(kind, m, n, k, max(1, _device_sms() - op.reserved_sms)):
             # one block an SM, as the default tile; its tile shape by the tiles' count
-            kind = compute.pp_name(pp_shape_for(m, n, auto_blocks))
+            kind = compute.pp_name(pp_shape_for(m, n, max(1, _device_sms() - op.reserved_sms)))
             kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
         elif op.tile == "auto" and tms_for(kind, k) and (op.split_k or 1) == 1:
             kind = compute.kn_kind(compute.SM90_TMS_TILE, op.name) if self.b_kn else \
