@@ -251,6 +251,8 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         assert ptx.count("wgmma.wait_group.sync.aligned 1;") >= 2, "S and P V not overlapped"
         # the consumer warpgroups' ping-pong turns (named barriers)
         assert "bar.arrive" in ptx and "bar.sync" in ptx
+    if name == "ring_attention":                # one declaration, the pool pruned away
+        assert "atom.global.add.u64" not in ptx, "the controller's sums in the static build"
     if name == "ring_attention_adaptive":
         # the producer lane's queue tickets and the controller's sums; the consumers' own
         # barrier (a part they push) and the mailbox's GPU-scope acquire and release
@@ -357,6 +359,8 @@ def test_allgather_gemm_kernel_compiles_for_sm90a(fake_sm90, name):
     if name.endswith("adaptive"):                 # queue tickets, the controller's sums
         assert "atom.add.relaxed.gpu.u32" in ptx and "atom.global.add.u64" in ptx
         return
+    # one declaration for both builds: the static one keeps none of the controller's code
+    assert "atom.global.add.u64" not in ptx
     # the SIMT twin (GPUs without sm_90a) compiles too
     _, _, simt = K.build("simt")
     assert "ld.acquire.sys" in _ptx(simt.py_func, signature(simt), fake_sm90)
@@ -410,3 +414,5 @@ def test_moe_dispatch_gemm_kernel_compiles_for_sm90a(fake_sm90, name):
     if name.endswith("adaptive"):
         assert "atom.add.relaxed.gpu.u32" in ptx and "atom.global.add.u64" in ptx
         assert "0 bytes spill stores, 0 bytes spill loads" in log, log
+    else:     # one declaration for both builds: the static one keeps none of the controller's
+        assert "atom.global.add.u64" not in ptx

@@ -29,17 +29,19 @@ Cfg, Record, Trace = array_type(np.int64, 1), array_type(np.int64, 1), array_typ
 #: cfg: the small integers of a launch, one int64 array, by name (``launch.pack``). me: world
 #: rank, local: rank in the node of g GPUs; shard: rows per rank (m / world); rows: rows per
 #: part of a shard (its last part may be shorter), parts: parts per shard; *_end: the roles'
-#: block ranges; win_*: the proxy's windows; collect: this call fills the caller's gathered A;
-#: trace: stamp the roles' items. The adaptive build (``comm_sms="adaptive"``) reads pool_end:
-#: the end of its flexible blocks (from forward_end; collect after them), nstage / ncomm: its
-#: communication items (parts to store here, then parts to push), init_comm: its blocks that
-#: start in the communication role.
+#: block ranges (compute and collect after forward, in either order); win_*: the proxy's
+#: windows; collect: this call fills the caller's gathered A; trace: stamp the roles' items.
+#: The adaptive build (``comm_sms="adaptive"``) reads nstage / ncomm: its communication items
+#: (parts to store here, then parts to push), init_comm: its blocks that start in the
+#: communication role.
 CFG_FIELDS = ("m", "n", "k", "shard", "rows", "parts", "me", "local", "g", "nodes", "world",
-              "tiles_n", "send_end", "forward_end", "collect_end", "win_gathered",
-              "win_flags", "collect", "trace", "pool_end", "nstage", "ncomm", "init_comm")
+              "tiles_n", "send_end", "forward_end", "compute_start", "compute_end",
+              "collect_start", "collect_end", "win_gathered", "win_flags", "collect", "trace",
+              "nstage", "ncomm", "init_comm")
 (C_M, C_N, C_K, C_SHARD, C_ROWS, C_PARTS, C_ME, C_LOCAL, C_G, C_NODES, C_WORLD, C_TILES_N,
- C_SEND_END, C_FORWARD_END, C_COLLECT_END, C_WIN_GATHERED, C_WIN_FLAGS,
- C_COLLECT, C_TRACE, C_POOL_END, C_NSTAGE, C_NCOMM, C_INIT_COMM) = range(len(CFG_FIELDS))
+ C_SEND_END, C_FORWARD_END, C_COMPUTE_START, C_COMPUTE_END, C_COLLECT_START, C_COLLECT_END,
+ C_WIN_GATHERED, C_WIN_FLAGS, C_COLLECT, C_TRACE, C_NSTAGE, C_NCOMM,
+ C_INIT_COMM) = range(len(CFG_FIELDS))
 # the adaptive build's work queues (roles.blocks.take)
 Q_COMPUTE, Q_COMM, QUEUES = ctl_.Q_COMPUTE, ctl_.Q_COMM, ctl_.QUEUES
 POOL_STATE = ctl_.STATE              # (a global: numba sizes local arrays by constants)
@@ -289,13 +291,13 @@ def make_kernel(build, threads, adaptive=False):
     @cuda.jit(device=True, inline=True)
     def flexible_pool(smem, tmaps, a_slot, b, order, cfg, where, shard_io, queue, ctl, blk,
                       ctx, trace):
-        """Blocks [forward_end, pool_end): each next item from the controller's dispatch
-        (``roles.controller.make_dispatch``): a tile whose rows are not there yet waits
-        behind communication items while any are left."""
+        """Blocks [compute_start, compute_end): each next item from the controller's
+        dispatch (``roles.controller.make_dispatch``): a tile whose rows are not there yet
+        waits behind communication items while any are left."""
         epoch, call = ctx[0], ctx[1]
         tr = cfg[C_TRACE] != 0
-        first = cfg[C_FORWARD_END]
-        flex = cfg[C_POOL_END] - first
+        first = cfg[C_COMPUTE_START]
+        flex = cfg[C_COMPUTE_END] - first
         tiles_n = cfg[C_TILES_N]
         tile_init(smem, tmaps)
         cuda.syncthreads()
@@ -332,19 +334,30 @@ def make_kernel(build, threads, adaptive=False):
             gathered_words: Words, gathered_ptrs: Words, flags: Flags, flag_ptrs: Words,
             out: Bits2D, gathered_out: Words, tile_flags: Flags, cfg: Cfg, order: Ints,
             shards: Ints, rail: Ints, ring: Flags, head: Flags, tail: Flags, frame: Words,
-            timeout_ns: types.uint64, err: Record, rank: types.int64, trace: Trace):
+            timeout_ns: types.uint64, err: Record, rank: types.int64, trace: Trace,
+            queue: Flags, ctl: Words):
         """a: this rank's shard [m / world, k] bf16 as uint64 words; b [n, k] bf16 bits ([k, n]
         with a ":kn" tile build); tmaps / tmaps_odd: the tensor maps of A (this GPU's gathered
         A, slot 0 / 1) and b (sm_90a; one zero row for the SIMT tile); gathered [2, m, k]
         bf16 bits: the symmetric gathered A, one slot per call parity (gathered_words: the
         same memory as uint64 words, gathered_ptrs its address table); flags uint32 [world *
         parts] (symmetric, flag_ptrs its address table): part p of world rank r's shard is here
-        at flags[r * parts + p]; out [m, n] bf16 bits; gathered_out: the caller's [m, k] as words (read
-        only when cfg[C_COLLECT]); tile_flags uint32 [tiles]; order int32 [tiles]
+        at flags[r * parts + p]; out [m, n] bf16 bits; gathered_out: the caller's [m, k] as
+        words (read only when cfg[C_COLLECT]); tile_flags uint32 [tiles]; order int32 [tiles]
         (``sched.tiles.gather_order``); shards int32 [world]: world ranks in arrival order;
         rail int32: the rail peers' world ranks; ring/head/tail: the proxy's command ring;
         frame: the op's call counter (``kernels.launch.Frame``); err: the error record;
-        trace int64 [TRACE_EVENTS, items] (written only when cfg[C_TRACE])."""
+        trace int64 [TRACE_EVENTS, items] (written only when cfg[C_TRACE]); the adaptive
+        build's queue uint32 [QUEUES] (the compute and communication queues' ticket counters)
+        and ctl uint64 [roles.controller.CTL_WORDS] (its measurements).
+
+        Blocks in order: send [0, send_end), forward [send_end, forward_end), then compute
+        and collect, each in its cfg range: static collect, compute; adaptive the flexible
+        compute blocks, then collect (last: it waits on their stores, and the simulator runs
+        blocks in order), and send only between nodes (store each part here and hand it to
+        the proxy: the pool stores and pushes inside the node). ``adaptive`` is a constant of
+        the kernel: numba compiles only its build's branches (the static build never reads
+        queue or ctl)."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         ctx = launch_context(frame, timeout_ns, err, rank)
         epoch, call, deadline = ctx[0], ctx[1], ctx[2]
@@ -352,74 +365,43 @@ def make_kernel(build, threads, adaptive=False):
         tr = cfg[C_TRACE] != 0
         stamp(tr, trace, T_BLOCK_START, blk)
         send_end, forward_end = cfg[C_SEND_END], cfg[C_FORWARD_END]
-        collect_end = cfg[C_COLLECT_END]
+        compute_start, compute_end = cfg[C_COMPUTE_START], cfg[C_COMPUTE_END]
         ok = True
-        if blk < send_end:
-            ok = send_role(cfg, a, gathered_words, gathered_ptrs, flags, flag_ptrs, rail,
-                           (ring, head, tail), blk, send_end, ctx, trace)
-        elif blk < forward_end:
+        if blk < send_end:                                            # ---- send
+            if adaptive:
+                ok = stage_only(cfg, a, gathered_words, flags, rail, (ring, head, tail), blk,
+                                send_end, ctx, trace)
+            else:
+                ok = send_role(cfg, a, gathered_words, gathered_ptrs, flags, flag_ptrs, rail,
+                               (ring, head, tail), blk, send_end, ctx, trace)
+        elif blk < forward_end:                                       # ---- forward
             ok = forward_role(cfg, gathered_words, gathered_ptrs, flags, flag_ptrs, rail,
                               blk - send_end, forward_end - send_end, ctx, trace)
-        elif blk < collect_end:
-            if cfg[C_COLLECT] != 0:
-                ok = collect_role(cfg, gathered_words, flags, shards, gathered_out,
-                                  blk - forward_end, collect_end - forward_end, ctx, trace)
-        else:
+        elif compute_start <= blk < compute_end:                      # ---- compute
             slot = call & 1
             tiles_n = cfg[C_TILES_N]
-            compute_role(smem, tmaps_odd if slot else tmaps, gathered[slot], b, order,
-                         tiles_n, blk - collect_end, cuda.gridDim.x - collect_end, epoch,
-                         (out, tile_flags, gathered, flags, tiles_n, cfg[C_M], cfg[C_SHARD],
-                          cfg[C_ROWS], cfg[C_PARTS], (deadline, err, rank)), tr, trace)
-        if ok:                        # a timed-out role's block has no end stamp
-            stamp(tr, trace, T_BLOCK_END, blk)
-
-    @cuda.jit(**bounds)
-    def allgather_gemm_adaptive(
-            a: Words, b: Bits2D, tmaps: Words, tmaps_odd: Words, gathered: Bits3D,
-            gathered_words: Words, gathered_ptrs: Words, flags: Flags, flag_ptrs: Words,
-            out: Bits2D, gathered_out: Words, tile_flags: Flags, cfg: Cfg, order: Ints,
-            shards: Ints, rail: Ints, ring: Flags, head: Flags, tail: Flags, frame: Words,
-            timeout_ns: types.uint64, err: Record, rank: types.int64, trace: Trace,
-            queue: Flags, ctl: Words):
-        """The kernel with the controller's split: the arguments of the static kernel, and
-        queue uint32 [QUEUES] (the compute and communication queues' ticket counters), ctl
-        uint64 [roles.controller.CTL_WORDS] (its measurements). Blocks in order: send [0,
-        send_end) (between nodes: store each part here and hand it to the proxy), forward,
-        flexible [forward_end, pool_end), collect [pool_end, grid) (last: it waits on the
-        flexible blocks' stores, and the simulator runs blocks in order)."""
-        smem = cuda.shared.array(0, dtype=_BYTE)
-        ctx = launch_context(frame, timeout_ns, err, rank)
-        call, deadline = ctx[1], ctx[2]
-        blk = cuda.blockIdx.x
-        tr = cfg[C_TRACE] != 0
-        stamp(tr, trace, T_BLOCK_START, blk)
-        send_end, forward_end, pool_end = cfg[C_SEND_END], cfg[C_FORWARD_END], cfg[C_POOL_END]
-        ok = True
-        if blk < send_end:
-            ok = stage_only(cfg, a, gathered_words, flags, rail, (ring, head, tail), blk,
-                            send_end, ctx, trace)
-        elif blk < forward_end:
-            ok = forward_role(cfg, gathered_words, gathered_ptrs, flags, flag_ptrs, rail,
-                              blk - send_end, forward_end - send_end, ctx, trace)
-        elif blk < pool_end:
-            slot = call & 1
-            tiles_n = cfg[C_TILES_N]
-            flexible_pool(smem, tmaps_odd if slot else tmaps, gathered[slot], b, order, cfg,
-                          (out, tile_flags, gathered, flags, tiles_n, cfg[C_M], cfg[C_SHARD],
-                           cfg[C_ROWS], cfg[C_PARTS], (deadline, err, rank)),
-                          (a, gathered_words, gathered_ptrs, flags, flag_ptrs), queue, ctl, blk,
-                          ctx, trace)
-        elif cfg[C_COLLECT] != 0:
+            where = (out, tile_flags, gathered, flags, tiles_n, cfg[C_M], cfg[C_SHARD],
+                     cfg[C_ROWS], cfg[C_PARTS], (deadline, err, rank))
+            if adaptive:
+                flexible_pool(smem, tmaps_odd if slot else tmaps, gathered[slot], b, order,
+                              cfg, where, (a, gathered_words, gathered_ptrs, flags, flag_ptrs),
+                              queue, ctl, blk, ctx, trace)
+            else:
+                compute_role(smem, tmaps_odd if slot else tmaps, gathered[slot], b, order,
+                             tiles_n, blk - compute_start, compute_end - compute_start, epoch,
+                             where, tr, trace)
+        elif cfg[C_COLLECT] != 0:                                     # ---- collect
+            collect_start = cfg[C_COLLECT_START]
             ok = collect_role(cfg, gathered_words, flags, shards, gathered_out,
-                              blk - pool_end, cuda.gridDim.x - pool_end, ctx, trace)
+                              blk - collect_start, cfg[C_COLLECT_END] - collect_start, ctx,
+                              trace)
         if ok:                        # a timed-out role's block has no end stamp
             stamp(tr, trace, T_BLOCK_END, blk)
 
-    return allgather_gemm_adaptive if adaptive else allgather_gemm_kernel
+    return allgather_gemm_kernel
 
 
-#: (roles.compute.TileBuild, threads per block, kernel) of a tile build name, static split
+#: (roles.compute.TileBuild, threads per block, kernel) of a tile build name, either split
 _BUILDS = {False: compute.KernelBuilds(make_kernel),
            True: compute.KernelBuilds(lambda b, threads: make_kernel(b, threads, True))}
 

@@ -89,16 +89,17 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
             ring, head, tail = (cuda.mapped_array(12, np.uint32), cuda.to_device(z32),
                                 cuda.mapped_array(1, np.uint32))
             rail = cuda.to_device(np.zeros(1, np.int32))
-        rb = self.role_blocks
-        send_end = rb["send"]
-        forward_end = send_end + rb["forward"]
-        ad = self.adaptive
+        rb, ad = self.role_blocks, self.adaptive
+        start = self.role_starts()
         cfg = dict(m=m, n=n, k=k, shard=self.shard, rows=self.part_rows, parts=P,
                    me=comm.rank, local=comm.local_rank, g=comm.local_size, nodes=comm.nodes,
-                   world=W, tiles_n=self.tiles_n, send_end=send_end, forward_end=forward_end,
-                   collect_end=forward_end + rb["collect"], win_gathered=wins[0],
+                   world=W, tiles_n=self.tiles_n, send_end=start["forward"],
+                   forward_end=start["forward"] + rb["forward"],
+                   compute_start=start["compute"],
+                   compute_end=start["compute"] + rb["compute"],
+                   collect_start=start["collect"],
+                   collect_end=start["collect"] + rb["collect"], win_gathered=wins[0],
                    win_flags=wins[1], trace=self.tracing,
-                   pool_end=forward_end + rb["compute"] if ad else 0,
                    nstage=self.nstage if ad else 0, ncomm=self.ncomm if ad else 0,
                    init_comm=self.init_comm)
         # a call that fills the caller's gathered A (collect) or not
@@ -109,10 +110,9 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
                     W * P, len(self.order)) if self.tracing else 1
         self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
         # the adaptive split's work queues and the controller's measurements (they grow across
-        # calls: roles.controller)
-        adaptive = dict(queue=cuda.to_device(np.zeros(QUEUES, np.uint32)),
-                        ctl=cuda.to_device(np.zeros(CTL_WORDS, np.uint64))) if ad else {}
-        self.queue, self.ctl = adaptive.get("queue"), adaptive.get("ctl")
+        # calls: roles.controller; the static build never reads them)
+        self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
+        self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
         local = self.gathered_buf.local
         values = dict(
             a=Slot((self.shard * k // 4,)), tmaps=Slot((TensorMaps.ROW,)),
@@ -124,7 +124,7 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
             order=cuda.to_device(self.order), shards=cuda.to_device(self.arrival), rail=rail,
             ring=ring, head=head, tail=tail, frame=self.frame.words,
             timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, trace=self._trace,
-            **adaptive)
+            queue=self.queue, ctl=self.ctl)
         self.launches = LayoutLaunches(    # planned for b [k, n]
             lambda kind: build(kind, ad), self.kind, values, "b",
             {False: (n, k), True: (k, n)}, self.grid, True, self.name)
@@ -237,7 +237,7 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         me, order, n_send = comm.rank, self.order, rb["send"]
         rail = list(comm.rail_peers) if comm.nodes > 1 else []
         layout = [(role, rb[role]) for role in ROLE_ORDER[ad]]
-        first = {role: sum(c for r, c in layout[:i]) for i, (role, _) in enumerate(layout)}
+        first = self.role_starts()
 
         def block(row, role, step):   # the block of item i: recorded (adaptive) or striding
             if ad and role == "compute":
@@ -279,6 +279,13 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
                     controller_log_dropped=sum(max(0, int(ev["ctl_n"][b]) - CTL_LOG)
                                                for b in range(self.grid)) if ad else 0)
         return Timeline(comm.rank, items, segments, decisions, meta)
+
+    def role_starts(self):
+        """{role: its first block}, the roles in this build's block order (``ROLE_ORDER``)."""
+        starts, at = {}, 0
+        for role in ROLE_ORDER[self.adaptive]:
+            starts[role], at = at, at + self.role_blocks[role]
+        return starts
 
     def _start_at(self, calls):
         """Tests: as ``OpLifetime._start_at`` (the call counter, every epoch flag), and with

@@ -573,43 +573,6 @@ def make_kernel(build, threads, adaptive=False):
             pool_stop(st, ctl)
 
     @cuda.jit(**bounds)
-    def moe_dispatch_gemm_adaptive(
-            x: Words, topk: Ints, weights: F32, wt: Bits3D, tmtable: Words2D, recv: Bits2D,
-            recv_words: Words, xbuf: Words, xbuf_ptrs: Words, meta: Ints, meta_f: F32,
-            meta_ptrs: Words, table: Ints, table_ptrs: Words, flags: Flags, flag_ptrs: Words,
-            hist: Ints, lay: Ints, lflags: Flags, tile_flags: Flags, out: Bits2D, counts: Ints,
-            offsets: Ints, rows_out: Ints2D, weights_out: F32, cfg: Cfg, order: Ints,
-            rail: Ints, ring: Flags, head: Flags, tail: Flags, frame: Words,
-            timeout_ns: types.uint64, err: Record, rank: types.int64, queue: Flags, ctl: Words):
-        """The kernel with the controller's split: the arguments of the static kernel (lflags
-        also holds the chunks' flags: [1 + tiles_m * (1 + chunks)]), and queue uint32
-        [QUEUES] (the compute and pull queues' ticket counters), ctl uint64
-        [roles.controller.CTL_WORDS] (its measurements). Blocks in order: route, pack,
-        forward (between nodes), flexible [forward_end, grid) (the first lays the call out)."""
-        smem = cuda.shared.array(0, dtype=_BYTE)
-        ctx = launch_context(frame, timeout_ns, err, rank)
-        blk = cuda.blockIdx.x
-        pack_end, forward_end = cfg[C_PACK_END], cfg[C_FORWARD_END]
-        proxy = (ring, head, tail)
-        if blk == 0:
-            route_role(cfg, topk, weights, hist, meta, meta_f, table, table_ptrs, flags,
-                       flag_ptrs, rail, proxy, ctx)
-        elif blk < pack_end:
-            pack_role(cfg, x, xbuf, flags, flag_ptrs, rail, proxy, blk - 1, pack_end - 1, ctx)
-        elif blk < forward_end:
-            forward_role(cfg, meta, table, table_ptrs, flags, flag_ptrs, rail, blk - pack_end,
-                         forward_end - pack_end, ctx)
-        else:
-            flexible_pool(smem, tmtable, recv, wt, order, cfg,
-                          (table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv_words,
-                           lay, lflags, rows_out, weights_out, counts, offsets),
-                          (out, tile_flags, lay, lflags, cfg, wt, tmtable, cfg[C_TILES_N],
-                           (ctx[2], err, rank)), queue, ctl, blk, ctx)
-
-    if adaptive:
-        return moe_dispatch_gemm_adaptive
-
-    @cuda.jit(**bounds)
     def moe_dispatch_gemm_kernel(
             x: Words, topk: Ints, weights: F32, wt: Bits3D, tmtable: Words2D, recv: Bits2D,
             recv_words: Words, xbuf: Words, xbuf_ptrs: Words, meta: Ints, meta_f: F32,
@@ -617,7 +580,7 @@ def make_kernel(build, threads, adaptive=False):
             hist: Ints, lay: Ints, lflags: Flags, tile_flags: Flags, out: Bits2D, counts: Ints,
             offsets: Ints, rows_out: Ints2D, weights_out: F32, cfg: Cfg, order: Ints,
             rail: Ints, ring: Flags, head: Flags, tail: Flags, frame: Words,
-            timeout_ns: types.uint64, err: Record, rank: types.int64):
+            timeout_ns: types.uint64, err: Record, rank: types.int64, queue: Flags, ctl: Words):
         """x: this call's tokens [T, hidden] bf16 as uint64 words; topk int32 [T * top_k];
         weights fp32 [T * top_k] (read when cfg[C_WEIGHTED]); wt [experts / world, ffn,
         hidden] bf16 bits ([experts / world, hidden, ffn] with a ":kn" tile build): this
@@ -630,12 +593,20 @@ def make_kernel(build, threads, adaptive=False):
         same memory as fp32, for the weights), table int32 [2, world, 2, experts / world]
         (counts from every rank), flags uint32 (``flag_words``); local: hist int32 [3 *
         experts + 1] (the route's counting sort), lay int32 (``lay_words``), lflags uint32
-        [1 + tiles_m], tile_flags uint32 [tiles_m * tiles_n]; out [capacity, ffn] bf16 bits;
+        [1 + tiles_m] (adaptive: also the chunks' flags, [1 + tiles_m * (1 + chunks)]),
+        tile_flags uint32 [tiles_m * tiles_n]; out [capacity, ffn] bf16 bits;
         counts int32 [experts / world], offsets int32 [experts / world + 1], rows_out int32
         [capacity, 3] (source rank, token, top-k slot), weights_out fp32 [capacity]; order
         int32 [tiles_m * tiles_n]; rail int32: the rail peers' world ranks; ring/head/tail:
         the proxy's command ring (between nodes); frame: the op's call counter
-        (``kernels.launch.Frame``); err: the error record."""
+        (``kernels.launch.Frame``); err: the error record; the adaptive build's queue uint32
+        [QUEUES] (the compute and pull queues' ticket counters) and ctl uint64
+        [roles.controller.CTL_WORDS] (its measurements).
+
+        Blocks in order: route, pack, forward (between nodes), then pull and compute, or
+        (adaptive) the flexible blocks [forward_end, grid), the first of which lays the call
+        out. ``adaptive`` is a constant of the kernel: numba compiles only its build's
+        branch (the static build never reads queue or ctl)."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         ctx = launch_context(frame, timeout_ns, err, rank)
         epoch, deadline = ctx[0], ctx[2]
@@ -643,6 +614,9 @@ def make_kernel(build, threads, adaptive=False):
         pack_end, forward_end = cfg[C_PACK_END], cfg[C_FORWARD_END]
         pull_end = cfg[C_PULL_END]
         proxy = (ring, head, tail)
+        # what the compute tile reads and writes
+        where = (out, tile_flags, lay, lflags, cfg, wt, tmtable, cfg[C_TILES_N],
+                 (deadline, err, rank))
         if blk == 0:
             route_role(cfg, topk, weights, hist, meta, meta_f, table, table_ptrs, flags,
                        flag_ptrs, rail, proxy, ctx)
@@ -651,6 +625,11 @@ def make_kernel(build, threads, adaptive=False):
         elif blk < forward_end:
             forward_role(cfg, meta, table, table_ptrs, flags, flag_ptrs, rail, blk - pack_end,
                          forward_end - pack_end, ctx)
+        elif adaptive:
+            flexible_pool(smem, tmtable, recv, wt, order, cfg,
+                          (table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv_words,
+                           lay, lflags, rows_out, weights_out, counts, offsets), where, queue,
+                          ctl, blk, ctx)
         elif blk < pull_end:
             if blk == forward_end:
                 if not layout_lead(cfg, table, flags, lay, lflags, counts, offsets, ctx):
@@ -660,9 +639,7 @@ def make_kernel(build, threads, adaptive=False):
                       pull_end - forward_end, ctx)
         else:
             compute_role(smem, tmtable[0], recv, wt[0], order, cfg[C_TILES_N], blk - pull_end,
-                         cuda.gridDim.x - pull_end, epoch,
-                         (out, tile_flags, lay, lflags, cfg, wt, tmtable, cfg[C_TILES_N],
-                          (deadline, err, rank)))
+                         cuda.gridDim.x - pull_end, epoch, where)
 
     return moe_dispatch_gemm_kernel
 

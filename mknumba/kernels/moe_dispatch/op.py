@@ -117,11 +117,9 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                          win_xbuf=wins[0], win_meta=wins[1], win_flags=wins[2],
                          chunks=self.chunks if self.adaptive else 0, init_comm=self.init_comm)
         # the adaptive split's work queues and the controller's measurements (they grow across
-        # calls: roles.controller)
-        adaptive = dict(queue=cuda.to_device(np.zeros(QUEUES, np.uint32)),
-                        ctl=cuda.to_device(np.zeros(CTL_WORDS, np.uint64))) \
-            if self.adaptive else {}
-        self.queue, self.ctl = adaptive.get("queue"), adaptive.get("ctl")
+        # calls: roles.controller; the static build never reads them)
+        self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
+        self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
         self._no_weights = cuda.to_device(np.zeros(1, np.float32))      # never read
         compiled, bps = compile_kernel(self._kernel, self.threads, self.build.smem_bytes)
         if bps < 1:
@@ -142,7 +140,8 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             weights_out=Slot((cap,)), cfg=Slot((len(CFG_FIELDS),)),
             order=cuda.to_device(self.order), rail=cuda.to_device(rail), ring=ring, head=head,
             tail=tail, frame=self.frame.words,
-            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, **adaptive),
+            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, queue=self.queue,
+            ctl=self.ctl),
             self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
 
     # -- calls ------------------------------------------------------------------------------------

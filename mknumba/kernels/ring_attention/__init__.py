@@ -24,9 +24,9 @@ indexed by world rank. Roles, by block index (P parts per slice):
                           fp32 across slices (the LSE merge, ``roles.attention``); out (bf16)
                           and lse (fp32) written once
 
-With ``comm_sms="adaptive"`` (``kernel.make_adaptive_kernel``) the compute blocks are the
-controller's flexible pool (``roles.controller``): they also push the parts of this rank's
-slice inside the node, each next item (a query tile or a part) picked between query tiles, a
+With ``comm_sms="adaptive"`` (``kernel.make_kernel(tile, adaptive=True)``) the compute
+blocks are the controller's flexible pool (``roles.controller``): they also push the parts of
+this rank's slice inside the node, each next item (a query tile or a part) picked between query tiles, a
 block whose next tile's slices have not all arrived pushing a part meanwhile; between nodes
 send (to the proxy) and forward stay fixed. On the sm_90a tile the producer lane picks the
 items and hands each to the consumer warpgroups through a mailbox in shared memory (the two

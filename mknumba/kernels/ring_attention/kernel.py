@@ -23,10 +23,10 @@ Cfg, Record, Ints = array_type(np.int64, 1), array_type(np.int64, 1), array_type
 Trace = array_type(np.int64, 2)
 
 #: the launch's small integers (``launch.pack``): me is the world rank, local the rank in the
-#: node of g GPUs, words the uint64 words of one rank's K (and of its V). The adaptive build
-#: (``comm_sms="adaptive"``) reads pool (its first flexible block: send and forward blocks
-#: before it between nodes), ncomm (its communication items: the parts of this rank's slice
-#: pushed to the node's other GPUs), init_comm (flexible blocks that start in the
+#: node of g GPUs, words the uint64 words of one rank's K (and of its V), pool the first
+#: compute block (send and forward blocks before it). The adaptive build
+#: (``comm_sms="adaptive"``) reads ncomm (its communication items: the parts of this rank's
+#: slice pushed to the node's other GPUs), init_comm (flexible blocks that start in the
 #: communication role) and trace (stamp the items).
 CFG_FIELDS = ("batch", "seq", "heads", "kv_heads", "d", "me", "world", "parts", "causal",
               "zigzag", "local", "g", "nodes", "words", "win_kv", "win_arrive", "pool", "ncomm",
@@ -51,6 +51,15 @@ BAR_CONSUMERS = 3
 POOL_STATE = ctl_.STATE              # (a global: numba sizes local arrays by constants)
 
 
+@cuda.jit(device=True, inline=True)
+def part_words(cfg, part, slot, src):
+    """Part ``part`` of a slice, in uint64 words: (its first word in K (and in V), its words,
+    the first word of slice ``src`` in slot ``slot`` of a GPU's slots, the words of K)."""
+    n, parts = cfg[C_WORDS], cfg[C_PARTS]
+    chunk = prim.udiv32(n + parts - 1, parts)
+    off = part * chunk
+    return off, max(0, min(chunk, n - off)), (slot * cfg[C_WORLD] + src) * 2 * n, n
+
 
 @cuda.jit(device=True)
 def push_part(k_src, k_off, v_src, v_off, kv_ptrs, kv_words, part, cfg, flags, flag_ptrs, slot,
@@ -58,18 +67,14 @@ def push_part(k_src, k_off, v_src, v_off, kv_ptrs, kv_words, part, cfg, flags, f
     """Part ``part`` of slice ``src`` (its K words at ``k_src[k_off:]``, its V at
     ``v_src[v_off:]``) -> every other GPU of the node, into its slot ``src``; then publish
     that GPU's flags[src, part]. Block-wide (:func:`push_part_by` for a group of warps)."""
-    n, parts = cfg[C_WORDS], cfg[C_PARTS]
-    chunk = prim.udiv32(n + parts - 1, parts)
-    off = part * chunk
-    cnt = max(0, min(chunk, n - off))
+    off, cnt, base, n = part_words(cfg, part, slot, src)
     g, local = cfg[C_G], cfg[C_LOCAL]
-    base = (slot * cfg[C_WORLD] + src) * 2 * n
     for j in range(1, g):
         p = prim.peer_after(local, j, g)
         to = prim.peer_view(kv_ptrs, p, kv_words)
         copy_tile(k_src, k_off + off, to, base + off, cnt)
         copy_tile(v_src, v_off + off, to, base + n + off, cnt)
-        publish(prim.peer_view(flag_ptrs, p, flags), src * parts + part, epoch)
+        publish(prim.peer_view(flag_ptrs, p, flags), src * cfg[C_PARTS] + part, epoch)
 
 
 @cuda.jit(device=True, inline=True)
@@ -77,12 +82,8 @@ def push_part_by(k_src, k_off, v_src, v_off, kv_ptrs, kv_words, part, cfg, flags
                  slot, src, epoch, tid, threads):
     """:func:`push_part` by the sm_90a tile's consumer warpgroups (``threads`` threads, this
     one ``tid``), which meet at their own named barrier before their thread 0 publishes."""
-    n, parts = cfg[C_WORDS], cfg[C_PARTS]
-    chunk = prim.udiv32(n + parts - 1, parts)
-    off = part * chunk
-    cnt = max(0, min(chunk, n - off))
+    off, cnt, base, n = part_words(cfg, part, slot, src)
     g, local = cfg[C_G], cfg[C_LOCAL]
-    base = (slot * cfg[C_WORLD] + src) * 2 * n
     for j in range(1, g):
         p = prim.peer_after(local, j, g)
         to = prim.peer_view(kv_ptrs, p, kv_words)
@@ -90,7 +91,8 @@ def push_part_by(k_src, k_off, v_src, v_off, kv_ptrs, kv_words, part, cfg, flags
         copy_by(v_src, v_off + off, to, base + n + off, cnt, tid, threads)
         prim.bar_sync(BAR_CONSUMERS, threads)
         if tid == 0:
-            prim.release(prim.peer_view(flag_ptrs, p, flags), src * parts + part, epoch, True)
+            prim.release(prim.peer_view(flag_ptrs, p, flags), src * cfg[C_PARTS] + part, epoch,
+                         True)
 
 
 @cuda.jit(device=True, inline=True)
@@ -140,25 +142,31 @@ def forward_part(p, kv_words, kv_ptrs, flags, flag_ptrs, arrive, rail, cfg, slot
     return True
 
 
+@cuda.jit(device=True, inline=True)
+def slice_flags(src, flags, arrive, cfg):
+    """Where the parts of slice ``src`` (not this rank's) announce they are in this GPU's
+    slot: (flag array, first index, count). A rail peer's land through the proxy, K and V
+    apart (arrive[src, k|v, p]); every other one is pushed by a GPU of this node
+    (flags[src, p])."""
+    parts = cfg[C_PARTS]
+    if prim.umod32(src, cfg[C_G]) == cfg[C_LOCAL]:
+        return arrive, src * 2 * parts, 2 * parts
+    return flags, src * parts, parts
+
+
 @cuda.jit(device=True)
 def slice_ready(src, flags, arrive, cfg, epoch, deadline, err, rank, block_wide):
-    """Wait until every part of slice ``src`` (not this rank's) is in this GPU's slot: a rail
-    peer's lands through the proxy (``arrive``, K and V apart), every other one is pushed by a
-    GPU of this node (``flags``). ``block_wide``: all threads of the block call this (one
-    poller, the others at a barrier); else one thread does. False on timeout."""
-    parts = cfg[C_PARTS]
-    from_rail = prim.umod32(src, cfg[C_G]) == cfg[C_LOCAL]
-    for p in range(parts):
-        for hv in range(2 if from_rail else 1):
-            fl, idx = flags, src * parts + p
-            if from_rail:
-                fl, idx = arrive, (src * 2 + hv) * parts + p
-            if block_wide:
-                ok = wait(fl, idx, epoch, deadline, err, rank, ROLE_COMPUTE)
-            else:
-                ok = prim.wait_flag(fl, idx, epoch, deadline, err, rank, ROLE_COMPUTE)
-            if not ok:
-                return False
+    """Wait until every part of slice ``src`` (not this rank's) is in this GPU's slot
+    (:func:`slice_flags`). ``block_wide``: all threads of the block call this (one poller, the
+    others at a barrier); else one thread does. False on timeout."""
+    fl, first, count = slice_flags(src, flags, arrive, cfg)
+    for i in range(count):
+        if block_wide:
+            ok = wait(fl, first + i, epoch, deadline, err, rank, ROLE_COMPUTE)
+        else:
+            ok = prim.wait_flag(fl, first + i, epoch, deadline, err, rank, ROLE_COMPUTE)
+        if not ok:
+            return False
     return True
 
 
@@ -226,13 +234,45 @@ def compute_simt(worker, workers, q, k, v, out, lse, kv, user_maps, slot_maps, r
             store_row(out, lse, acc, m, lsum, b, row, h, d)
 
 
+def sm90_load_tile(build="sm90"):
+    """The sm_90a tile's producer lane for one query tile (``build`` as in
+    :func:`compute_sm90_role`), of the static role and of the flexible pool alike."""
+    _, _, _, attn_load_q, attn_load_kv, _ = sm90_functions(build)
+
+    @cuda.jit(device=True, inline=True)
+    def load_tile(smem, b, h, row0, maps, dims, sync, slot, epoch, deadline, err, rank, q_seq,
+                  kv_seq, live):
+        """Query tile (b, h, row0): its Q, then the KV tiles of each slice in ``order``, a
+        slice's once it is here (``slice_ready``). maps: (user, slots, q_run, group): the
+        tensor maps' and positions' addresses, heads per KV head; dims: (seq, d, me, world,
+        causal); sync: (flags, arrive, order, cfg). Returns (kv_seq, live): live 0 once a wait
+        timed out (recorded; the tiles pass through uncopied)."""
+        user, slots, q_run, group = maps
+        seq, d, me, world, causal = dims
+        flags, arrive, order, cfg = sync
+        attn_load_q(smem, user, b, h * d, row0, d, q_seq)
+        for j in range(world):
+            src = order[j]
+            k_map = user + 128
+            if src != me:
+                if live and not slice_ready(src, flags, arrive, cfg, epoch, deadline, err, rank,
+                                            False):
+                    live = 0
+                k_map = slots + ((slot * world + src) * 2) * 128
+            kv_seq = attn_load_kv(smem, k_map, k_map + 128, b, prim.udiv32(h, group) * d, d,
+                                  seq, row0, q_run, q_run + RUN_BYTES * (j + 1), causal, kv_seq,
+                                  live)
+        return kv_seq, live
+    return load_tile
+
+
 def compute_sm90_role(build="sm90"):
     """The compute role on the sm_90a tile (``roles/cuda/attention_tile.cu`` as ``build``, a
     name in ``roles.attention.SM90_BUILDS``, compiles it): the producer lane waits for each
     slice and queues its KV tiles; the consumers fold every slice into a query tile of 128
     rows held in registers."""
-    (attn_init, attn_producer_regs, attn_consumer_regs, attn_load_q, attn_load_kv,
-     attn_tile) = sm90_functions(build)
+    attn_init, attn_producer_regs, attn_consumer_regs, _, _, attn_tile = sm90_functions(build)
+    load_tile = sm90_load_tile(build)
 
     @cuda.jit(device=True)
     def compute_sm90(worker, workers, q, k, v, out, lse, kv, user_maps, slot_maps, runs, flags,
@@ -263,20 +303,11 @@ def compute_sm90_role(build="sm90"):
                                         causal)
                 if b == batch:
                     break
-                attn_load_q(smem, user, b, h * d, row0, d, q_seq)
+                kv_seq, live = load_tile(smem, b, h, row0, (user, slots, q_run, group),
+                                         (seq, d, me, world, causal),
+                                         (flags, arrive, order, cfg), slot, epoch, deadline,
+                                         err, rank, q_seq, kv_seq, live)
                 q_seq += 1
-                for j in range(world):
-                    src = order[j]
-                    k_map = user + 128
-                    if src != me:
-                        if live and not slice_ready(src, flags, arrive, cfg, epoch, deadline,
-                                                    err, rank, False):
-                            live = 0          # recorded; the tiles pass through uncopied
-                        k_map = slots + ((slot * world + src) * 2) * 128
-                    kv_seq = attn_load_kv(smem, k_map, k_map + 128, b, prim.udiv32(h, group) * d,
-                                          d, seq,
-                                          row0, q_run, q_run + RUN_BYTES * (j + 1), causal,
-                                          kv_seq, live)
             return
         attn_consumer_regs()
         for n in range(tiles * batch * heads):                # the consumers
@@ -307,17 +338,11 @@ def slices_arrived(args, i):
     :func:`slice_ready` waits on). args: (flags, arrive, order, cfg, epoch); every query tile
     ``i`` reads every slice."""
     flags, arrive, order, cfg, epoch = args
-    parts = cfg[C_PARTS]
     for j in range(1, order.shape[0]):             # order[0] is this rank's own
-        src = order[j]
-        from_rail = prim.umod32(src, cfg[C_G]) == cfg[C_LOCAL]
-        for p in range(parts):
-            for hv in range(2 if from_rail else 1):
-                fl, idx = flags, src * parts + p
-                if from_rail:
-                    fl, idx = arrive, (src * 2 + hv) * parts + p
-                if not prim.epoch_reached(prim.acquire(fl, idx, True), epoch):
-                    return False
+        fl, first, count = slice_flags(order[j], flags, arrive, cfg)
+        for f in range(count):
+            if not prim.epoch_reached(prim.acquire(fl, first + f, True), epoch):
+                return False
     return True
 
 
@@ -384,8 +409,8 @@ def pool_sm90_role(build="sm90"):
     tile it then loads Q and the KV tiles as the static role does. The consumers take each
     item (thread 0 counts it taken once all 256 have read it, at their named barrier) and
     compute the tile or push the part."""
-    (attn_init, attn_producer_regs, attn_consumer_regs, attn_load_q, attn_load_kv,
-     attn_tile) = sm90_functions(build)
+    attn_init, attn_producer_regs, attn_consumer_regs, _, _, attn_tile = sm90_functions(build)
+    load_tile = sm90_load_tile(build)
 
     @cuda.jit(device=True)
     def pool_sm90(first, io, sync, ctx, move, adapt):
@@ -443,19 +468,11 @@ def pool_sm90_role(build="sm90"):
                 if kind == ctl_.COMM:
                     continue
                 b, h, row0 = query_tile(it, 0, 1, batch, heads, tiles, SM90_ROWS, causal)
-                attn_load_q(smem, user, b, h * d, row0, d, q_seq)
+                kv_seq, live = load_tile(smem, b, h, row0, (user, slots, q_run, group),
+                                         (seq, d, me, world, causal),
+                                         (flags, arrive, order, cfg), slot, epoch, deadline,
+                                         err, rank, q_seq, kv_seq, live)
                 q_seq += 1
-                for j in range(world):
-                    src = order[j]
-                    k_map = user + 128
-                    if src != me:
-                        if live and not slice_ready(src, flags, arrive, cfg, epoch, deadline,
-                                                    err, rank, False):
-                            live = 0          # recorded; the tiles pass through uncopied
-                        k_map = slots + ((slot * world + src) * 2) * 128
-                    kv_seq = attn_load_kv(smem, k_map, k_map + 128, b, prim.udiv32(h, group) * d,
-                                          d, seq, row0, q_run, q_run + RUN_BYTES * (j + 1),
-                                          causal, kv_seq, live)
             pool_stop(st, ctl)
             return
         attn_consumer_regs()
@@ -509,13 +526,15 @@ _KERNELS = {}
 def make_kernel(tile, adaptive=False):
     """The Ring Attention kernel with the compute role of ``tile`` ("simt", or a build of the
     sm90 tile: "sm90" or another name in ``roles.attention.SM90_BUILDS``), with the static
-    split or (``adaptive``) the controller's (:func:`make_adaptive_kernel`)."""
-    if adaptive:
-        return make_adaptive_kernel(tile)
-    if tile in _KERNELS:
-        return _KERNELS[tile]
+    split or (``adaptive``) the controller's. One declaration for both: ``adaptive`` is a
+    constant of the kernel, so numba compiles only the branches of its build (the static
+    build never reads queue, ctl or trace: the op binds small placeholders there)."""
+    key = (tile, bool(adaptive))
+    if key in _KERNELS:
+        return _KERNELS[key]
     sm90 = tile in SM90_BUILDS
     compute = compute_sm90_role(tile) if sm90 else compute_simt
+    pool_role = pool_sm90_role(tile) if sm90 else pool_simt
     # one block of the sm90 tile per SM: 65536 / 384 registers a thread at launch, then
     # moved from the producer warpgroup to the consumers (attention_tile.cu)
     bounds = {"launch_bounds": (SM90_THREADS, 1)} if sm90 else {}
@@ -527,7 +546,8 @@ def make_kernel(tile, adaptive=False):
                               order: Ints, rail: Ints, ring: Flags, head: Flags, tail: Flags,
                               user_maps: Words, slot_maps: Words, runs: Ints, frame: Words,
                               cfg: Cfg, scale: types.float32, timeout_ns: types.uint64,
-                              err: Record, rank: types.int64):
+                              err: Record, rank: types.int64, queue: Flags, ctl: Words,
+                              trace: Trace):
         """q/out [batch, seq, heads, d], k/v [batch, seq, kv_heads, d]: bf16 bits; lse [batch,
         heads, seq] fp32; k_words/v_words: k and v as uint64 words; kv: the symmetric slots [2,
         world, 2 (k, v), batch, seq, kv_heads, d] (kv_words the same memory as words, kv_ptrs
@@ -535,86 +555,50 @@ def make_kernel(tile, adaptive=False):
         proxy); order int32 [world]: the slices in compute order; rail int32: the rail peers'
         world ranks; ring/head/tail: the proxy's command ring; user_maps, slot_maps, runs: the
         sm_90a tile's tensor maps and positions (unused by the SIMT twin); frame: the op's call
-        counter."""
+        counter. The adaptive build's: queue uint32 [roles.controller.QUEUES] (the query
+        tiles' and the parts' ticket counters), ctl uint64 [roles.controller.CTL_WORDS] (its
+        measurements), trace int64 [TRACE_ROWS, items] (written only when cfg[C_TRACE]).
+
+        Blocks in order: send [0, parts) and, between nodes, forward [parts, cfg[C_POOL]);
+        then compute (adaptive: the controller's flexible pool, which also pushes this rank's
+        slice inside the node, so its send blocks exist only between nodes)."""
         epoch, call = begin(frame)
         deadline = prim.globaltimer() + timeout_ns
         me, world, parts, nodes, n = cfg[C_ME], cfg[C_WORLD], cfg[C_PARTS], cfg[C_NODES], \
             cfg[C_WORDS]
         slot = call & 1
         blk = cuda.blockIdx.x
-        if blk < parts:                                           # ---- send role
-            if nodes > 1:     # to the other nodes first: the slowest link starts at launch
-                if not stage_part(blk, k_words, v_words, kv_words, rail, ring, head, tail, cfg,
-                                  slot, epoch, deadline, err, rank, me, world, parts, n):
-                    return                    # the whole block, together
-            push_part(k_words, 0, v_words, 0, kv_ptrs, kv_words, blk, cfg, flags, flag_ptrs,
-                      slot, me, epoch)
-            return
-        first = parts
-        if nodes > 1:
-            first = 2 * parts
-            if blk < first:                                       # ---- forward role
-                forward_part(blk - parts, kv_words, kv_ptrs, flags, flag_ptrs, arrive, rail,
-                             cfg, slot, epoch, deadline, err, rank, world, parts, n)
-                return
-        compute(blk - first, cuda.gridDim.x - first, q, k, v, out, lse, kv,  # ---- compute
-                user_maps, slot_maps, runs, flags, arrive, order, cfg, scale, slot, epoch,
-                deadline, err, rank)
-
-    _KERNELS[tile] = ring_attention_kernel
-    return ring_attention_kernel
-
-
-def make_adaptive_kernel(tile):
-    """The kernel with the controller's split: the static kernel's arguments, and queue uint32
-    [roles.controller.QUEUES] (the query tiles' and the parts' ticket counters), ctl uint64
-    [roles.controller.CTL_WORDS] (its measurements), trace int64 [TRACE_ROWS, items]
-    (written only when cfg[C_TRACE]). Blocks in order: between nodes send [0, parts) (each
-    part of this rank's slice into this GPU's slot and to the proxy) and forward [parts,
-    pool) as in the static kernel; the flexible pool [pool, grid)."""
-    key = (tile, "adaptive")
-    if key in _KERNELS:
-        return _KERNELS[key]
-    sm90 = tile in SM90_BUILDS
-    pool_role = pool_sm90_role(tile) if sm90 else pool_simt
-    bounds = {"launch_bounds": (SM90_THREADS, 1)} if sm90 else {}
-
-    @cuda.jit(**bounds)
-    def ring_attention_adaptive(q: Bits4D, k: Bits4D, v: Bits4D, out: Bits4D, lse: F32x3,
-                                k_words: Words, v_words: Words, kv: Bits7D, kv_words: Words,
-                                kv_ptrs: Words, flags: Flags, flag_ptrs: Words, arrive: Flags,
-                                order: Ints, rail: Ints, ring: Flags, head: Flags, tail: Flags,
-                                user_maps: Words, slot_maps: Words, runs: Ints, frame: Words,
-                                cfg: Cfg, scale: types.float32, timeout_ns: types.uint64,
-                                err: Record, rank: types.int64, queue: Flags, ctl: Words,
-                                trace: Trace):
-        epoch, call = begin(frame)
-        deadline = prim.globaltimer() + timeout_ns
-        me, world, parts, n = cfg[C_ME], cfg[C_WORLD], cfg[C_PARTS], cfg[C_WORDS]
-        slot = call & 1
-        blk = cuda.blockIdx.x
-        tr = cfg[C_TRACE] != 0
+        tr = adaptive and cfg[C_TRACE] != 0          # the static build has no stamps
         stamp(tr, trace, T_BLOCK_START, blk)
         first = cfg[C_POOL]
-        if blk < first:                        # between nodes: the fixed send and forward
+        if blk < first:
             ok = True
-            if blk < parts:
-                stamp(tr, trace, T_SEND_START, blk)
-                ok = stage_part(blk, k_words, v_words, kv_words, rail, ring, head, tail, cfg,
-                                slot, epoch, deadline, err, rank, me, world, parts, n)
-                stamp(tr, trace, T_SEND_STAGED, blk)
-            else:
+            if blk < parts:                                       # ---- send role
+                if nodes > 1:  # to the other nodes first: the slowest link starts at launch
+                    stamp(tr, trace, T_SEND_START, blk)
+                    ok = stage_part(blk, k_words, v_words, kv_words, rail, ring, head, tail,
+                                    cfg, slot, epoch, deadline, err, rank, me, world, parts, n)
+                    stamp(tr, trace, T_SEND_STAGED, blk)
+                if ok and not adaptive:       # (adaptive: the pool pushes inside the node)
+                    push_part(k_words, 0, v_words, 0, kv_ptrs, kv_words, blk, cfg, flags,
+                              flag_ptrs, slot, me, epoch)
+            else:                                                 # ---- forward role
                 ok = forward_part(blk - parts, kv_words, kv_ptrs, flags, flag_ptrs, arrive,
                                   rail, cfg, slot, epoch, deadline, err, rank, world, parts, n)
             if ok:                             # a timed-out role's block has no end stamp
                 stamp(tr, trace, T_BLOCK_END, blk)
             return
-        # the pool stamps its own end: on the sm_90a tile nothing may follow it (the producer
-        # and consumer paths must not rejoin: ptxas would drop setmaxnreg)
-        pool_role(first, (q, k, v, out, lse, kv, user_maps, slot_maps, runs),
-                  (flags, arrive, order, cfg),
-                  (scale, slot, epoch, call, deadline, err, rank, timeout_ns),
-                  (k_words, v_words, kv_ptrs, kv_words, flag_ptrs), (queue, ctl, trace))
+        # ---- compute. Nothing may follow it: on the sm_90a tile the producer and consumer
+        # paths must not rejoin (ptxas would drop setmaxnreg), so the pool stamps its own end
+        if adaptive:
+            pool_role(first, (q, k, v, out, lse, kv, user_maps, slot_maps, runs),
+                      (flags, arrive, order, cfg),
+                      (scale, slot, epoch, call, deadline, err, rank, timeout_ns),
+                      (k_words, v_words, kv_ptrs, kv_words, flag_ptrs), (queue, ctl, trace))
+        else:
+            compute(blk - first, cuda.gridDim.x - first, q, k, v, out, lse, kv, user_maps,
+                    slot_maps, runs, flags, arrive, order, cfg, scale, slot, epoch, deadline,
+                    err, rank)
 
-    _KERNELS[key] = ring_attention_adaptive
-    return ring_attention_adaptive
+    _KERNELS[key] = ring_attention_kernel
+    return ring_attention_kernel

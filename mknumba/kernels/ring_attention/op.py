@@ -136,15 +136,11 @@ class RingAttention(Traced):
                    ncomm=self.ncomm, init_comm=self.init_comm, trace=self.tracing)
         self.grid = grid
         # the adaptive split's work queues, the controller's measurements (they grow across
-        # calls: roles.controller) and the trace rows
-        adaptive = {}
-        if self.adaptive:
-            items = max(grid, tiles, self.parts) if self.tracing else 1
-            self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
-            adaptive = dict(queue=cuda.to_device(np.zeros(QUEUES, np.uint32)),
-                            ctl=cuda.to_device(np.zeros(CTL_WORDS, np.uint64)),
-                            trace=self._trace)
-        self.queue, self.ctl = adaptive.get("queue"), adaptive.get("ctl")
+        # calls: roles.controller) and the trace rows (the static build never reads them)
+        items = max(grid, tiles, self.parts) if self.tracing else 1
+        self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
+        self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
+        self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
         b, s, h, hk, d = self.batch, self.seq, self.heads, self.kv_heads, self.d
         self.launch = Launch(kernel, compiled, dict(
             q=Slot((b, s, h, d)), k=Slot((b, s, hk, d)), v=Slot((b, s, hk, d)),
@@ -152,7 +148,8 @@ class RingAttention(Traced):
             v_words=Slot((self.words,)), **self._device_args,
             order=cuda.to_device(self.order()), **self._tile_args(),
             frame=self.frame.words, cfg=cuda.to_device(cfg), scale=np.float32(self.scale),
-            timeout_ns=self.timeout_ns, err=self.err, rank=self.me, **adaptive), grid,
+            timeout_ns=self.timeout_ns, err=self.err, rank=self.me, queue=self.queue,
+            ctl=self.ctl, trace=self._trace), grid,
             self.threads, smem)
         self.freed = False
 
