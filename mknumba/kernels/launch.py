@@ -354,6 +354,9 @@ class _OneKernelGraph:
                 lib.cuGraphInstantiateWithFlags(ctypes.byref(exe), graph,
                                                 ctypes.c_ulonglong(0)) == 0:
             self.exec, self.node = exe.value, node.value
+            # its device-side state now (stream 0), not at its first launch, which may come
+            # while kernels of this op on other GPUs wait for it
+            lib.cuGraphUpload(exe, None)
         import weakref
         # released with the launch, not at exit (the context may be gone by then)
         weakref.finalize(self, _destroy_graph, lib, self.exec, self._graph).atexit = False
