@@ -29,6 +29,7 @@ changes from call to call, and a captured CUDA graph replays correctly: each rep
 call with a new epoch. The host never needs to know the epoch.
 """
 import ctypes
+import os
 import threading
 
 import numpy as np
@@ -168,6 +169,7 @@ class Launch:
         self._graph = _OneKernelGraph(self._fn, self.grid, self.threads, self.smem,
                                       self._extra_addr)
         self._synced = True       # the graph's node holds the buffer's parameters
+        self._bound_since_launch = False    # a bind() by name since the last launch
 
     def _flatten(self, name, ty, value):
         """numba's kernel ABI: an array is (meminfo, parent, nitems, itemsize, data, shape...,
@@ -228,7 +230,7 @@ class Launch:
             self.args[name] = x
         else:
             self._data[name].value = x
-            self._synced = False
+            self._bound_since_launch = True
 
     def binder(self, *names):
         """``go(stream, *values)``: bind ``names``, in this order, to ``values`` and launch on
@@ -253,16 +255,27 @@ class Launch:
         g = self._graph
         graph, node, node_params = g.exec, g.node, g.params
 
+        always = GRAPH_LAUNCH == "always"
+        if GRAPH_LAUNCH == "off":
+            graph = 0
+
         def go(stream, *values):
+            changed = self._bound_since_launch
             for slot, v in zip(slots, values):
                 if slot.value != v:
                     slot.value = v
-                    self._synced = False
-            err = launch(fn, grid, threads, smem, stream, extra, graph, node, node_params,
+                    changed = True
+            self._bound_since_launch = False
+            if changed:
+                self._synced = False
+            # "stable": a call whose parameters changed launches the kernel itself, and the
+            # graph's node is refreshed only by a call that repeats the last one's
+            use = graph if (always or not changed) else 0
+            err = launch(fn, grid, threads, smem, stream, extra, use, node, node_params,
                          not self._synced)
             if err > 0:
                 _launch_failed(err)
-            if err == 0:                  # launched through the graph, now in step
+            if err == 0 and use:          # launched through the graph, now in step
                 self._synced = True
         return go
 
@@ -278,6 +291,13 @@ def _launch_failed(err):
 
 
 _LAUNCH = []
+#: when a launch goes through its one-node graph (:class:`_OneKernelGraph`): "stable" (a call
+#: whose parameters are those of the call before), "always", or "off" (never). Read once, at
+#: import, from MKNUMBA_GRAPH_LAUNCH; an A/B switch until the GPU checks settle it
+GRAPH_LAUNCH = os.environ.get("MKNUMBA_GRAPH_LAUNCH", "stable")
+if GRAPH_LAUNCH not in ("stable", "always", "off"):
+    raise MkValueError(f"MKNUMBA_GRAPH_LAUNCH must be stable, always or off, not "
+                       f"{GRAPH_LAUNCH!r}")
 
 
 def _driver_launch():
