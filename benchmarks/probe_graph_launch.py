@@ -39,6 +39,8 @@ def plan_of(m, n, k):
 
 def fns(L, s):
     g = L._graph
+    # the node holds the buffer as it was at plan time: bring it in step once
+    assert cu.cuGraphExecKernelNodeSetParams(g.exec, g.node, g.params) == 0
     direct = lambda: cu.cuLaunchKernel(L._fn, L.grid, 1, 1, L.threads, 1, 1, L.smem, s, None,  # noqa: E731
                                        L._extra_addr)
     graph = lambda: cu.cuGraphLaunch(g.exec, s)   # noqa: E731
