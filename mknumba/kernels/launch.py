@@ -17,7 +17,11 @@ A call then does three things, in this order:
    rewrites a few pointers and nothing else. A launch
    never keeps a copy of an input: what an op derives from an input (a transposed B) is
    recomputed on the stream by every call, ahead of the kernel;
-3. **launch**: one driver call (``cuLaunchKernel``) on the caller's stream.
+3. **launch** on the caller's stream: a one-node CUDA graph made at plan time
+   (``cuGraphLaunch``, its node's parameters refreshed from the buffer when a bind changed
+   them), which costs the host about 2 us less than a ``cuLaunchKernel`` of the same kernel;
+   on a stream being captured into the caller's graph, where a graph launch is refused, the
+   kernel itself (``cuLaunchKernel``), which the capture records as a kernel node.
 
 The call number and the epoch live on the GPU (:class:`Frame`): each block takes a ticket when
 it starts (``roles.blocks.begin``) and derives them from it. So a launch has no argument that
@@ -25,6 +29,7 @@ changes from call to call, and a captured CUDA graph replays correctly: each rep
 call with a new epoch. The host never needs to know the epoch.
 """
 import ctypes
+import os
 import threading
 
 import numpy as np
@@ -161,6 +166,10 @@ class Launch:
         if err != drv.CUresult.CUDA_SUCCESS:
             fn = drv.CUfunction(int(handle))
         self._fn, self._launch = int(fn), _driver_launch()
+        self._graph = _OneKernelGraph(self._fn, self.grid, self.threads, self.smem,
+                                      self._extra_addr)
+        self._synced = True       # the graph's node holds the buffer's parameters
+        self._bound_since_launch = False    # a bind() by name since the last launch
 
     def _flatten(self, name, ty, value):
         """numba's kernel ABI: an array is (meminfo, parent, nitems, itemsize, data, shape...,
@@ -221,6 +230,7 @@ class Launch:
             self.args[name] = x
         else:
             self._data[name].value = x
+            self._bound_since_launch = True
 
     def binder(self, *names):
         """``go(stream, *values)``: bind ``names``, in this order, to ``values`` and launch on
@@ -242,13 +252,31 @@ class Launch:
         slots = [self._data[n] for n in names]
         launch, fn, grid, threads = self._launch, self._fn, self.grid, self.threads
         smem, extra = self.smem, self._extra_addr
+        g = self._graph
+        graph, node, node_params = g.exec, g.node, g.params
+
+        always = GRAPH_LAUNCH == "always"
+        if GRAPH_LAUNCH == "off":
+            graph = 0
 
         def go(stream, *values):
+            changed = self._bound_since_launch
             for slot, v in zip(slots, values):
-                slot.value = v
-            err = launch(fn, grid, threads, smem, stream, extra)
-            if err:
+                if slot.value != v:
+                    slot.value = v
+                    changed = True
+            self._bound_since_launch = False
+            if changed:
+                self._synced = False
+            # "stable": a call whose parameters changed launches the kernel itself, and the
+            # graph's node is refreshed only by a call that repeats the last one's
+            use = graph if (always or not changed) else 0
+            err = launch(fn, grid, threads, smem, stream, extra, use, node, node_params,
+                         not self._synced)
+            if err > 0:
                 _launch_failed(err)
+            if err == 0 and use:          # launched through the graph, now in step
+                self._synced = True
         return go
 
     def __call__(self, stream=0):
@@ -263,27 +291,101 @@ def _launch_failed(err):
 
 
 _LAUNCH = []
+#: when a launch goes through its one-node graph (:class:`_OneKernelGraph`): "stable" (a call
+#: whose parameters are those of the call before), "always", or "off" (never). Read once, at
+#: import, from MKNUMBA_GRAPH_LAUNCH; an A/B switch until the GPU checks settle it
+GRAPH_LAUNCH = os.environ.get("MKNUMBA_GRAPH_LAUNCH", "stable")
+if GRAPH_LAUNCH not in ("stable", "always", "off"):
+    raise MkValueError(f"MKNUMBA_GRAPH_LAUNCH must be stable, always or off, not "
+                       f"{GRAPH_LAUNCH!r}")
 
 
 def _driver_launch():
-    """``launch(function, grid, threads, smem, stream, params) -> CUresult``: one
-    ``cuLaunchKernel`` of a 1-d grid with a packed parameter buffer, called from compiled code
-    through a ctypes pointer into libcuda. Through cuda.bindings the same call costs about a
-    microsecond more (benchmarks/probe_launch.py). ``nogil``: a launch that waits for room in
-    the launch queue must not hold up the proxy's thread, which the queued kernels wait on."""
+    """``launch(function, grid, threads, smem, stream, params, graph, node, node_params,
+    update) -> CUresult``: a launch of a 1-d grid with a packed parameter buffer, from
+    compiled code through ctypes pointers into libcuda (through cuda.bindings the same calls
+    cost about a microsecond more: benchmarks/probe_launch.py). With a ``graph`` (the exec of
+    :class:`_OneKernelGraph`, else 0) the graph is launched, its node's parameters first
+    refreshed from the buffer when ``update``; but on a stream being captured (where a graph
+    launch is an error that ends the capture) the kernel is launched itself
+    (``cuLaunchKernel``), the node left as it was, and the result is -1 if that launch
+    succeeded. ``nogil``: a launch that waits for room in the launch queue must not hold up
+    the proxy's thread, which the queued kernels wait on."""
     if not _LAUNCH:
         from numba import njit
-        f = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-        u32, u64 = ctypes.c_uint32, ctypes.c_uint64
-        f.restype = ctypes.c_int
-        f.argtypes = [u64, u32, u32, u32, u32, u32, u32, u32, u64, u64, u64]
+        lib = ctypes.CDLL("libcuda.so.1")
+        u32, u64, i32 = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_int
+        kernel = lib.cuLaunchKernel
+        kernel.restype = i32
+        kernel.argtypes = [u64, u32, u32, u32, u32, u32, u32, u32, u64, u64, u64]
+        set_params = lib.cuGraphExecKernelNodeSetParams       # the v1 node parameters
+        set_params.restype, set_params.argtypes = i32, [u64, u64, u64]
+        graph_launch = lib.cuGraphLaunch
+        graph_launch.restype, graph_launch.argtypes = i32, [u64, u64]
+        capturing = lib.cuStreamIsCapturing
+        capturing.restype, capturing.argtypes = i32, [u64, u64]
 
         @njit(nogil=True)
-        def launch(fn, grid, threads, smem, stream, params):
-            return f(fn, grid, 1, 1, threads, 1, 1, smem, stream, 0, params)
+        def launch(fn, grid, threads, smem, stream, params, graph, node, node_params, update):
+            if graph:
+                status = np.ones(1, np.int32)
+                err = capturing(stream, status.ctypes.data)
+                if err:
+                    return err
+                if status[0] == 0:            # CU_STREAM_CAPTURE_STATUS_NONE
+                    if update:
+                        err = set_params(graph, node, node_params)
+                        if err:
+                            return err
+                    return graph_launch(graph, stream)
+                err = kernel(fn, grid, 1, 1, threads, 1, 1, smem, stream, 0, params)
+                return err if err else -1     # the graph's node was left as it was
+            return kernel(fn, grid, 1, 1, threads, 1, 1, smem, stream, 0, params)
 
         _LAUNCH.append(launch)
     return _LAUNCH[0]
+
+
+class _KernelNodeParams(ctypes.Structure):
+    """CUDA_KERNEL_NODE_PARAMS (the v1 layout, as ``cuGraphAddKernelNode`` and
+    ``cuGraphExecKernelNodeSetParams`` take it)."""
+    _fields_ = [("func", ctypes.c_void_p), ("grid", ctypes.c_uint * 3),
+                ("block", ctypes.c_uint * 3), ("shared_mem_bytes", ctypes.c_uint),
+                ("kernel_params", ctypes.c_void_p), ("extra", ctypes.c_void_p)]
+
+
+class _OneKernelGraph:
+    """A CUDA graph of one kernel node, instantiated in the current context: ``exec``,
+    ``node`` and ``params`` (the address of its :class:`_KernelNodeParams`, which point at the
+    launch's parameter buffer) for :func:`_driver_launch`. ``exec`` is 0 where the driver
+    refuses such a graph: the kernel is then always launched itself."""
+
+    def __init__(self, fn, grid, threads, smem, extra):
+        self._params = _KernelNodeParams(fn, (grid, 1, 1), (threads, 1, 1), smem, None, extra)
+        self.params = ctypes.addressof(self._params)
+        self.exec = self.node = 0
+        lib = ctypes.CDLL("libcuda.so.1")
+        graph, node, exe = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        if lib.cuGraphCreate(ctypes.byref(graph), 0):
+            return
+        self._graph = graph.value
+        if lib.cuGraphAddKernelNode(ctypes.byref(node), graph, None, ctypes.c_size_t(0),
+                                    ctypes.byref(self._params)) == 0 and \
+                lib.cuGraphInstantiateWithFlags(ctypes.byref(exe), graph,
+                                                ctypes.c_ulonglong(0)) == 0:
+            self.exec, self.node = exe.value, node.value
+            # its device-side state now (stream 0), not at its first launch, which may come
+            # while kernels of this op on other GPUs wait for it
+            lib.cuGraphUpload(exe, None)
+        import weakref
+        # released with the launch, not at exit (the context may be gone by then)
+        weakref.finalize(self, _destroy_graph, lib, self.exec, self._graph).atexit = False
+
+
+def _destroy_graph(lib, exe, graph):
+    if exe:
+        lib.cuGraphExecDestroy(ctypes.c_void_p(exe))
+    lib.cuGraphDestroy(ctypes.c_void_p(graph))
 
 
 class Frame:
