@@ -7,7 +7,8 @@ stream, not waited for): the mean over ``--calls`` back-to-back calls after warm
 behind a kernel that holds the stream (``torch.cuda._sleep``) until the burst is in, so that
 nothing of the calls runs meanwhile: the host's time alone, not the GPU's (two ranks sharing
 one GPU slice it between their contexts) nor a full launch queue. A graph
-record (``graph: true``) is the host time of one ``CUDAGraph.replay()`` of a captured call.
+record (``graph: true``) is the host time of one ``CUDAGraph.replay()`` of a captured call; a
+``fresh_out: true`` record, of calls whose output alternates between two arrays.
 Ranks may share a GPU (``MKNUMBA_ALLOW_SHARED_GPU=1``): only the host side is timed. Records:
 ``kernel: "host_cost"`` with ``op``, ``host_us`` and ``graph`` (docs/design.md §8); the slowest
 rank counts.
@@ -61,6 +62,16 @@ def graph_us(fn, calls, mpi):
     return host_us(g.replay, calls, mpi)
 
 
+def _alternating(call, outs):
+    """``call`` with its output taking each of ``outs`` in turn."""
+    state = [0]
+
+    def fn():
+        state[0] ^= 1
+        return call(outs[state[0]])
+    return fn
+
+
 def main():
     args = common.parse_args(ranks="2 shared", extra=[
         (("--calls",), dict(type=int, default=100))])
@@ -99,34 +110,44 @@ def main():
     moe_out, moe_layout = moe(x_tok, topk, w_moe)
     rs_out = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
     ag_out = torch.empty((ag.members,) + tuple(x.shape), device="cuda", dtype=torch.float32)
+    # each op's call with the same arrays every time, and (fresh_out) with its output
+    # alternating between two arrays, as a caller's activations come from an allocator: the
+    # launch's parameters then change from call to call (kernels.launch: GRAPH_LAUNCH)
+    c2, rs_out2, ag_out2, q_out2 = (torch.empty_like(t) for t in (c, rs_out, ag_out, q_out))
+    moe_out2 = torch.empty_like(moe_out)
     cases = [
-        ("torch.matmul", lambda: torch.matmul(a, w.T, out=c), True),
-        ("nccl", lambda: dist.all_reduce(x), False),
-        ("mk.Gemm w.T", lambda: g(a, w.T, out=c), True),
-        ("mk.Gemm b [k,n]", lambda: g(a, b_kn, out=c), True),
-        ("mk.GemmReduceScatter", lambda: rs(a, w.T, out=rs_out), False),
-        ("mk.GemmAllReduce", lambda: ar(a, w.T, out=c), False),
-        ("mk.AllGather", lambda: ag(x, out=ag_out), False),
-        ("mk.AllGatherGemm", lambda: agg(a_shard, w.T, out=c), False),
-        ("mk.RingAttention", lambda: ring(q, kk, v, out=q_out, lse=lse), False),
-        ("mk.MoeDispatchGemm", lambda: moe(x_tok, topk, w_moe, out=moe_out, layout=moe_layout),
-         False),
+        ("torch.matmul", lambda o: torch.matmul(a, w.T, out=o), (c, c2), True),
+        ("nccl", lambda o: dist.all_reduce(x), None, False),
+        ("mk.Gemm w.T", lambda o: g(a, w.T, out=o), (c, c2), True),
+        ("mk.Gemm b [k,n]", lambda o: g(a, b_kn, out=o), (c, c2), True),
+        ("mk.GemmReduceScatter", lambda o: rs(a, w.T, out=o), (rs_out, rs_out2), False),
+        ("mk.GemmAllReduce", lambda o: ar(a, w.T, out=o), (c, c2), False),
+        ("mk.AllGather", lambda o: ag(x, out=o), (ag_out, ag_out2), False),
+        ("mk.AllGatherGemm", lambda o: agg(a_shard, w.T, out=o), (c, c2), False),
+        ("mk.RingAttention", lambda o: ring(q, kk, v, out=o, lse=lse), (q_out, q_out2), False),
+        ("mk.MoeDispatchGemm", lambda o: moe(x_tok, topk, w_moe, out=o, layout=moe_layout),
+         (moe_out, moe_out2), False),
     ]
     records = []
-    for name, fn, graph in cases:
-        for in_graph in ((False, True) if graph else (False,)):
+    for name, call, outs, graph in cases:
+        same = (lambda call=call, o=outs and outs[0]: call(o))
+        variants = [(same, False, False)] + ([(same, True, False)] if graph else []) + \
+            ([(_alternating(call, outs), False, True)] if outs else [])
+        for fn, in_graph, fresh in variants:
             us = (graph_us if in_graph else host_us)(fn, args.calls, mpi)
             records.append(common.record(
                 "host_cost", {"m": M, "n": N, "k": K}, dtype="bfloat16", world=W,
                 topology=topo, transport=None, ours_ms=None, baseline=None, baseline_ms=None,
-                floor_ms=None, op=name, host_us=us, graph=in_graph))
+                floor_ms=None, op=name, host_us=us, graph=in_graph, fresh_out=fresh,
+                graph_launch=os.environ.get("MKNUMBA_GRAPH_LAUNCH", "stable")))
     for op in (rs, ar, ag, agg, ring, moe):
         op.synchronize()
         op.free()
     if comm.rank == 0:
         common.write(records, args.out)
         for r in records:
-            print(f"host_cost {r['op']:<22} graph={int(r['graph'])}  {r['host_us']:7.2f} us")
+            print(f"host_cost {r['op']:<22} graph={int(r['graph'])} fresh_out="
+                  f"{int(r['fresh_out'])}  {r['host_us']:7.2f} us")
     dist.destroy_process_group()
     comm.finalize()
 
