@@ -1,7 +1,8 @@
 """The launch frame (``kernels.launch``): inputs read fresh at every call, the device call
 counter across the 2**32 wrap, several ops on one comm, free, rank agreement, bf16 spellings;
 on GPUs also CUDA graphs (torch.cuda.graph, and cuda.bindings capture on a numba stream), two
-streams, arrays on the wrong GPU. The checks live in ``tests/mpi/frame_checks.py``.
+streams, arrays on the wrong GPU. The checks live in ``tests/mpi/frame_checks.py``. Without a
+GPU also the one-node graph launch's host side: its node parameters' layout, its mode switch.
 
 Simulator shapes are the smallest that still split work between the ranks (m = 64: one 32-row
 tile row per rank, n = 32, k = 8): every simulated call costs seconds on two cores, so the
@@ -121,3 +122,34 @@ def test_gpu_array_on_wrong_gpu():
     out = run_mpi("frame_checks.py", 2, "wrongdev", *GPU_SHAPE, simulator=False,
                   env={"NCCL_NVLS_ENABLE": "0"})
     _passes(out, "wrongdev", 2)
+
+
+# ---- the graph launch (CPU checks of its host side) ---------------------------------------------
+def test_graph_node_params_layout():
+    """``_KernelNodeParams`` is CUDA_KERNEL_NODE_PARAMS_v1 of cuda.h, which the unversioned
+    cuGraphAddKernelNode and cuGraphExecKernelNodeSetParams take: func, grid x/y/z, block
+    x/y/z, sharedMemBytes, kernelParams, extra."""
+    import ctypes
+    from mknumba.kernels.launch import _KernelNodeParams as P
+    offsets = {name: getattr(P, name).offset for name, _ in P._fields_}
+    assert offsets == {"func": 0, "grid": 8, "block": 20, "shared_mem_bytes": 32,
+                       "kernel_params": 40, "extra": 48}, offsets
+    assert ctypes.sizeof(P) == 56
+    p = P(0x1234, (132, 1, 1), (288, 1, 1), 1000, None, 0x5678)
+    raw = (ctypes.c_uint * 14).from_buffer_copy(p)
+    assert list(raw[2:9]) == [132, 1, 1, 288, 1, 1, 1000]
+
+
+def test_graph_launch_mode_is_checked():
+    """MKNUMBA_GRAPH_LAUNCH takes stable, always or off; anything else is refused at import,
+    naming the variable."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, MKNUMBA_GRAPH_LAUNCH="sometimes", NUMBA_ENABLE_CUDASIM="1",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-c", "import mknumba.kernels.launch"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode != 0
+    assert "MKNUMBA_GRAPH_LAUNCH must be stable, always or off" in p.stderr, p.stderr[-2000:]

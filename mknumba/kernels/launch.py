@@ -292,8 +292,12 @@ def _launch_failed(err):
 
 _LAUNCH = []
 #: when a launch goes through its one-node graph (:class:`_OneKernelGraph`): "stable" (a call
-#: whose parameters are those of the call before), "always", or "off" (never). Read once, at
-#: import, from MKNUMBA_GRAPH_LAUNCH; an A/B switch until the GPU checks settle it
+#: whose parameters are those of the call before; the default), "always" (every call, the
+#: node's parameters refreshed when they changed) or "off" (never). Read once, at import, from
+#: MKNUMBA_GRAPH_LAUNCH. A graph launch costs the host 2.5-5 us less than cuLaunchKernel of the
+#: same kernel and the GPU the same (benchmarks/probe_graph_launch.py); "stable" is the
+#: default because the GPU checks run with it passed (frame, capture, ring, dma), which
+#: "always" has not all finished (benchmarks/NOTES.md)
 GRAPH_LAUNCH = os.environ.get("MKNUMBA_GRAPH_LAUNCH", "stable")
 if GRAPH_LAUNCH not in ("stable", "always", "off"):
     raise MkValueError(f"MKNUMBA_GRAPH_LAUNCH must be stable, always or off, not "
