@@ -17,11 +17,13 @@ A call then does three things, in this order:
    rewrites a few pointers and nothing else. A launch
    never keeps a copy of an input: what an op derives from an input (a transposed B) is
    recomputed on the stream by every call, ahead of the kernel;
-3. **launch** on the caller's stream: a one-node CUDA graph made at plan time
-   (``cuGraphLaunch``, its node's parameters refreshed from the buffer when a bind changed
-   them), which costs the host about 2 us less than a ``cuLaunchKernel`` of the same kernel;
-   on a stream being captured into the caller's graph, where a graph launch is refused, the
-   kernel itself (``cuLaunchKernel``), which the capture records as a kernel node.
+3. **launch** on the caller's stream: where the call binds the same addresses as the last
+   one (:data:`GRAPH_LAUNCH` "stable", the default), a one-node CUDA graph made at plan time
+   (``cuGraphLaunch``, its node's parameters refreshed from the buffer if an earlier call
+   changed them), which costs the host 2.5-5 us less than a ``cuLaunchKernel`` of the same
+   kernel; otherwise, and on a stream being captured into the caller's graph (where a graph
+   launch is refused), the kernel itself (``cuLaunchKernel``), which a capture records as a
+   kernel node.
 
 The call number and the epoch live on the GPU (:class:`Frame`): each block takes a ticket when
 it starts (``roles.blocks.begin``) and derives them from it. So a launch has no argument that
@@ -31,6 +33,7 @@ call with a new epoch. The host never needs to know the epoch.
 import ctypes
 import os
 import threading
+import weakref
 
 import numpy as np
 from numba import cuda, types
@@ -381,7 +384,6 @@ class _OneKernelGraph:
             # its device-side state now (stream 0), not at its first launch, which may come
             # while kernels of this op on other GPUs wait for it
             lib.cuGraphUpload(exe, None)
-        import weakref
         # released with the launch, not at exit (the context may be gone by then)
         weakref.finalize(self, _destroy_graph, lib, self.exec, self._graph).atexit = False
 
