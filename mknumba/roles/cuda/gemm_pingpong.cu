@@ -38,6 +38,10 @@
 // private to the warp, BN / 64 chunks of 64 columns per 16 rows): the two warpgroups'
 // epilogues need no ordering. The owning warpgroup's thread 0 returns 1 after a named barrier
 // of its 128 threads (barrier 1 + wg).
+// Probe hooks (MK_STAMP, MK_FULL_WAIT: gemm_common.cuh; empty here) at the places gemm_tile.cu
+// has them, for benchmarks/probe_gemm_stamps.py's st:pp builds; a tile's events come from its
+// owning warpgroup's thread 0 or 128, so the probe's summary covers tiles of even seq
+// (warpgroup 0's: every tile where a block runs one).
 
 #include "gemm_common.cuh"
 
@@ -104,11 +108,15 @@ extern "C" __device__ int mk_gemm_sm90pp_tile(unsigned long long smem, unsigned 
     const Ring r = ring_at(smem);
     const int tid = threadIdx.x;
     const unsigned g0 = (unsigned)seq * (unsigned)k_iters;
+    MK_STAMP(enter, seq, 0);
 
     if (tid >= CONSUMER_THREADS) {  // ---- producer warp: one lane drives the copy engine
-        if (tid == CONSUMER_THREADS)
+        if (tid == CONSUMER_THREADS) {
+            MK_STAMP(produce, seq, 0);
             produce_tile<BM, BN, STAGES, MK_B_KN>(r.a, r.b, r.full, r.empty, tmaps, n, tile_m,
                                                   tile_n, k_iters, g0);
+            MK_STAMP(produced, seq, 0);
+        }
         return 0;
     }
     // The warpgroup, broadcast from lane 0 so that the compiler sees it is uniform across the
@@ -127,7 +135,7 @@ extern "C" __device__ int mk_gemm_sm90pp_tile(unsigned long long smem, unsigned 
 
     for (int kk = 0; kk < k_iters; ++kk) {
         const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
-        mbar_wait(r.full + 8 * s, phase);
+        MK_FULL_WAIT(r.full + 8 * s, phase, seq, kk);
         const unsigned a = r.a + s * A_BYTES, b = r.b + s * B_BYTES;
         wgmma_fence();
         // k16: 16 bf16 = 32 bytes along A's (and a K-major B's) swizzled rows; with MK_B_KN 16
@@ -154,6 +162,7 @@ extern "C" __device__ int mk_gemm_sm90pp_tile(unsigned long long smem, unsigned 
     wgmma_wait<0>();
     fence_operands(d0);
     if (BM == 128) fence_operands(d1);
+    MK_STAMP(main_done, seq, 0);
     if (k_iters > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g0 + k_iters - 1) % STAGES));
 
     // ---- epilogue: each warp stores its 16 rows of each 64-row half through its staging
@@ -166,7 +175,9 @@ extern "C" __device__ int mk_gemm_sm90pp_tile(unsigned long long smem, unsigned 
     if (BM == 128)
         store_warp_rows(d1, stage, lane, out, ldc, row0 + 64, col0, m, n, addend, adds,
                         plane_elems);
+    MK_STAMP(stored, seq, 0);
     // Named barrier 1 + wg over this warpgroup (barrier 0 is __syncthreads).
     asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+    MK_STAMP(done, seq, 0);
     return tid % 128 == 0;
 }
