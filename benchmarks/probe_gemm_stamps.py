@@ -36,6 +36,8 @@ Variants (``--variants``; a shape runs those of its list that are asked for):
   st       sm90 with stamps      st:p1  e2p1 with stamps      st:tms  tms with stamps
   st:s3    st with a 3-stage ring (MK_STAGES 3): how much the 4th stage's latency cover buys
   pp:<BM>x<BN>  the smaller ping-pong tiles ("sm90:pp:128x64", ":64x128", ":64x64")
+  ppk:<BM>x<BN>  the ping-pong tile's k-split builds ("sm90:ppk:<BM>x<BN>": both warpgroups
+           on every tile, alternate k-steps, partials added at the end)
   st:pp, st:pp:<BM>x<BN>  the ping-pong tiles with stamps (each item's events from its owning
            warpgroup's thread 0 or 128, so the summary covers the tiles of even seq: every
            tile where a block runs one, as at issue 23's few-tile shapes)
@@ -86,6 +88,8 @@ LIBRARY = {"sm90": dict(tile="sm90"), "e2p1": dict(tile="sm90:e2p1"),
            "g64": dict(tile="sm90", group_m=64), "tms": dict(tile="sm90:tms")}
 LIBRARY.update({f"pp:{shape}": dict(tile=f"sm90:pp:{shape}")
                 for shape in ("128x64", "64x128", "64x64")})
+LIBRARY.update({f"ppk:{shape}": dict(tile=f"sm90:ppk:{shape}")
+                for shape in ("128x128", "128x64", "64x128", "64x64")})
 #: variants that compute whole tiles only (no split-K): skipped where the shape splits K
 WHOLE_TILES = {"tms", "st:tms"} | {v for v in list(LIBRARY) + list(STAMPED) if "pp" in v}
 SHORT_K = ["sm90", "e2p1", "tms", "pp", "g4", "g64", "st", "st:nowait", "st:p1", "st:tms",
@@ -98,12 +102,12 @@ SHAPES = [(8192, 8192, 512, 1, SHORT_K),
           (512, 1024, 14336, 4, ["sm90", "st"]),
           (2048, 1024, 4096, None, ["sm90", "st"]),
           # few tiles (issue 23): the ping-pong shapes "auto" takes there, one tile a block
-          (512, 4096, 512, 1, ["pp", "st:pp"]),
-          (512, 4096, 8192, 1, ["pp", "st:pp"]),
-          (1024, 1024, 512, 1, ["pp:128x64", "st:pp:128x64"]),
-          (1024, 1024, 8192, 1, ["pp:128x64", "st:pp:128x64"]),
-          (512, 1024, 512, 1, ["pp:64x64", "st:pp:64x64"]),
-          (512, 1024, 8192, 1, ["pp:64x64", "st:pp:64x64"])]
+          (512, 4096, 512, 1, ["pp", "ppk:128x128", "st:pp"]),
+          (512, 4096, 8192, 1, ["pp", "ppk:128x128", "st:pp"]),
+          (1024, 1024, 512, 1, ["pp:128x64", "ppk:128x64", "st:pp:128x64"]),
+          (1024, 1024, 8192, 1, ["pp:128x64", "ppk:128x64", "st:pp:128x64"]),
+          (512, 1024, 512, 1, ["pp:64x64", "ppk:64x64", "st:pp:64x64"]),
+          (512, 1024, 8192, 1, ["pp:64x64", "ppk:64x64", "st:pp:64x64"])]
 
 
 def step(msg, fn, limit_s=90):
