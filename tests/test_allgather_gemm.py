@@ -1,5 +1,5 @@
 """AllGatherGemm: the tile order (host), multi-rank runs in the simulator (1x2 with every check,
-2x1 and 2x2 through the proxy) and on GPUs. The checks live in
+1x4, 2x1 and 2x2 through the proxy) and on GPUs. The checks live in
 ``tests/mpi/allgather_gemm_checks.py``; the sm_90a compile check in ``test_compile.py``.
 
 Simulator shapes are ragged and tiny (every simulated call costs about a second): m = 80 on
@@ -89,6 +89,15 @@ def test_sim_2x2_forwarded_inside_the_node():
     _passes(out, "calls", 4)
     _passes(out, "wrap", 4)
     assert out.count("'forward': 1") == 4, out[-4000:]
+
+
+@pytest.mark.slow
+def test_sim_1x4_four_shards():
+    """Four GPUs of one node: each rank's 20 rows are broadcast to three peers, and a 32-row
+    tile row spans two shards (parts of 16 rows straddle them too)."""
+    out = run_mpi("allgather_gemm_checks.py", 4, "calls", *SIM, "calls=2")
+    assert out.count("PASS calls ") == 4, out[-4000:]
+    assert out.count("topology 1x4") == 4, out[-4000:]
 
 
 # ---- GPUs -------------------------------------------------------------------------------------
