@@ -57,7 +57,7 @@ from numba import cuda, types
 
 from .._compat import SIMULATOR
 from ..errors import ROLE_COMPUTE, MkValueError
-from ..primitives import data_ptr, peer_view, release, udiv32, wait_flag
+from ..primitives import data_ptr, peer_view, prefetch_l1, release, udiv32, wait_flag
 from .blocks import no_stamp, stamp
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
@@ -93,6 +93,12 @@ SM90_SMEM_LIMIT = 232448 - 64
 SM90_PINGPONG_MAX_STAGES = 16
 #: the ping-pong tile's k-split builds (opt-in): "sm90:ppk:<BM>x<BN>" (:func:`ppk_name`)
 SM90_KSPLIT_TILE = "sm90:ppk"
+#: opt-in variants of the ping-pong tile, each also with ":kn", named by letters after "sm90:pp"
+#: ("sm90:pp<letters>:<BM>x<BN>", in this order; :func:`pp_variant_name`) -> sm90_build's
+#: argument: k the k-split build (MK_PP_KSPLIT); d each MMA's descriptors advanced from the
+#: slot's by an add (MK_PP_DESC_ITER); r the early ramp (``TileBuild.early``: the kernel
+#: prefetches each block's first entry of the order before the block's setup: :func:`ramp_of`)
+SM90_PP_VARIANTS = {"k": "ksplit", "d": "desc_iter", "r": "early"}
 #: the tensor-store tile (``cuda/gemm_tile.cu`` with MK_TMA_STORE): the sm90 tile whose
 #: epilogue's chunks leave by TMA stores nobody waits for, two buffers per consumer warp (twice
 #: the staging); opt-in, mk.Gemm without split-K only (its flags go out at each block's end).
@@ -124,8 +130,17 @@ def pp_name(shape):
 def ppk_name(shape):
     """The name of the k-split build (``MK_PP_KSPLIT``) of the ping-pong tile of ``shape``
     (BM, BN), B as [n, k]."""
+    return pp_variant_name(shape, "k")
+
+
+def pp_variant_name(shape, letters):
+    """The name of the ping-pong tile of ``shape`` (BM, BN), B as [n, k], in the variant of
+    ``letters`` (:data:`SM90_PP_VARIANTS`, e.g. "kd")."""
     bm, bn = pp_shape(shape)
-    return f"{SM90_KSPLIT_TILE}:{bm}x{bn}"
+    if not letters or "".join(x for x in SM90_PP_VARIANTS if x in letters) != letters:
+        raise MkValueError(f"no ping-pong variant {letters!r}: letters of "
+                           f"{''.join(SM90_PP_VARIANTS)!r}, in that order")
+    return f"{SM90_PINGPONG_TILE}{letters}:{bm}x{bn}"
 
 
 def _pp_staging(shape, ksplit=False):
@@ -180,34 +195,36 @@ SIMT_THREADS = 128
 
 
 # ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
-_SM90_BUILDS = {}   # (publisher, b_kn, pingpong, helper, defines, tms) -> (init, tile, drain,
-#                     reinit)
+_SM90_BUILDS = {}   # (publisher, b_kn, pingpong, helper, defines, tms, ksplit, desc_iter) ->
+#                     (init, tile, drain, reinit)
 
 
-def sm90_defines(publisher=False, b_kn=False, tms=False, pingpong=False, ksplit=False):
+def sm90_defines(publisher=False, b_kn=False, tms=False, pingpong=False, ksplit=False,
+                 desc_iter=False):
     """The defines :func:`sm90_tile_functions` appends to a build's own (a probe that links
     another function from the same source names the same file: :func:`linked_source`); a
     ping-pong build's tile shape and ring depth (:func:`pp_shape`, :func:`pp_stages`), and
-    with ``ksplit`` MK_PP_KSPLIT."""
+    its variants' (:data:`SM90_PP_VARIANTS`): MK_PP_KSPLIT, MK_PP_DESC_ITER."""
     shape = pp_shape(pingpong)
     pp = (f"#define MK_PP_BM {shape[0]}\n#define MK_PP_BN {shape[1]}\n"
           f"#define MK_PP_STAGES {pp_stages(shape, ksplit)}\n" if shape else "")
-    if shape and ksplit:
-        pp += "#define MK_PP_KSPLIT 1\n"
+    for on, define in ((ksplit, "MK_PP_KSPLIT"), (desc_iter, "MK_PP_DESC_ITER")):
+        if shape and on:
+            pp += f"#define {define} 1\n"
     return (("#define MK_PUBLISHER 1\n" if publisher else "") +
             ("#define MK_TMA_STORE 1\n" if tms else "") + ("#define MK_B_KN 1\n" if b_kn else "")
             + pp)
 
 
 def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None, defines="",
-                        tms=False, ksplit=False):
+                        tms=False, ksplit=False, desc_iter=False):
     """``(init, tile, drain, reinit)`` device functions around ``cuda/gemm_tile.cu`` built
     with ``MK_PUBLISHER=publisher``, ``MK_B_KN=b_kn`` and ``MK_TMA_STORE=tms`` (see the
     helper's header; b_kn: B is [k, n], not [n, k]; drain: None, or with ``tms`` the block's
     end; reinit: the ring started afresh, of the library's own gemm_tile.cu only, else None;
     :class:`TileBuild`), or with ``pingpong`` (True, or a shape: :func:`pp_shape`) around
     ``cuda/gemm_pingpong.cu`` (no publisher; the same calling sequence; no reinit; with
-    ``ksplit`` its k-split build).
+    ``ksplit`` or ``desc_iter`` its variants: :data:`SM90_PP_VARIANTS`).
     ``helper``: another source with gemm_tile.cu's
     entry points (a probe's variant, e.g. ``benchmarks/cuda/gemm_epilogues.cu``, which may
     include the library's files by name: :func:`linked_source`; no reinit), ``defines``
@@ -220,15 +237,17 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
         raise MkValueError("the tensor-store tile publishes its flags at the block's end: "
                            "no publisher warp")
     pingpong = pp_shape(pingpong)
-    if ksplit and not pingpong:
-        raise MkValueError("the k-split build is the ping-pong tile's")
-    key = (bool(publisher), bool(b_kn), pingpong, helper, defines, bool(tms), bool(ksplit))
+    if (ksplit or desc_iter) and not pingpong:
+        raise MkValueError("the k-split and descriptor variants are the ping-pong tile's")
+    key = (bool(publisher), bool(b_kn), pingpong, helper, defines, bool(tms), bool(ksplit),
+           bool(desc_iter))
     if key not in _SM90_BUILDS:
         # the library's gemm_tile.cu without the publisher warp: the builds whose restart
         # ran on a GPU (mk.Gemm's tail split; the publisher build's has not)
         own = helper is None and not pingpong and not publisher
         helper = linked_source(helper or (PINGPONG_HELPER if pingpong else HELPER),
-                               defines + sm90_defines(publisher, b_kn, tms, pingpong, ksplit))
+                               defines + sm90_defines(publisher, b_kn, tms, pingpong, ksplit,
+                                                      desc_iter))
         prefix = "mk_gemm_sm90pp" if pingpong else "mk_gemm_sm90"
         u64, i32 = types.uint64, types.int32
         init_fn = cuda.declare_device(f"{prefix}_init", i32(u64, u64), link=[helper],
@@ -497,6 +516,27 @@ def make_compute_tile(build, destination, grouped=None, units=None):
 
 
 @cuda.jit(device=True, inline=True)
+def prefetch_first(order, blk):
+    """The early ramp (``TileBuild.early``), called by the kernel before the block's setup
+    (``roles.blocks.begin``'s ticket, the tile's barriers, their block barriers): block
+    ``blk``'s first entry of ``order`` on its way to the SM's L1, so that the compute role's
+    load of it, on the path to the block's first TMA load, does not wait for L2 there."""
+    if blk < order.shape[0]:
+        prefetch_l1(order, blk)
+
+
+@cuda.jit(device=True, inline=True)
+def no_prefetch(order, blk):
+    pass
+
+
+def ramp_of(build):
+    """What a kernel running ``build``'s compute role calls first, with its order and block:
+    :func:`prefetch_first` for an early-ramp build, else nothing."""
+    return prefetch_first if build.early else no_prefetch
+
+
+@cuda.jit(device=True, inline=True)
 def nothing_after(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where, tiles):
     """A block's tiles published their flags themselves (builds without a ``drain``)."""
     pass
@@ -614,10 +654,12 @@ TO_OWNER = (to_owner, inbox_ready)
 #: (``kernels.gemm_inputs.TensorMaps`` with ``c_map``); reinit: None, or a device function
 #: like ``init`` that starts the tile's state afresh after tiles ran (every thread of the block
 #: past a barrier, and one after it), so that ``seq`` may restart at 0 with tiles of another
-#: depth (mk.Gemm's tail split; the SIMT tile keeps no state: its ``init``).
+#: depth (mk.Gemm's tail split; the SIMT tile keeps no state: its ``init``); early: mk.Gemm's
+#: kernel prefetches each block's first entry of the order before the block's setup
+#: (:func:`ramp_of`; the ping-pong tile's "r" variants: :data:`SM90_PP_VARIANTS`).
 TileBuild = namedtuple("TileBuild",
                        "init tile shape threads smem_bytes tma timing_only b_kn gemm_only drain "
-                       "c_map reinit", defaults=(False, False, None, False, None))
+                       "c_map reinit early", defaults=(False, False, None, False, None, False))
 _BUILDS = {"simt": TileBuild(gemm_init_simt, gemm_tile_simt, SIMT_TILE, SIMT_THREADS, 0, False,
                              False, reinit=gemm_init_simt),
            "simt:kn": TileBuild(gemm_init_simt, gemm_tile_simt_kn, SIMT_TILE, SIMT_THREADS, 0,
@@ -652,18 +694,21 @@ def threads_of(build):
 
 
 def sm90_build(publisher=False, b_kn=False, pingpong=False, helper=None, defines="",
-               tms=False, ksplit=False):
+               tms=False, ksplit=False, desc_iter=False, early=False):
     """The :class:`TileBuild` of :func:`sm90_tile_functions` with these arguments (sm_90a).
     The library runs gemm_tile.cu without and, in the fused ops, with the publisher warp, each
     also with b_kn, and on request the ping-pong tile or the tensor-store tile (mk.Gemm only);
     ``benchmarks/probe_gemm_tile.py`` registers variants from its own sources (``helper``;
-    :func:`register_tile`)."""
+    :func:`register_tile`; ``ksplit``, ``desc_iter``, ``early``: the ping-pong tile's
+    variants, :data:`SM90_PP_VARIANTS`)."""
+    if early and not pingpong:
+        raise MkValueError("the early ramp is a variant of the ping-pong tile (mk.Gemm only)")
     init, tile, drain, reinit = sm90_tile_functions(publisher, b_kn, pingpong, helper,
-                                                    defines, tms, ksplit)
+                                                    defines, tms, ksplit, desc_iter)
     return TileBuild(init, tile, pp_shape(pingpong) or SM90_TILE,
                      sm90_threads(publisher), sm90_smem_bytes(pingpong, tms, ksplit), True,
                      False, b_kn,
-                     _whole_tiles(pingpong=pingpong, tms=tms), drain, tms, reinit)
+                     _whole_tiles(pingpong=pingpong, tms=tms), drain, tms, reinit, bool(early))
 
 
 def _whole_tiles(pingpong=False, tms=False, **_):
@@ -680,8 +725,11 @@ _SM90_LAZY = {"sm90:kn": dict(b_kn=True),
               f"{SM90_TMS_TILE}:kn": dict(b_kn=True, tms=True)}
 _SM90_LAZY.update({f"{pp_name(shape)}{kn}": dict(b_kn=bool(kn), pingpong=shape)
                    for shape in SM90_PINGPONG_SHAPES for kn in ("", ":kn")})
-_SM90_LAZY.update({f"{ppk_name(shape)}{kn}": dict(b_kn=bool(kn), pingpong=shape, ksplit=True)
-                   for shape in SM90_PINGPONG_SHAPES for kn in ("", ":kn")})
+_SM90_LAZY.update({f"{pp_variant_name(shape, letters)}{kn}":
+                   dict(b_kn=bool(kn), pingpong=shape,
+                        **{SM90_PP_VARIANTS[x]: True for x in letters})
+                   for shape in SM90_PINGPONG_SHAPES for kn in ("", ":kn")
+                   for letters in ("k", "d", "r", "kd", "kr", "dr", "kdr")})
 
 
 def is_sm90_name(name):

@@ -63,6 +63,9 @@
 #ifndef MK_PP_KSPLIT
 #define MK_PP_KSPLIT 0
 #endif
+#ifndef MK_PP_DESC_ITER
+#define MK_PP_DESC_ITER 0
+#endif
 
 namespace {
 
@@ -109,6 +112,23 @@ __device__ __forceinline__ void k_step(const Ring &r, unsigned g, float (&d0)[BN
     wgmma_fence();
     // k16: 16 bf16 = 32 bytes along A's (and a K-major B's) swizzled rows; with MK_B_KN 16 rows
     // (2 KB) down every box of B
+#if MK_PP_DESC_ITER
+    // the slot's two descriptors once, then each MMA's by an add to the start address (desc_at)
+    const unsigned long long da = smem_desc(a);
+#if MK_B_KN
+    const unsigned long long db = smem_desc_mn(b, 64 * 128);
+    constexpr unsigned B_K16 = 16 * 128;
+#else
+    const unsigned long long db = smem_desc(b);
+    constexpr unsigned B_K16 = 32;
+#endif
+#pragma unroll
+    for (int k16 = 0; k16 < BK / 16; ++k16) {
+        const unsigned long long dbk = desc_at(db, B_K16 * k16);
+        wgmma_ss<MK_B_KN>(d0, desc_at(da, 32 * k16), dbk, 1);
+        if (BM == 128) wgmma_ss<MK_B_KN>(d1, desc_at(da, 64 * 128 + 32 * k16), dbk, 1);
+    }
+#else
 #pragma unroll
     for (int k16 = 0; k16 < BK / 16; ++k16) {
 #if MK_B_KN
@@ -119,6 +139,7 @@ __device__ __forceinline__ void k_step(const Ring &r, unsigned g, float (&d0)[BN
         wgmma_ss<MK_B_KN>(d0, smem_desc(a + 32 * k16), db, 1);
         if (BM == 128) wgmma_ss<MK_B_KN>(d1, smem_desc(a + 64 * 128 + 32 * k16), db, 1);
     }
+#endif
     wgmma_commit();
     wgmma_wait<1>();
     fence_operands(d0);
