@@ -40,7 +40,9 @@ Implementations:
   as deep as fits (:func:`pp_stages`: 8, 8 and 13 stages). Opt-in for GEMMs with about one
   tile a block: ``"sm90:ppk:<BM>x<BN>"`` (:func:`ppk_name`, ``MK_PP_KSPLIT``), both consumer
   warpgroups on every tile, alternate k-steps, the partials added through the staging; an even
-  ring (:func:`pp_stages` with ``ksplit``: 6, 8, 8 and 12 stages).
+  ring (:func:`pp_stages` with ``ksplit``: 6, 8, 8 and 12 stages). Other opt-in variants,
+  letters that combine with k: :data:`SM90_PP_VARIANTS` (``"sm90:ppd:64x64"``,
+  ``"sm90:ppkdr:128x64"``, ...).
 - ``SM90_TMS_TILE`` (opt-in, mk.Gemm without split-K only): ``cuda/gemm_tile.cu`` with
   ``MK_TMA_STORE=1``: the same ring and tile; each consumer warp's 16 x 64 chunks leave by TMA
   tensor stores through C's tensor map (``TileBuild.c_map``) from two 2 KB buffers, and no
