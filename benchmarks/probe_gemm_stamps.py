@@ -35,6 +35,17 @@ Variants (``--variants``; a shape runs those of its list that are asked for):
            barrier or flag per tile (the flags go out at each block's end); whole tiles only
   st       sm90 with stamps      st:p1  e2p1 with stamps      st:tms  tms with stamps
   st:s3    st with a 3-stage ring (MK_STAGES 3): how much the 4th stage's latency cover buys
+  pp:<BM>x<BN>  the smaller ping-pong tiles ("sm90:pp:128x64", ":64x128", ":64x64")
+  ppk:<BM>x<BN>  the ping-pong tile's k-split builds ("sm90:ppk:<BM>x<BN>": both warpgroups
+           on every tile, alternate k-steps, partials added at the end)
+  ppd:, ppr:, ppdr:, ppkd:, ppkdr:<BM>x<BN>  the ping-pong tile's other opt-in variants
+           (compute.SM90_PP_VARIANTS): d each MMA's descriptors advanced by an add from the
+           slot's (MK_PP_DESC_ITER), r the early ramp (each block's first order entry
+           prefetched before its setup), k as in ppk
+  st:pp, st:pp:<BM>x<BN>  the ping-pong tiles with stamps (each item's events from its owning
+           warpgroup's thread 0 or 128, so the summary covers the tiles of even seq: every
+           tile where a block runs one, as at issue 23's few-tile shapes)
+  st:ppd:, st:ppr:, st:ppdr:<BM>x<BN>  those variants with stamps
   st:nowait  st without the per-k-step wait timing (the stamps' own cost, against sm90)
 
 Every step is printed before it runs and bounded (faulthandler: a step past its limit dumps
@@ -68,25 +79,55 @@ EV = {name: i for i, name in enumerate(EVENTS)}
 NEV = 16          # PROBE_EVENTS
 ITEMS = 64        # PROBE_ITEMS: work items per block with a row (more are not recorded)
 
-#: stamped builds: name -> (compute.sm90_build's publisher and tms, defines for gemm_stamps.cu)
-STAMPED = {"st": (False, False, ""), "st:p1": (True, False, ""),
-           "st:s3": (False, False, "#define MK_STAGES 3\n"),
-           "st:nowait": (False, False, "#define PROBE_WAITS 0\n"), "st:tms": (False, True, "")}
+#: stamped builds: name -> (compute.sm90_build's publisher, tms and pingpong, defines for
+#: gemm_stamps.cu)
+STAMPED = {"st": (False, False, False, ""), "st:p1": (True, False, False, ""),
+           "st:s3": (False, False, False, "#define MK_STAGES 3\n"),
+           "st:nowait": (False, False, False, "#define PROBE_WAITS 0\n"),
+           "st:tms": (False, True, False, ""), "st:pp": (False, False, True, "")}
+STAMPED.update({f"st:pp:{bm}x{bn}": (False, False, (bm, bn), "")
+                for bm, bn in ((128, 64), (64, 128), (64, 64))})
+#: the stamped builds of the ping-pong tile's variants -> their letters (compute.SM90_PP_VARIANTS)
+STAMPED_PP = {f"st:pp{letters}:{bm}x{bn}": letters for letters in ("d", "r", "dr")
+              for bm, bn in ((128, 128), (128, 64), (64, 128), (64, 64))}
+STAMPED.update({name: (False, False, tuple(int(x) for x in name.split(":")[-1].split("x")), "")
+                for name in STAMPED_PP})
 #: the library's builds: name -> Gemm options
 LIBRARY = {"sm90": dict(tile="sm90"), "e2p1": dict(tile="sm90:e2p1"),
            "pp": dict(tile="sm90:pp"), "g4": dict(tile="sm90", group_m=4),
            "g64": dict(tile="sm90", group_m=64), "tms": dict(tile="sm90:tms")}
+LIBRARY.update({f"pp:{shape}": dict(tile=f"sm90:pp:{shape}")
+                for shape in ("128x64", "64x128", "64x64")})
+LIBRARY.update({f"pp{letters}:{shape}": dict(tile=f"sm90:pp{letters}:{shape}")
+                for letters in ("k", "d", "r", "dr", "kd", "kdr")
+                for shape in ("128x128", "128x64", "64x128", "64x64")})
 #: variants that compute whole tiles only (no split-K): skipped where the shape splits K
-WHOLE_TILES = {"pp", "tms", "st:tms"}
+WHOLE_TILES = {"tms", "st:tms"} | {v for v in list(LIBRARY) + list(STAMPED) if "pp" in v}
 SHORT_K = ["sm90", "e2p1", "tms", "pp", "g4", "g64", "st", "st:nowait", "st:p1", "st:tms",
            "st:s3"]
+
+
+def _pp_variants(shape):
+    """The ping-pong variants of one tile shape, plain and stamped (LIBRARY, STAMPED_PP)."""
+    return [f"pp{x}:{shape}" for x in ("k", "d", "r", "dr", "kd", "kdr")] + \
+        [f"st:pp{x}:{shape}" for x in ("d", "r", "dr")]
+
+
 #: (m, n, k, split_k (None: the op's rule), variants)
 SHAPES = [(8192, 8192, 512, 1, SHORT_K),
           (4096, 4096, 512, 1, SHORT_K),
           (8192, 8192, 8192, 1, ["sm90", "e2p1", "tms", "st", "st:p1", "st:tms", "st:s3"]),
           (512, 1024, 14336, 1, ["sm90", "st"]),
           (512, 1024, 14336, 4, ["sm90", "st"]),
-          (2048, 1024, 4096, None, ["sm90", "st"])]
+          (2048, 1024, 4096, None, ["sm90", "st"]),
+          # few tiles (issue 23): the ping-pong shapes "auto" takes there, one tile a block
+          # (and the variants of compute.SM90_PP_VARIANTS at each shape's own tile)
+          (512, 4096, 512, 1, ["pp", "st:pp"] + _pp_variants("128x128")),
+          (512, 4096, 8192, 1, ["pp", "st:pp"] + _pp_variants("128x128")),
+          (1024, 1024, 512, 1, ["pp:128x64", "st:pp:128x64"] + _pp_variants("128x64")),
+          (1024, 1024, 8192, 1, ["pp:128x64", "st:pp:128x64"] + _pp_variants("128x64")),
+          (512, 1024, 512, 1, ["pp:64x64", "st:pp:64x64"] + _pp_variants("64x64")),
+          (512, 1024, 8192, 1, ["pp:64x64", "st:pp:64x64"] + _pp_variants("64x64"))]
 
 
 def step(msg, fn, limit_s=90):
@@ -130,14 +171,16 @@ class Stamps:
         from mknumba.roles import compute
         from numba import cuda, types
         tile = f"probe:{name}" + (":kn" if kn else "")
-        publisher, tms, extra = STAMPED[name]
+        publisher, tms, pingpong, extra = STAMPED[name]
+        variant = {compute.SM90_PP_VARIANTS[x]: True for x in STAMPED_PP.get(name, "")}
         defines = self.defines(extra)
-        build = compute.sm90_build(publisher, b_kn=kn, helper=STAMPS_CU, defines=defines,
-                                   tms=tms)
+        build = compute.sm90_build(publisher, b_kn=kn, pingpong=pingpong, helper=STAMPS_CU,
+                                   defines=defines, tms=tms, **variant)
         # the role's stamp function from the very file the tile links (sm90_tile_functions
         # appends the build's defines so): one definition of the tile there
         path = compute.linked_source(STAMPS_CU, defines + compute.sm90_defines(
-            publisher, b_kn=kn, tms=tms))
+            publisher, b_kn=kn, tms=tms, pingpong=pingpong,
+            desc_iter=variant.get("desc_iter", False)))
         self.role_stamp[build.tile] = cuda.declare_device(
             "mk_probe_role_stamp", types.int32(types.int32), link=[path], abi="c")
         compute.register_tile(tile, build)

@@ -24,7 +24,7 @@ from numba import cuda
 
 __all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "atomic_add_release",
            "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys",
-           "fence_proxy_async", "bar_sync", "nanosleep",
+           "fence_proxy_async", "bar_sync", "nanosleep", "prefetch_l1",
            "globaltimer", "peer_view", "peer_after", "data_ptr", "epoch_reached", "wait_flag", "record_timeout",
            "record_error",
            "acquire", "release", "pack_bf16x2", "add_bf16x2",
@@ -173,6 +173,19 @@ if not SIMULATOR:
         return types.none(ns), codegen
 
     @intrinsic
+    def prefetch_l1(typingctx, arr, idx):
+        """Start bringing ``arr[idx]``'s line into this SM's L1 (no value, no ordering): a
+        plain load of it later, after other work, then finds it there instead of waiting for
+        an L2 round trip."""
+        _elem(arr)
+
+        def codegen(context, builder, sig, args):
+            ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
+            _asm(builder, ir.VoidType(), [ptr.type], "prefetch.global.L1 [$0];", "l", [ptr])
+            return context.get_dummy_value()
+        return types.none(arr, idx), codegen
+
+    @intrinsic
     def globaltimer(typingctx):
         """Nanoseconds from the GPU's global timer (coarse ticks, monotonic)."""
         def codegen(context, builder, sig, args):
@@ -264,6 +277,9 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
 
     def globaltimer():
         return time.monotonic_ns()
+
+    def prefetch_l1(arr, idx):
+        pass     # the simulator has no caches
 
     def peer_view(ptrs, peer, template):
         arr = _sim_arrays[int(ptrs[peer])]

@@ -131,14 +131,14 @@ def test_linked_tiles_assemble_for_sm90a(helper):
     assert "serialized" not in linker.get_info_log(), linker.get_info_log()
 
 
-def _link_sm90a(kernel, threads, cc, as_launched=False):
+def _link_sm90a(kernel, threads, cc, as_launched=False, cubin=False):
     """``kernel`` compiled for its own declaration and linked with its helpers as on a Hopper
     GPU (LTO): (PTX of the whole kernel, ptxas's log of assembling it for sm_90a).
     The log comes from that PTX handed to nvJitLink, which assembles it as a separate
     compilation unit: there ptxas drops setmaxnreg (C7504) and may allocate registers
     differently. ``as_launched``: from numba's own link instead (LTO-IR in, the whole kernel
     assembled at once, a cubin out), ~1.5-2.5 s more a kernel: where registers, spills or
-    setmaxnreg are checked."""
+    setmaxnreg are checked. ``cubin``: the cubin too, third."""
     pytest.importorskip("cuda.bindings.nvjitlink")
     core = pytest.importorskip("cuda.core")
     from numba.cuda import compiler
@@ -157,8 +157,10 @@ def _link_sm90a(kernel, threads, cc, as_launched=False):
     else:
         linker = core.Linker(core.ObjectCode.from_ptx(ptx.encode()),
                              options=core.LinkerOptions(arch="sm_90a", verbose=True))
-    assert len(bytes(linker.link("cubin").code)) > 0
-    return ptx, linker.get_info_log().replace("\x00", "")
+    code = bytes(linker.link("cubin").code)
+    assert len(code) > 0
+    log = linker.get_info_log().replace("\x00", "")
+    return (ptx, log, code) if cubin else (ptx, log)
 
 
 def _hopper_kernel(name):
@@ -195,6 +197,13 @@ GEMM_BUILDS = {"gemm": ("sm90", False), "gemm_kn": ("sm90:kn", False),
 #: [k, n]: gemm_pp_<BM>x<BN>(_kn)
 GEMM_BUILDS.update({f"gemm_pp_{bm}x{bn}{kn}": (f"sm90:pp:{bm}x{bn}{kn.replace('_', ':')}", False)
                     for bm, bn in ((128, 64), (64, 128), (64, 64)) for kn in ("", "_kn")})
+#: the ping-pong tile's k-split builds ("sm90:ppk:<BM>x<BN>", MK_PP_KSPLIT): gemm_ppk_<BM>x<BN>
+#: and the other variants (roles.compute.SM90_PP_VARIANTS: letters of k, d, r):
+#: gemm_pp<letters>_<BM>x<BN>(_kn)
+GEMM_BUILDS.update({f"gemm_pp{v}_{bm}x{bn}{kn}": (f"sm90:pp{v}:{bm}x{bn}{kn.replace('_', ':')}",
+                                                 False)
+                    for bm, bn in ((128, 128), (128, 64), (64, 128), (64, 64))
+                    for kn in ("", "_kn") for v in ("k", "d", "r", "kdr")})
 #: registers per thread of the plain GEMM's kernels, either layout of B: ptxas's count for the
 #: [n, k] build, rounded up to its allocation unit of 8 (the [k, n] build must not need more);
 #: the ping-pong tile's [k, n] build needs a few more (its two MMAs per k16 step share B), and
@@ -204,7 +213,10 @@ GEMM_REGISTERS = {"sm90": 160, "sm90:pp": 168, "sm90:tms": 160, "split": 168}
 
 @pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_pp", "gemm_pp_kn", "gemm_pp_128x64",
                                   "gemm_pp_128x64_kn", "gemm_pp_64x128", "gemm_pp_64x128_kn",
-                                  "gemm_pp_64x64", "gemm_pp_64x64_kn", "gemm_tms",
+                                  "gemm_pp_64x64", "gemm_pp_64x64_kn", "gemm_ppk_128x128",
+                                  "gemm_ppk_128x64_kn", "gemm_ppk_64x128", "gemm_ppk_64x64",
+                                  "gemm_ppk_64x64_kn", "gemm_ppd_64x64", "gemm_ppd_128x128_kn",
+                                  "gemm_ppkdr_128x64", "gemm_tms",
                                   "gemm_tms_kn", "gemm_split", "gemm_split_kn", "gemm_tail",
                                   "gemm_tail_kn", "gemm_reduce",
                                   "gemm_reduce_adaptive", "ring_attention",
@@ -268,10 +280,11 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         split, tail = "_split" in name, "_tail" in name
         # unrolled k16 steps (the tail split: a tile for each phase; the ping-pong tile: one
         # m64nBNk16 per 64 rows of the tile, of BN columns)
-        rows = 64 if name.startswith("gemm_pp_64x") else 128
+        letters, rows, cols = (re.match(r"gemm_pp([kdr]*)_(\d+)x(\d+)", name).groups()
+                               if re.match(r"gemm_pp[kdr]*_\d", name) else ("", "128", "128"))
+        rows, cols = int(rows), int(cols)
         assert ptx.count("wgmma.mma_async") == (rows // 16 if pingpong else 8 if tail else 4)
         if pingpong:
-            cols = 64 if re.match(r"gemm_pp_\d+x64", name) else 128
             assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k16",
                                   ptx)) == {str(cols)}
         assert "0 bytes spill stores, 0 bytes spill loads" in log, log
@@ -288,9 +301,79 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         assert ("cp.async.bulk.tensor.2d.global" in ptx) == tms
         if tms:
             tms_epilogue_order(ptx)
+        if name.startswith("gemm_ppk"):
+            ksplit_order(ptx, rows)
+        if pingpong:
+            # the descriptors' shared-address masks (sm90.cuh smem_desc, & 0x3FFFF): each
+            # MMA's A and each k16 step's B, or (MK_PP_DESC_ITER) the slot's A and B once
+            masks = len(re.findall(r"and\.b32\s+%r\d+, %r\d+, 26\d{4};", ptx))
+            assert masks == (2 if "d" in letters else (rows // 64 + 1) * 4), masks
+        # the early ramp: the block's first order entry prefetched before begin's ticket
+        assert ("prefetch.global.L1" in ptx) == ("r" in letters)
+        if "r" in letters:
+            assert ptx.index("prefetch.global.L1") < ptx.index("atom.add.relaxed.gpu")
         assert ("mbarrier.inval" in ptx) == tail     # only the tail split starts a ring again
         if tail:
             tail_split_order(ptx)
+
+
+def _nvdisasm():
+    """nvdisasm (SASS of a cubin): $NVDISASM, on PATH, or in $CUDA_HOME/bin; None if none."""
+    import os
+    import shutil
+    for path in (os.environ.get("NVDISASM"), shutil.which("nvdisasm"),
+                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvdisasm")):
+        if path and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+def main_loop_sass(sass):
+    """The instructions (text, predicates dropped) of the innermost loop of nvdisasm -c output
+    that issues wgmma (HGMMA): the smallest span from a label to a backward branch to it."""
+    ins, at = [], {}
+    for line in sass.splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        if label:
+            at[label.group(1)] = len(ins)
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;", line)
+        if m:
+            ins.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)))
+    loops = [ins[at[m.group(1)]:i + 1] for i, text in enumerate(ins)
+             for m in [re.search(r"BRA `\((\.L_x_\d+)\)", text)]
+             if m and m.group(1) in at and at[m.group(1)] < i]
+    return min((x for x in loops if any(t.startswith("HGMMA") for t in x)), key=len)
+
+
+@pytest.mark.parametrize("plain, desc_iter", [("gemm_pp_64x64", "gemm_ppd_64x64"),
+                                              ("gemm_pp_kn", "gemm_ppd_128x128_kn")])
+@pytest.mark.slow
+def test_pingpong_desc_iter_shortens_the_k_step(fake_sm90, plain, desc_iter):
+    """MK_PP_DESC_ITER ("sm90:ppd:..."): the ping-pong tile's k-step in SASS, as linked on a
+    GPU, has fewer instructions than the plain build's (the descriptors no longer rebuilt from
+    the slot's address for every MMA) and the same MMAs, issued closer together (first to last:
+    at 64 x 64 about 30 instructions instead of 44). Needs nvdisasm ($NVDISASM, PATH or
+    $CUDA_HOME/bin)."""
+    import subprocess
+    import tempfile
+    nvdisasm = _nvdisasm()
+    if nvdisasm is None:
+        pytest.skip("no nvdisasm")
+    loops = {}
+    for v, name in (("", plain), ("d", desc_iter)):
+        _, _, code = _link_sm90a(*_hopper_kernel(name), fake_sm90, as_launched=True, cubin=True)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(code)
+            f.flush()
+            sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+        loops[v] = main_loop_sass(sass)
+    hgmma = {v: [i for i, t in enumerate(x) if t.startswith("HGMMA")] for v, x in loops.items()}
+    assert len(hgmma[""]) == len(hgmma["d"]) == (4 if "64x64" in plain else 8)
+    assert len(loops["d"]) <= len(loops[""]) - 15, (len(loops["d"]), len(loops[""]))
+    span = {v: x[-1] - x[0] for v, x in hgmma.items()}
+    assert span["d"] <= span[""] - 12, span
 
 
 def tail_split_order(ptx):
@@ -311,6 +394,29 @@ def tail_split_order(ptx):
     phase1 = ptx[:meet]
     assert "st.global.v4.u32" in phase1 and "st.v4.u32" not in phase1
     assert "st.global.v4.u32" not in ptx[again:] and "st.v4.u32" in ptx[again:]
+
+
+def ksplit_order(ptx, rows):
+    """The k-split build's tile in the linked PTX (gemm_pingpong.cu MK_PP_KSPLIT): its main
+    loop keeps one k-step of MMAs in flight (wait_group 1) and releases a slot by a bare
+    arrive, with no fence; then, after wait_group 0, the partials meet through shared memory
+    between barriers of both consumer warpgroups (bar.sync 1, 256): one store and one load
+    round (64-row tiles) or two (128-row tiles), a barrier after each half-round, before the
+    epilogue's stmatrix; the ping-pong handoff (the order barriers' waits) is not there."""
+    body = ptx[ptx.index("wgmma.mma_async"):]
+    assert "wgmma.wait_group.sync.aligned 1;" in body
+    end = body.index("wgmma.wait_group.sync.aligned 0;")
+    assert "fence." not in body[:end] and "membar" not in body[:end]
+    rounds = 1 if rows == 64 else 2
+    at = end
+    for r in range(rounds):
+        order = []
+        for x in ("st.shared.v4.f32", "bar.sync 1, 256;", "ld.shared.v4.f32", "bar.sync 1, 256;"):
+            at = body.index(x, at + 1)
+            order.append(at)
+        assert order == sorted(order), (r, order)
+    assert body.index("stmatrix", end) > at
+    assert body.count("st.shared.v4.f32") == 8 * rounds * (1 if "m64n64k16" in ptx else 2)
 
 
 def tms_epilogue_order(ptx):

@@ -1,4 +1,5 @@
-// The library's Hopper GEMM tile (mknumba/roles/cuda/gemm_tile.cu) with its probe hooks
+// The library's Hopper GEMM tile (mknumba/roles/cuda/gemm_tile.cu, or with MK_PP_BM defined
+// gemm_pingpong.cu) with its probe hooks
 // (gemm_common.cuh: MK_STAMP, MK_FULL_WAIT) defined to record a timeline per block and work
 // item, for benchmarks/probe_gemm_stamps.py. The library's builds leave the hooks empty (their
 // PTX is unchanged); this file includes the library's tile, so the code between the stamps is
@@ -163,7 +164,15 @@ __device__ __forceinline__ void probe_waited(int item, int step, unsigned t0) {
         probe_waited(item, step, probe_t0_);                                                       \
     } while (0)
 
+// The tile: the ping-pong tile's when the build defines its shape (compute.sm90_defines), else
+// gemm_tile.cu. gemm_common.cuh first: linked_source pastes a file once, where it is first met,
+// and here that must be outside both branches.
+#include "gemm_common.cuh"
+#ifdef MK_PP_BM
+#include "gemm_pingpong.cu"
+#else
 #include "gemm_tile.cu"
+#endif
 
 // The compute role's stamps (probe_gemm_stamps.py wraps the role's wait for an item's inputs:
 // EV_BEGIN before, EV_READY after), in thread 0, for the block's next item.

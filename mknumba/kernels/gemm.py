@@ -345,6 +345,7 @@ def _make_kernel(build, threads, split):
         unit, place, ready = split_units(build, split)
         compute_role = compute.make_compute_role(build, (place, ready), units=unit)
     bn, n_dim = build.shape[1], 1 if build.b_kn else 0
+    ramp = compute.ramp_of(build)
 
     @cuda.jit(**bounds)
     def gemm_kernel(a: Bits2D, b: Bits2D, c: Bits2D, ws: Bits3D, tmaps: Words64, flags: Flags,
@@ -360,6 +361,7 @@ def _make_kernel(build, threads, split):
         (split_slices); a fold waits at most timeout_ns, then records the error in err
         (int64[ERR_WORDS], mapped)."""
         smem = cuda.shared.array(0, dtype=_BYTE)
+        ramp(order, cuda.blockIdx.x)   # an early-ramp build: the block's first unit, into L1
         epoch, call = begin(frame)
         if cuda.blockIdx.x >= compute_blocks:
             return  # held back for other roles; nothing else runs in a plain GEMM

@@ -127,6 +127,16 @@ __device__ __forceinline__ unsigned long long smem_desc_mn(unsigned addr, unsign
            ((unsigned long long)(box_bytes >> 4) << 16) | ((1024ull >> 4) << 32) | (1ull << 62);
 }
 
+// A descriptor of the same layout at ``bytes`` (a multiple of 16) past ``desc``'s start address,
+// without rebuilding it (CUTLASS's descriptor iterator): the start address is bits 0-13 of
+// address >> 4 and a block's shared addresses stay below 256 KB, so smem_desc(addr + bytes) ==
+// smem_desc(addr) + (bytes >> 4), and likewise smem_desc_mn, for any such address, 128B swizzle
+// included (the swizzle acts on the address the MMA forms, not on the descriptor). Only the low
+// word changes: the high word stays a constant the compiler sees.
+__device__ __forceinline__ unsigned long long desc_at(unsigned long long desc, unsigned bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | (unsigned)((unsigned)desc + (bytes >> 4));
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
