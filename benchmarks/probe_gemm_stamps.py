@@ -36,12 +36,9 @@ Variants (``--variants``; a shape runs those of its list that are asked for):
   st       sm90 with stamps      st:p1  e2p1 with stamps      st:tms  tms with stamps
   st:s3    st with a 3-stage ring (MK_STAGES 3): how much the 4th stage's latency cover buys
   pp:<BM>x<BN>  the smaller ping-pong tiles ("sm90:pp:128x64", ":64x128", ":64x64")
-  ppk:<BM>x<BN>  the ping-pong tile's k-split builds ("sm90:ppk:<BM>x<BN>": both warpgroups
-           on every tile, alternate k-steps, partials added at the end)
-  ppd:, ppr:, ppdr:, ppkd:, ppkdr:<BM>x<BN>  the ping-pong tile's other opt-in variants
-           (compute.SM90_PP_VARIANTS): d each MMA's descriptors advanced by an add from the
-           slot's (MK_PP_DESC_ITER), r the early ramp (each block's first order entry
-           prefetched before its setup), k as in ppk
+  ppd:, ppr:, ppdr:<BM>x<BN>  the ping-pong tile's variants (compute.SM90_PP_VARIANTS): d
+           each MMA's descriptors advanced by an add from the slot's (MK_PP_DESC_ITER), r the
+           early ramp (each block's first order entry prefetched before its setup)
   st:pp, st:pp:<BM>x<BN>  the ping-pong tiles with stamps (each item's events from its owning
            warpgroup's thread 0 or 128, so the summary covers the tiles of even seq: every
            tile where a block runs one, as at issue 23's few-tile shapes)
@@ -99,7 +96,7 @@ LIBRARY = {"sm90": dict(tile="sm90"), "e2p1": dict(tile="sm90:e2p1"),
 LIBRARY.update({f"pp:{shape}": dict(tile=f"sm90:pp:{shape}")
                 for shape in ("128x64", "64x128", "64x64")})
 LIBRARY.update({f"pp{letters}:{shape}": dict(tile=f"sm90:pp{letters}:{shape}")
-                for letters in ("k", "d", "r", "dr", "kd", "kdr")
+                for letters in ("d", "r", "dr")
                 for shape in ("128x128", "128x64", "64x128", "64x64")})
 #: variants that compute whole tiles only (no split-K): skipped where the shape splits K
 WHOLE_TILES = {"tms", "st:tms"} | {v for v in list(LIBRARY) + list(STAMPED) if "pp" in v}
@@ -109,7 +106,7 @@ SHORT_K = ["sm90", "e2p1", "tms", "pp", "g4", "g64", "st", "st:nowait", "st:p1",
 
 def _pp_variants(shape):
     """The ping-pong variants of one tile shape, plain and stamped (LIBRARY, STAMPED_PP)."""
-    return [f"pp{x}:{shape}" for x in ("k", "d", "r", "dr", "kd", "kdr")] + \
+    return [f"pp{x}:{shape}" for x in ("d", "r", "dr")] + \
         [f"st:pp{x}:{shape}" for x in ("d", "r", "dr")]
 
 

@@ -197,13 +197,12 @@ GEMM_BUILDS = {"gemm": ("sm90", False), "gemm_kn": ("sm90:kn", False),
 #: [k, n]: gemm_pp_<BM>x<BN>(_kn)
 GEMM_BUILDS.update({f"gemm_pp_{bm}x{bn}{kn}": (f"sm90:pp:{bm}x{bn}{kn.replace('_', ':')}", False)
                     for bm, bn in ((128, 64), (64, 128), (64, 64)) for kn in ("", "_kn")})
-#: the ping-pong tile's k-split builds ("sm90:ppk:<BM>x<BN>", MK_PP_KSPLIT): gemm_ppk_<BM>x<BN>
-#: and the other variants (roles.compute.SM90_PP_VARIANTS: letters of k, d, r):
+#: the ping-pong tile's variants (roles.compute.SM90_PP_VARIANTS: letters of d, r):
 #: gemm_pp<letters>_<BM>x<BN>(_kn)
 GEMM_BUILDS.update({f"gemm_pp{v}_{bm}x{bn}{kn}": (f"sm90:pp{v}:{bm}x{bn}{kn.replace('_', ':')}",
                                                  False)
                     for bm, bn in ((128, 128), (128, 64), (64, 128), (64, 64))
-                    for kn in ("", "_kn") for v in ("k", "d", "r", "kdr")})
+                    for kn in ("", "_kn") for v in ("d", "r", "dr")})
 #: registers per thread of the plain GEMM's kernels, either layout of B: ptxas's count for the
 #: [n, k] build, rounded up to its allocation unit of 8 (the [k, n] build must not need more);
 #: the ping-pong tile's [k, n] build needs a few more (its two MMAs per k16 step share B), and
@@ -213,10 +212,9 @@ GEMM_REGISTERS = {"sm90": 160, "sm90:pp": 168, "sm90:tms": 160, "split": 168}
 
 @pytest.mark.parametrize("name", ["gemm", "gemm_kn", "gemm_pp", "gemm_pp_kn", "gemm_pp_128x64",
                                   "gemm_pp_128x64_kn", "gemm_pp_64x128", "gemm_pp_64x128_kn",
-                                  "gemm_pp_64x64", "gemm_pp_64x64_kn", "gemm_ppk_128x128",
-                                  "gemm_ppk_128x64_kn", "gemm_ppk_64x128", "gemm_ppk_64x64",
-                                  "gemm_ppk_64x64_kn", "gemm_ppd_64x64", "gemm_ppd_128x128_kn",
-                                  "gemm_ppkdr_128x64", "gemm_tms",
+                                  "gemm_pp_64x64", "gemm_pp_64x64_kn", "gemm_ppd_64x64",
+                                  "gemm_ppd_128x128_kn", "gemm_ppdr_128x64", "gemm_ppr_64x64_kn",
+                                  "gemm_tms",
                                   "gemm_tms_kn", "gemm_split", "gemm_split_kn", "gemm_tail",
                                   "gemm_tail_kn", "gemm_reduce",
                                   "gemm_reduce_adaptive", "ring_attention",
@@ -280,8 +278,8 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         split, tail = "_split" in name, "_tail" in name
         # unrolled k16 steps (the tail split: a tile for each phase; the ping-pong tile: one
         # m64nBNk16 per 64 rows of the tile, of BN columns)
-        letters, rows, cols = (re.match(r"gemm_pp([kdr]*)_(\d+)x(\d+)", name).groups()
-                               if re.match(r"gemm_pp[kdr]*_\d", name) else ("", "128", "128"))
+        letters, rows, cols = (re.match(r"gemm_pp([dr]*)_(\d+)x(\d+)", name).groups()
+                               if re.match(r"gemm_pp[dr]*_\d", name) else ("", "128", "128"))
         rows, cols = int(rows), int(cols)
         assert ptx.count("wgmma.mma_async") == (rows // 16 if pingpong else 8 if tail else 4)
         if pingpong:
@@ -301,8 +299,6 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         assert ("cp.async.bulk.tensor.2d.global" in ptx) == tms
         if tms:
             tms_epilogue_order(ptx)
-        if name.startswith("gemm_ppk"):
-            ksplit_order(ptx, rows)
         if pingpong:
             # the descriptors' shared-address masks (sm90.cuh smem_desc, & 0x3FFFF): each
             # MMA's A and each k16 step's B, or (MK_PP_DESC_ITER) the slot's A and B once
@@ -394,29 +390,6 @@ def tail_split_order(ptx):
     phase1 = ptx[:meet]
     assert "st.global.v4.u32" in phase1 and "st.v4.u32" not in phase1
     assert "st.global.v4.u32" not in ptx[again:] and "st.v4.u32" in ptx[again:]
-
-
-def ksplit_order(ptx, rows):
-    """The k-split build's tile in the linked PTX (gemm_pingpong.cu MK_PP_KSPLIT): its main
-    loop keeps one k-step of MMAs in flight (wait_group 1) and releases a slot by a bare
-    arrive, with no fence; then, after wait_group 0, the partials meet through shared memory
-    between barriers of both consumer warpgroups (bar.sync 1, 256): one store and one load
-    round (64-row tiles) or two (128-row tiles), a barrier after each half-round, before the
-    epilogue's stmatrix; the ping-pong handoff (the order barriers' waits) is not there."""
-    body = ptx[ptx.index("wgmma.mma_async"):]
-    assert "wgmma.wait_group.sync.aligned 1;" in body
-    end = body.index("wgmma.wait_group.sync.aligned 0;")
-    assert "fence." not in body[:end] and "membar" not in body[:end]
-    rounds = 1 if rows == 64 else 2
-    at = end
-    for r in range(rounds):
-        order = []
-        for x in ("st.shared.v4.f32", "bar.sync 1, 256;", "ld.shared.v4.f32", "bar.sync 1, 256;"):
-            at = body.index(x, at + 1)
-            order.append(at)
-        assert order == sorted(order), (r, order)
-    assert body.index("stmatrix", end) > at
-    assert body.count("st.shared.v4.f32") == 8 * rounds * (1 if "m64n64k16" in ptx else 2)
 
 
 def tms_epilogue_order(ptx):

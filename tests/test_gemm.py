@@ -423,44 +423,15 @@ def test_pingpong_builds_by_name(monkeypatch):
             G.fused_tile(name, "GemmReduce")
 
 
-def test_pingpong_ksplit_builds_by_name():
-    """The ping-pong tile's k-split builds "sm90:ppk:<BM>x<BN>" (each also ":kn"): sm_90a
-    builds of whole tiles only for every ping-pong shape; an even ring (each warpgroup's
-    k-steps keep to their own slots) beside a staging that holds one warpgroup's 64 x BN fp32
-    partial, within the H200's shared memory; MK_PP_KSPLIT among their defines only."""
-    from mknumba.kernels import gemm as G
-    from mknumba.roles import compute
-    stages = {(128, 128): 6, (128, 64): 8, (64, 128): 8, (64, 64): 12}
-    for shape in compute.SM90_PINGPONG_SHAPES:
-        name = compute.ppk_name(shape)
-        assert name == f"sm90:ppk:{shape[0]}x{shape[1]}"
-        assert compute.pp_stages(shape, ksplit=True) == stages[shape]
-        staging = max(8 * 16 * 128, shape[1] * 256)
-        smem = compute.sm90_smem_bytes(shape, ksplit=True)
-        assert smem == stages[shape] * (shape[0] + shape[1]) * 128 + staging + \
-            16 * stages[shape] + 16 + 1024
-        assert smem + 16 <= 232448
-        for n in (name, name + ":kn"):
-            assert compute.is_sm90_name(n) and compute.whole_tiles_only(n), n
-            G.check_tile_name(n)
-        defines = compute.sm90_defines(pingpong=shape, ksplit=True)
-        assert f"#define MK_PP_STAGES {stages[shape]}\n#define MK_PP_KSPLIT 1\n" in defines
-        assert "MK_PP_KSPLIT" not in compute.sm90_defines(pingpong=shape)
-    with pytest.raises(MkValueError, match="no tile build"):
-        G.check_tile_name("sm90:ppk")
-    with pytest.raises(MkValueError, match="ping-pong tile's"):
-        compute.sm90_tile_functions(ksplit=True)
-
-
 def test_pingpong_variants_by_name():
-    """The ping-pong tile's opt-in variants "sm90:pp<letters>:<BM>x<BN>" (each also ":kn"),
-    letters of k (k-split), d (MK_PP_DESC_ITER), r (the early ramp) in that order: whole-tile
-    sm_90a builds; only d adds a define, only k changes the ring; r is the kernel's
-    (ramp_of: the prefetch of the block's first order entry), refused for other tiles."""
+    """The ping-pong tile's variants "sm90:pp<letters>:<BM>x<BN>" (each also ":kn"), letters
+    of d (MK_PP_DESC_ITER) and r (the early ramp) in that order: whole-tile sm_90a builds; only
+    d adds a define; r is the kernel's (ramp_of: the prefetch of the block's first order
+    entry), refused for other tiles. "auto" names one of them per shape (pp_auto_name)."""
     from mknumba.kernels import gemm as G
     from mknumba.roles import compute
     for shape in compute.SM90_PINGPONG_SHAPES:
-        for letters in ("k", "d", "r", "kd", "kr", "dr", "kdr"):
+        for letters in ("d", "r", "dr"):
             name = compute.pp_variant_name(shape, letters)
             assert name == f"sm90:pp{letters}:{shape[0]}x{shape[1]}"
             for n in (name, name + ":kn"):
@@ -470,7 +441,7 @@ def test_pingpong_variants_by_name():
         assert compute.sm90_defines(pingpong=shape, desc_iter=True) == \
             plain + "#define MK_PP_DESC_ITER 1\n"
         assert "MK_PP_DESC_ITER" not in plain
-    for bad in ("", "dk", "x", "kk"):
+    for bad in ("", "rd", "x", "dd", "k"):
         with pytest.raises(MkValueError, match="no ping-pong variant"):
             compute.pp_variant_name((64, 64), bad)
     with pytest.raises(MkValueError, match="no tile build"):
@@ -482,6 +453,9 @@ def test_pingpong_variants_by_name():
     build = compute.TileBuild(None, None, (64, 64), 288, 0, True, False)
     assert compute.ramp_of(build) is compute.no_prefetch
     assert compute.ramp_of(build._replace(early=True)) is compute.prefetch_first
+    for shape, letters in G.PP_AUTO_VARIANT.items():
+        assert G.pp_auto_name(shape) == f"sm90:pp{letters}:{shape[0]}x{shape[1]}"
+        G.check_tile_name(G.pp_auto_name(shape) + ":kn")
 
 
 TAIL_SCRIPT = SPLIT_RUN + textwrap.dedent("""
@@ -865,9 +839,8 @@ def test_auto_pingpong_matches_fp32_reference(m, n, k, shape, layout):
 @requires_gpu
 @pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("tile", ["sm90:pp:128x64", "sm90:pp:64x128", "sm90:pp:64x64",
-                                  "sm90:ppk:128x128", "sm90:ppk:128x64", "sm90:ppk:64x128",
-                                  "sm90:ppk:64x64", "sm90:ppd:128x128", "sm90:ppd:64x64",
-                                  "sm90:ppdr:64x128", "sm90:ppkdr:128x64"])
+                                  "sm90:ppd:128x128", "sm90:ppd:64x64", "sm90:ppdr:64x128",
+                                  "sm90:ppdr:128x64", "sm90:ppr:64x64"])
 def test_pingpong_shapes_match_fp32_reference(tile, layout):
     """The ping-pong tile's smaller shapes by name, B [n, k] and row-major [k, n] (the ":kn"
     build): per shape 20 calls (:func:`_twenty_calls`: a and b rewritten in place, the output
@@ -875,11 +848,9 @@ def test_pingpong_shapes_match_fp32_reference(tile, layout):
     Ragged m and n (no multiple of 64 but n = 8; rows and 64-column chunks partly and wholly
     past the edge), K not a multiple of the 64-deep k-step; from 1-2 tiles (blocks with 0
     tiles, one warpgroup idle) to thousands (every parity of the warpgroups' turns, ring
-    slots reused across tiles at every phase). The k-split builds ("sm90:ppk:..."): both
-    warpgroups on every tile, K of one k-step (warpgroup 1 without one), odd and even
-    k-step counts, tiles starting at odd and even ring steps, blocks with many tiles. The
-    other variants (d: descriptors advanced by adds, both layouts of B and both 64-row halves
-    of A; r: the early ramp, blocks past the order's end included)."""
+    slots reused across tiles at every phase). The variants (d: descriptors advanced by adds,
+    both layouts of B and both 64-row halves of A; r: the early ramp, blocks past the order's
+    end included)."""
     from mknumba.kernels.gemm import Gemm
     from mknumba.roles.compute import tile_build
     op = Gemm(tile=tile)

@@ -44,7 +44,7 @@ Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90
 ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K; "auto"
 takes it where 128 x 256 tiles are few and K <= ``PP_MAX_K``: ``pp_for``; also in 128 x 64,
 64 x 128 and 64 x 64 tiles, ``"sm90:pp:<BM>x<BN>"``, which "auto" takes there by the tiles'
-count: ``pp_shape_for``),
+count: ``pp_shape_for``, in the variant ``PP_AUTO_VARIANT`` names: ``pp_auto_name``),
 ``"sm90:tms"`` (the sm90 tile whose epilogue leaves by TMA tensor stores it does not wait
 for, ``roles.compute.SM90_TMS_TILE``; no split-K: its tile flags go out at each block's end,
 after its stores completed; "auto" takes it for unsplit shapes with K <= ``TMS_MAX_K``) or
@@ -73,7 +73,8 @@ from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kerne
                      outputs_in_capture, stream_handle)
 from numba import cuda, types
 
-__all__ = ["gemm", "Gemm", "split_k_for", "tail_split_for", "pp_for", "pp_shape_for"]
+__all__ = ["gemm", "Gemm", "split_k_for", "tail_split_for", "pp_for", "pp_shape_for",
+           "pp_auto_name"]
 
 Bits2D, Bits3D = array_type(np.uint16, 2), array_type(np.uint16, 3)
 Words64, Flags, Ints = array_type(np.uint64, 1), array_type(np.uint32, 1), array_type(np.int32, 1)
@@ -187,6 +188,24 @@ def pp_shape_for(m, n, blocks):
         if best_cost is None or total < best_cost:
             best, best_cost = (bm, bn), total
     return best
+
+
+#: the variant of the ping-pong tile "auto" runs at each tile shape (letters of
+#: ``roles.compute.SM90_PP_VARIANTS``): on an H200 at the 20 few-tile shapes of the grid (512 x
+#: 4096, 2048 x 1024, 1024 x 1024, 512 x 1024 at K 512-8192, ours and cuBLAS alternating), d
+#: (each MMA's descriptors by an add) made the 128-row tiles faster, up to 4% at long K with B
+#: [n, k], and the 64 x 64 tile 1-5% slower; r (the block's first order entry prefetched before
+#: its setup) was level or faster at every tile shape (benchmarks/NOTES.md). 64 x 128 is
+#: untimed: r only, as the other 64-row tile.
+PP_AUTO_VARIANT = {(128, 128): "dr", (128, 64): "dr", (64, 128): "r", (64, 64): "r"}
+
+
+def pp_auto_name(shape):
+    """The build "auto" runs for ping-pong tiles of ``shape`` (BM, BN), B as [n, k]: the
+    variant :data:`PP_AUTO_VARIANT` names (the plain :func:`~mknumba.roles.compute.pp_name`
+    build where it names none)."""
+    letters = PP_AUTO_VARIANT.get(tuple(shape), "")
+    return compute.pp_variant_name(shape, letters) if letters else compute.pp_name(shape)
 
 
 def tms_for(kind, k):
@@ -470,12 +489,13 @@ class Gemm:
 
     ``tile``: "auto" runs, on a Hopper GPU (sm_90a), a ping-pong build where 128 x 256 tiles
     are few and K <= :data:`PP_MAX_K` (:func:`pp_for`; only with ``split_k`` None;
-    ``"sm90:pp"`` or a smaller tile's, :func:`pp_shape_for`), the tensor-store build
+    ``"sm90:pp"`` or a smaller tile's, :func:`pp_shape_for`, in the variant of
+    :func:`pp_auto_name`), the tensor-store build
     ``"sm90:tms"`` for other shapes it does not split (nor their tail) with K <=
     :data:`TMS_MAX_K`, and the default ``"sm90"`` elsewhere (chosen per shape; the SIMT twin
     without sm_90a); or a build by name (module docstring):
-    ``"sm90"``, ``"sm90:pp"`` (and ``"sm90:pp:128x64"``, ``":64x128"``, ``":64x64"``) and
-    ``"sm90:tms"`` (these whole tiles only: ``split_k`` None or 1, no tail split), ``"simt"``.
+    ``"sm90"``, ``"sm90:pp"`` (and ``"sm90:pp:128x64"``, ``":64x128"``, ``":64x64"``; and
+    their variants, e.g. ``"sm90:ppdr:128x64"``) and ``"sm90:tms"`` (these whole tiles only: ``split_k`` None or 1, no tail split), ``"simt"``.
     """
 
     name = "mknumba.gemm"
@@ -641,7 +661,7 @@ class _Plan:
         if op.tile == "auto" and op.split_k is None and \
                 pp_for(kind, m, n, k, max(1, _device_sms() - op.reserved_sms)):
             # one block an SM, as the default tile; its tile shape by the tiles' count
-            kind = compute.pp_name(pp_shape_for(m, n, max(1, _device_sms() - op.reserved_sms)))
+            kind = pp_auto_name(pp_shape_for(m, n, max(1, _device_sms() - op.reserved_sms)))
             kind = compute.kn_kind(kind, op.name) if self.b_kn else kind
         elif op.tile == "auto" and tms_for(kind, k) and (op.split_k or 1) == 1:
             kind = compute.kn_kind(compute.SM90_TMS_TILE, op.name) if self.b_kn else \

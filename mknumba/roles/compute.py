@@ -37,12 +37,9 @@ Implementations:
   warpgroups take alternate tiles (``seq`` odd or even) and turns in the main loop, so one's
   epilogue runs while the other's MMAs do. A 6-stage ring; 288 threads. Also built with
   128 x 64, 64 x 128 and 64 x 64 tiles (``"sm90:pp:<BM>x<BN>"``, :func:`pp_name`), each ring
-  as deep as fits (:func:`pp_stages`: 8, 8 and 13 stages). Opt-in for GEMMs with about one
-  tile a block: ``"sm90:ppk:<BM>x<BN>"`` (:func:`ppk_name`, ``MK_PP_KSPLIT``), both consumer
-  warpgroups on every tile, alternate k-steps, the partials added through the staging; an even
-  ring (:func:`pp_stages` with ``ksplit``: 6, 8, 8 and 12 stages). Other opt-in variants,
-  letters that combine with k: :data:`SM90_PP_VARIANTS` (``"sm90:ppd:64x64"``,
-  ``"sm90:ppkdr:128x64"``, ...).
+  as deep as fits (:func:`pp_stages`: 8, 8 and 13 stages). Variants named by letters after
+  ``sm90:pp``: :data:`SM90_PP_VARIANTS` (``"sm90:ppd:64x64"``, ``"sm90:ppdr:128x64"``, ...);
+  "auto" takes the ones measured faster (``kernels.gemm.PP_AUTO_VARIANT``).
 - ``SM90_TMS_TILE`` (opt-in, mk.Gemm without split-K only): ``cuda/gemm_tile.cu`` with
   ``MK_TMA_STORE=1``: the same ring and tile; each consumer warp's 16 x 64 chunks leave by TMA
   tensor stores through C's tensor map (``TileBuild.c_map``) from two 2 KB buffers, and no
@@ -93,14 +90,12 @@ SM90_PINGPONG_SHAPES = ((128, 128), (128, 64), (64, 128), (64, 64))
 SM90_SMEM_LIMIT = 232448 - 64
 #: the deepest ring of a ping-pong build (64 x 64 fits 13 stages of 16 KB)
 SM90_PINGPONG_MAX_STAGES = 16
-#: the ping-pong tile's k-split builds (opt-in): "sm90:ppk:<BM>x<BN>" (:func:`ppk_name`)
-SM90_KSPLIT_TILE = "sm90:ppk"
-#: opt-in variants of the ping-pong tile, each also with ":kn", named by letters after "sm90:pp"
+#: variants of the ping-pong tile, each also with ":kn", named by letters after "sm90:pp"
 #: ("sm90:pp<letters>:<BM>x<BN>", in this order; :func:`pp_variant_name`) -> sm90_build's
-#: argument: k the k-split build (MK_PP_KSPLIT); d each MMA's descriptors advanced from the
-#: slot's by an add (MK_PP_DESC_ITER); r the early ramp (``TileBuild.early``: the kernel
-#: prefetches each block's first entry of the order before the block's setup: :func:`ramp_of`)
-SM90_PP_VARIANTS = {"k": "ksplit", "d": "desc_iter", "r": "early"}
+#: argument: d each MMA's descriptors advanced from the slot's by an add (MK_PP_DESC_ITER); r
+#: the early ramp (``TileBuild.early``: the kernel prefetches each block's first entry of the
+#: order before the block's setup: :func:`ramp_of`)
+SM90_PP_VARIANTS = {"d": "desc_iter", "r": "early"}
 #: the tensor-store tile (``cuda/gemm_tile.cu`` with MK_TMA_STORE): the sm90 tile whose
 #: epilogue's chunks leave by TMA stores nobody waits for, two buffers per consumer warp (twice
 #: the staging); opt-in, mk.Gemm without split-K only (its flags go out at each block's end).
@@ -129,26 +124,14 @@ def pp_name(shape):
             f"{SM90_PINGPONG_TILE}:{shape[0]}x{shape[1]}")
 
 
-def ppk_name(shape):
-    """The name of the k-split build (``MK_PP_KSPLIT``) of the ping-pong tile of ``shape``
-    (BM, BN), B as [n, k]."""
-    return pp_variant_name(shape, "k")
-
-
 def pp_variant_name(shape, letters):
     """The name of the ping-pong tile of ``shape`` (BM, BN), B as [n, k], in the variant of
-    ``letters`` (:data:`SM90_PP_VARIANTS`, e.g. "kd")."""
+    ``letters`` (:data:`SM90_PP_VARIANTS`, e.g. "dr")."""
     bm, bn = pp_shape(shape)
     if not letters or "".join(x for x in SM90_PP_VARIANTS if x in letters) != letters:
         raise MkValueError(f"no ping-pong variant {letters!r}: letters of "
                            f"{''.join(SM90_PP_VARIANTS)!r}, in that order")
     return f"{SM90_PINGPONG_TILE}{letters}:{bm}x{bn}"
-
-
-def _pp_staging(shape, ksplit=False):
-    """The staging of a ping-pong build: with ``ksplit`` also one warpgroup's 64 x BN fp32
-    partial (BN / 2 floats for each of 128 threads)."""
-    return max(SM90_STAGING, pp_shape(shape)[1] * 256) if ksplit else SM90_STAGING
 
 
 def _ring_bytes(bm, bn, stages, staging):
@@ -158,16 +141,13 @@ def _ring_bytes(bm, bn, stages, staging):
     return stages * (bm + bn) * SM90_BK * 2 + staging + 16 * stages + 16 + 1024
 
 
-def pp_stages(shape, ksplit=False):
+def pp_stages(shape):
     """Slots of the ping-pong build of ``shape``'s ring: as many as fit in
     :data:`SM90_SMEM_LIMIT`, at most :data:`SM90_PINGPONG_MAX_STAGES` (128 x 128: 6, 128 x 64
-    and 64 x 128: 8, 64 x 64: 13); with ``ksplit`` (the k-split build) an even number (12 for
-    64 x 64), next to its larger staging (:func:`_pp_staging`)."""
+    and 64 x 128: 8, 64 x 64: 13)."""
     bm, bn = pp_shape(shape)
-    staging = _pp_staging(shape, ksplit)
     stages = SM90_PINGPONG_MAX_STAGES
-    while stages > 2 and (_ring_bytes(bm, bn, stages, staging) > SM90_SMEM_LIMIT
-                          or ksplit and stages % 2):
+    while stages > 2 and _ring_bytes(bm, bn, stages, SM90_STAGING) > SM90_SMEM_LIMIT:
         stages -= 1
     return stages
 
@@ -175,14 +155,12 @@ def pp_stages(shape, ksplit=False):
 SM90_PINGPONG_STAGES = pp_stages(SM90_PINGPONG_SHAPE)
 
 
-def sm90_smem_bytes(pingpong=False, tms=False, ksplit=False):
+def sm90_smem_bytes(pingpong=False, tms=False):
     """Dynamic shared memory of the sm90 tile (or a ping-pong tile: ``pingpong`` True or its
-    shape, :func:`pp_shape`, with ``ksplit`` its k-split build; or the tensor-store tile: two
-    chunks of staging per warp)."""
+    shape, :func:`pp_shape`; or the tensor-store tile: two chunks of staging per warp)."""
     shape = pp_shape(pingpong)
-    if shape:
-        return _ring_bytes(*shape, pp_stages(shape, ksplit), _pp_staging(shape, ksplit))
-    return _ring_bytes(*SM90_TILE, SM90_STAGES, SM90_STAGING * (2 if tms else 1))
+    (bm, bn), stages = ((shape, pp_stages(shape)) if shape else (SM90_TILE, SM90_STAGES))
+    return _ring_bytes(bm, bn, stages, SM90_STAGING * (2 if tms else 1))
 
 
 def sm90_threads(publisher=False):
@@ -197,36 +175,34 @@ SIMT_THREADS = 128
 
 
 # ---- sm_90a: thin numba wrappers around the linked helper ---------------------------------------
-_SM90_BUILDS = {}   # (publisher, b_kn, pingpong, helper, defines, tms, ksplit, desc_iter) ->
-#                     (init, tile, drain, reinit)
+_SM90_BUILDS = {}   # (publisher, b_kn, pingpong, helper, defines, tms, desc_iter) -> (init,
+#                     tile, drain, reinit)
 
 
-def sm90_defines(publisher=False, b_kn=False, tms=False, pingpong=False, ksplit=False,
-                 desc_iter=False):
+def sm90_defines(publisher=False, b_kn=False, tms=False, pingpong=False, desc_iter=False):
     """The defines :func:`sm90_tile_functions` appends to a build's own (a probe that links
     another function from the same source names the same file: :func:`linked_source`); a
     ping-pong build's tile shape and ring depth (:func:`pp_shape`, :func:`pp_stages`), and
-    its variants' (:data:`SM90_PP_VARIANTS`): MK_PP_KSPLIT, MK_PP_DESC_ITER."""
+    its descriptor variant's (:data:`SM90_PP_VARIANTS`): MK_PP_DESC_ITER."""
     shape = pp_shape(pingpong)
     pp = (f"#define MK_PP_BM {shape[0]}\n#define MK_PP_BN {shape[1]}\n"
-          f"#define MK_PP_STAGES {pp_stages(shape, ksplit)}\n" if shape else "")
-    for on, define in ((ksplit, "MK_PP_KSPLIT"), (desc_iter, "MK_PP_DESC_ITER")):
-        if shape and on:
-            pp += f"#define {define} 1\n"
+          f"#define MK_PP_STAGES {pp_stages(shape)}\n" if shape else "")
+    if shape and desc_iter:
+        pp += "#define MK_PP_DESC_ITER 1\n"
     return (("#define MK_PUBLISHER 1\n" if publisher else "") +
             ("#define MK_TMA_STORE 1\n" if tms else "") + ("#define MK_B_KN 1\n" if b_kn else "")
             + pp)
 
 
 def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None, defines="",
-                        tms=False, ksplit=False, desc_iter=False):
+                        tms=False, desc_iter=False):
     """``(init, tile, drain, reinit)`` device functions around ``cuda/gemm_tile.cu`` built
     with ``MK_PUBLISHER=publisher``, ``MK_B_KN=b_kn`` and ``MK_TMA_STORE=tms`` (see the
     helper's header; b_kn: B is [k, n], not [n, k]; drain: None, or with ``tms`` the block's
     end; reinit: the ring started afresh, of the library's own gemm_tile.cu only, else None;
     :class:`TileBuild`), or with ``pingpong`` (True, or a shape: :func:`pp_shape`) around
     ``cuda/gemm_pingpong.cu`` (no publisher; the same calling sequence; no reinit; with
-    ``ksplit`` or ``desc_iter`` its variants: :data:`SM90_PP_VARIANTS`).
+    ``desc_iter`` its descriptor variant: :data:`SM90_PP_VARIANTS`).
     ``helper``: another source with gemm_tile.cu's
     entry points (a probe's variant, e.g. ``benchmarks/cuda/gemm_epilogues.cu``, which may
     include the library's files by name: :func:`linked_source`; no reinit), ``defines``
@@ -239,17 +215,15 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
         raise MkValueError("the tensor-store tile publishes its flags at the block's end: "
                            "no publisher warp")
     pingpong = pp_shape(pingpong)
-    if (ksplit or desc_iter) and not pingpong:
-        raise MkValueError("the k-split and descriptor variants are the ping-pong tile's")
-    key = (bool(publisher), bool(b_kn), pingpong, helper, defines, bool(tms), bool(ksplit),
-           bool(desc_iter))
+    if desc_iter and not pingpong:
+        raise MkValueError("the descriptor variant is the ping-pong tile's")
+    key = (bool(publisher), bool(b_kn), pingpong, helper, defines, bool(tms), bool(desc_iter))
     if key not in _SM90_BUILDS:
         # the library's gemm_tile.cu without the publisher warp: the builds whose restart
         # ran on a GPU (mk.Gemm's tail split; the publisher build's has not)
         own = helper is None and not pingpong and not publisher
         helper = linked_source(helper or (PINGPONG_HELPER if pingpong else HELPER),
-                               defines + sm90_defines(publisher, b_kn, tms, pingpong, ksplit,
-                                                      desc_iter))
+                               defines + sm90_defines(publisher, b_kn, tms, pingpong, desc_iter))
         prefix = "mk_gemm_sm90pp" if pingpong else "mk_gemm_sm90"
         u64, i32 = types.uint64, types.int32
         init_fn = cuda.declare_device(f"{prefix}_init", i32(u64, u64), link=[helper],
@@ -696,20 +670,19 @@ def threads_of(build):
 
 
 def sm90_build(publisher=False, b_kn=False, pingpong=False, helper=None, defines="",
-               tms=False, ksplit=False, desc_iter=False, early=False):
+               tms=False, desc_iter=False, early=False):
     """The :class:`TileBuild` of :func:`sm90_tile_functions` with these arguments (sm_90a).
     The library runs gemm_tile.cu without and, in the fused ops, with the publisher warp, each
     also with b_kn, and on request the ping-pong tile or the tensor-store tile (mk.Gemm only);
     ``benchmarks/probe_gemm_tile.py`` registers variants from its own sources (``helper``;
-    :func:`register_tile`; ``ksplit``, ``desc_iter``, ``early``: the ping-pong tile's
-    variants, :data:`SM90_PP_VARIANTS`)."""
+    :func:`register_tile`; ``desc_iter``, ``early``: the ping-pong tile's variants,
+    :data:`SM90_PP_VARIANTS`)."""
     if early and not pingpong:
         raise MkValueError("the early ramp is a variant of the ping-pong tile (mk.Gemm only)")
     init, tile, drain, reinit = sm90_tile_functions(publisher, b_kn, pingpong, helper,
-                                                    defines, tms, ksplit, desc_iter)
+                                                    defines, tms, desc_iter)
     return TileBuild(init, tile, pp_shape(pingpong) or SM90_TILE,
-                     sm90_threads(publisher), sm90_smem_bytes(pingpong, tms, ksplit), True,
-                     False, b_kn,
+                     sm90_threads(publisher), sm90_smem_bytes(pingpong, tms), True, False, b_kn,
                      _whole_tiles(pingpong=pingpong, tms=tms), drain, tms, reinit, bool(early))
 
 
@@ -731,7 +704,7 @@ _SM90_LAZY.update({f"{pp_variant_name(shape, letters)}{kn}":
                    dict(b_kn=bool(kn), pingpong=shape,
                         **{SM90_PP_VARIANTS[x]: True for x in letters})
                    for shape in SM90_PINGPONG_SHAPES for kn in ("", ":kn")
-                   for letters in ("k", "d", "r", "kd", "kr", "dr", "kdr")})
+                   for letters in ("d", "r", "dr")})
 
 
 def is_sm90_name(name):
@@ -793,7 +766,8 @@ def register_tile(name, build):
 
 __all__ = ["SM90_TILE", "SM90_THREADS", "SM90_FUSED_TILE", "SM90_SMEM_BYTES",
            "SM90_PINGPONG_TILE", "SM90_PINGPONG_SHAPE", "SM90_PINGPONG_SHAPES", "pp_name",
-           "pp_shape", "pp_stages", "SM90_TMS_TILE", "is_sm90_name",
+           "pp_shape", "pp_stages", "SM90_PP_VARIANTS", "pp_variant_name", "ramp_of",
+           "SM90_TMS_TILE", "is_sm90_name",
            "whole_tiles_only",
            "SIMT_TILE", "SIMT_THREADS",
            "sm90_smem_bytes", "sm90_threads", "sm90_tile_functions", "sm90_build",

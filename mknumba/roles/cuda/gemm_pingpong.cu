@@ -7,9 +7,6 @@
 //              fp32 accumulators per thread for each); the other warpgroup returns 0 from that
 //              call at once and goes on to its own next tile;
 //   warp 8     the producer: one lane fills the ring in tile order, as in gemm_tile.cu.
-// MK_PP_KSPLIT 1 (opt-in "sm90:ppk:<BM>x<BN>", for GEMMs with about one tile a block): no
-// ping-pong; both warpgroups run every tile, alternate k-steps and add their partials through
-// the staging at the end (ksplit_tile below).
 // The tile's shape and the ring's depth are the build's (roles/compute.py derives them and the
 // shared memory from the build's name): MK_PP_BM, MK_PP_BN in {64, 128}, MK_PP_STAGES; by default
 // 128 x 128 in 6 stages. Smaller tiles give a GEMM with few output tiles more of them to spread
@@ -60,9 +57,6 @@
 #ifndef MK_PP_STAGES
 #define MK_PP_STAGES 6
 #endif
-#ifndef MK_PP_KSPLIT
-#define MK_PP_KSPLIT 0
-#endif
 #ifndef MK_PP_DESC_ITER
 #define MK_PP_DESC_ITER 0
 #endif
@@ -73,16 +67,7 @@ constexpr int BM = MK_PP_BM, BN = MK_PP_BN, BK = 64, STAGES = MK_PP_STAGES;
 static_assert((BM == 64 || BM == 128) && (BN == 64 || BN == 128), "tiles of 64 or 128");
 constexpr int CONSUMER_THREADS = 256;
 constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2, STAGE_BYTES = A_BYTES + B_BYTES;
-#if MK_PP_KSPLIT
-// the staging also holds one warpgroup's 64 x BN partial (BN / 2 floats a thread; roles/
-// compute.py _pp_staging)
-constexpr unsigned STAGING_BYTES =
-    BN * 256 > CONSUMER_THREADS / 32 * WARP_STAGING ? BN * 256 : CONSUMER_THREADS / 32 * WARP_STAGING;
-static_assert(STAGES % 2 == 0,
-              "k-split: an even ring, so that each warpgroup's k-steps keep to their own slots");
-#else
 constexpr unsigned STAGING_BYTES = CONSUMER_THREADS / 32 * WARP_STAGING;
-#endif
 // Layout from the 1024-byte-aligned base (128B swizzle repeats every 1024 B; every slot is a
 // multiple of 8 KB):
 //   [A slot 0..STAGES-1][B slots][staging, 2 KB per consumer warp][full 0..][empty 0..][order 0, 1]
@@ -161,105 +146,6 @@ extern "C" __device__ int mk_gemm_sm90pp_init(unsigned long long smem, unsigned 
     return 0;
 }
 
-#if MK_PP_KSPLIT
-namespace {
-
-// This thread's BN / 2 accumulators to (ADD 0) or added from (ADD 1) the exchange buffer at
-// ``x``: float4 i of thread t (of its warpgroup) at x + (128 i + t) * 16, so that a warp's
-// accesses are 512 contiguous bytes (no bank conflict); thread t of either warpgroup holds the
-// same elements of its 64 x BN accumulator.
-template <int ADD>
-__device__ __forceinline__ void exchange(float (&d)[BN / 2], unsigned x, int t) {
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-        const unsigned at = x + (128 * i + t) * 16;
-        if (ADD) {
-            float4 v;
-            asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];"
-                         : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(at) : "memory");
-            d[4 * i] += v.x, d[4 * i + 1] += v.y, d[4 * i + 2] += v.z, d[4 * i + 3] += v.w;
-        } else {
-            asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};" ::"r"(at), "f"(d[4 * i]),
-                         "f"(d[4 * i + 1]), "f"(d[4 * i + 2]), "f"(d[4 * i + 3])
-                         : "memory");
-        }
-    }
-}
-
-// Named barrier 1 over both consumer warpgroups (barrier 0 is __syncthreads).
-__device__ __forceinline__ void consumers_meet() {
-    asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_THREADS) : "memory");
-}
-
-// MK_PP_KSPLIT 1: both consumer warpgroups on every tile (for GEMMs with at most one tile a
-// block, where the ping-pong schedule leaves one warpgroup idle). Warpgroup w takes the tile's
-// k-steps g = g0 + kk with g % 2 == w (the ring's k-step numbering, so with an even ring each
-// warpgroup only ever uses its own half of the slots: every full-barrier wait is the waiter's
-// next phase of that slot, as in the ping-pong schedule), keeping one k-step of its MMAs in
-// flight and releasing its previous slot (empty[s]: one arrival, the consumer of that step).
-// Then the two 64 x BN (x 2 with BM = 128) partials meet in the staging: warpgroup 1 hands its
-// rows 0-63 to warpgroup 0 and (BM = 128) warpgroup 0 its rows 64-127 to warpgroup 1; each
-// stores the rows it summed (BM = 64: warpgroup 0 all). Returns 1 in thread 0 once both
-// warpgroups issued their stores.
-__device__ __forceinline__ int ksplit_tile(const Ring &r, int wg, int tid, unsigned long long c,
-                                           int ldc, int c_row0, unsigned long long addend,
-                                           int adds, int m, int n, int tile_m, int tile_n,
-                                           int k_iters, int seq) {
-    const unsigned g0 = (unsigned)seq * (unsigned)k_iters;
-    float d0[BN / 2], d1[BN / 2];
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) d0[i] = d1[i] = 0.f;
-    fence_operands(d0);
-    if (BM == 128) fence_operands(d1);
-    const int kk0 = (int)((g0 & 1u) ^ (unsigned)wg);  // this warpgroup's first k-step
-    for (int kk = kk0; kk < k_iters; kk += 2) {
-        const unsigned g = g0 + kk;
-        k_step(r, g, d0, d1, seq, kk);
-        if (kk > kk0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g - 2) % STAGES));
-    }
-    wgmma_wait<0>();
-    fence_operands(d0);
-    if (BM == 128) fence_operands(d1);
-    MK_STAMP(main_done, seq, 0);
-    if (kk0 < k_iters && tid % 128 == 0) {  // this warpgroup's last k-step's slot
-        const int last = kk0 + ((k_iters - 1 - kk0) & ~1);
-        mbar_arrive(r.empty + 8 * ((g0 + last) % STAGES));
-    }
-
-    // ---- the partials meet (the staging is free: this block's last stores read it before
-    // the barrier that ended the previous tile)
-    const int t = tid % 128;
-    if (wg == 1) exchange<0>(d0, r.staging, t);
-    consumers_meet();
-    if (wg == 0) exchange<1>(d0, r.staging, t);
-    consumers_meet();
-    if (BM == 128) {
-        if (wg == 0) exchange<0>(d1, r.staging, t);
-        consumers_meet();
-        if (wg == 1) exchange<1>(d1, r.staging, t);
-        consumers_meet();  // every read of the staging before the stores reuse it
-    }
-
-    // ---- epilogue: warpgroup 0 rows 0-63, warpgroup 1 rows 64-127 (BM = 128)
-    const int lane = tid % 32, warp = t / 32;
-    __nv_bfloat16 *out = (__nv_bfloat16 *)c - (long long)c_row0 * ldc;  // indexed by global row
-    const long long plane_elems = (long long)m * n;
-    const unsigned stage = r.staging + (tid / 32) * WARP_STAGING;
-    const int row0 = tile_m * BM + warp * 16, col0 = tile_n * BN;
-    if (wg == 0)
-        store_warp_rows(d0, stage, lane, out, ldc, row0, col0, m, n, addend, adds, plane_elems);
-    else if (BM == 128)
-        store_warp_rows(d1, stage, lane, out, ldc, row0 + 64, col0, m, n, addend, adds,
-                        plane_elems);
-    MK_STAMP(stored, seq, 0);
-    consumers_meet();  // both warpgroups' stores issued, and the staging free for the next tile
-    MK_STAMP(done, seq, 0);
-    return tid == 0;
-}
-
-}  // namespace
-#endif
-
 // One BM x BN output tile; every thread of the block calls it for every tile (arguments as
 // mk_gemm_sm90_tile's). Returns 1 in exactly one thread, the owning warpgroup's thread 0, once
 // every thread of that warpgroup has issued its stores of the tile; the other warpgroup returns
@@ -285,10 +171,6 @@ extern "C" __device__ int mk_gemm_sm90pp_tile(unsigned long long smem, unsigned 
     // The warpgroup, broadcast from lane 0 so that the compiler sees it is uniform across the
     // warp (wgmma under a branch it cannot prove uniform serializes every wgmma of the kernel).
     const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
-#if MK_PP_KSPLIT
-    return ksplit_tile(r, wg, tid, c, ldc, c_row0, addend, adds, m, n, tile_m, tile_n, k_iters,
-                       seq);
-#else
     if (wg != (seq & 1)) return 0;  // the other warpgroup's tile
 
     // ---- this warpgroup's tile: its main loop follows tile seq - 1's (the handoff above)
@@ -328,5 +210,4 @@ extern "C" __device__ int mk_gemm_sm90pp_tile(unsigned long long smem, unsigned 
     asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
     MK_STAMP(done, seq, 0);
     return tid % 128 == 0;
-#endif
 }
