@@ -8,7 +8,10 @@ behind a kernel that holds the stream (``torch.cuda._sleep``) until the burst is
 nothing of the calls runs meanwhile: the host's time alone, not the GPU's (two ranks sharing
 one GPU slice it between their contexts) nor a full launch queue. A graph
 record (``graph: true``) is the host time of one ``CUDAGraph.replay()`` of a captured call; a
-``fresh_out: true`` record, of calls whose output alternates between two arrays.
+``fresh_out: true`` record, of calls whose output alternates between two arrays, for each op of
+ours twice: with its launches through the op's one-node graph (``graph_launch: "always"``, the
+default) and with ``cuLaunchKernel`` for every call whose addresses changed (``"stable"``),
+``kernels.launch.set_graph_launch``.
 Ranks may share a GPU (``MKNUMBA_ALLOW_SHARED_GPU=1``): only the host side is timed. Records:
 ``kernel: "host_cost"`` with ``op``, ``host_us`` and ``graph`` (docs/design.md §8); the slowest
 rank counts.
@@ -22,6 +25,7 @@ import common  # noqa: E402
 import numpy as np  # noqa: E402
 
 import mknumba as mk  # noqa: E402
+from mknumba.kernels.launch import graph_launch, set_graph_launch  # noqa: E402
 
 M, N, K = 2048, 2048, 512      # the decode-sized GEMM the issue names (0.42x cuBLAS there)
 GATE_CYCLES = 60_000_000       # ~30 ms of GPU clock: longer than a burst of calls takes to queue
@@ -112,7 +116,7 @@ def main():
     ag_out = torch.empty((ag.members,) + tuple(x.shape), device="cuda", dtype=torch.float32)
     # each op's call with the same arrays every time, and (fresh_out) with its output
     # alternating between two arrays, as a caller's activations come from an allocator: the
-    # launch's parameters then change from call to call (kernels.launch: GRAPH_LAUNCH)
+    # launch's parameters then change from call to call (kernels.launch: set_graph_launch)
     c2, rs_out2, ag_out2, q_out2 = (torch.empty_like(t) for t in (c, rs_out, ag_out, q_out))
     moe_out2 = torch.empty_like(moe_out)
     cases = [
@@ -129,17 +133,24 @@ def main():
          (moe_out, moe_out2), False),
     ]
     records = []
+    default = graph_launch()
+    modes = [default] + [m for m in ("always", "stable") if m != default]
     for name, call, outs, graph in cases:
         same = (lambda call=call, o=outs and outs[0]: call(o))
-        variants = [(same, False, False)] + ([(same, True, False)] if graph else []) + \
-            ([(_alternating(call, outs), False, True)] if outs else [])
-        for fn, in_graph, fresh in variants:
+        ours = name.startswith("mk.")
+        variants = [(same, False, False, default)] + \
+            ([(same, True, False, default)] if graph else []) + \
+            [(_alternating(call, outs), False, True, m) for m in (modes if ours else modes[:1])
+             if outs]
+        for fn, in_graph, fresh, mode in variants:
+            set_graph_launch(mode)
             us = (graph_us if in_graph else host_us)(fn, args.calls, mpi)
             records.append(common.record(
                 "host_cost", {"m": M, "n": N, "k": K}, dtype="bfloat16", world=W,
                 topology=topo, transport=None, ours_ms=None, baseline=None, baseline_ms=None,
                 floor_ms=None, op=name, host_us=us, graph=in_graph, fresh_out=fresh,
-                graph_launch=os.environ.get("MKNUMBA_GRAPH_LAUNCH", "stable")))
+                graph_launch=mode))
+        set_graph_launch(default)
     for op in (rs, ar, ag, agg, ring, moe):
         op.synchronize()
         op.free()
@@ -147,7 +158,7 @@ def main():
         common.write(records, args.out)
         for r in records:
             print(f"host_cost {r['op']:<22} graph={int(r['graph'])} fresh_out="
-                  f"{int(r['fresh_out'])}  {r['host_us']:7.2f} us")
+                  f"{int(r['fresh_out'])} {r['graph_launch']:<6} {r['host_us']:7.2f} us")
     dist.destroy_process_group()
     comm.finalize()
 

@@ -153,3 +153,22 @@ def test_graph_launch_mode_is_checked():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode != 0
     assert "MKNUMBA_GRAPH_LAUNCH must be stable, always or off" in p.stderr, p.stderr[-2000:]
+
+
+def test_set_graph_launch():
+    """The graph launch mode: "always" unless MKNUMBA_GRAPH_LAUNCH said otherwise; each mode
+    set at run time reads back; anything else is refused and leaves the mode as it was."""
+    import os
+    from mknumba.errors import MkValueError
+    from mknumba.kernels import launch
+    before = launch.graph_launch()
+    assert before == os.environ.get("MKNUMBA_GRAPH_LAUNCH", "always")
+    try:
+        for mode in ("off", "stable", "always"):
+            launch.set_graph_launch(mode)
+            assert launch.graph_launch() == mode
+        with pytest.raises(MkValueError, match="stable, always or off, not 'sometimes'"):
+            launch.set_graph_launch("sometimes")
+        assert launch.graph_launch() == "always"
+    finally:
+        launch.set_graph_launch(before)

@@ -17,13 +17,14 @@ A call then does three things, in this order:
    rewrites a few pointers and nothing else. A launch
    never keeps a copy of an input: what an op derives from an input (a transposed B) is
    recomputed on the stream by every call, ahead of the kernel;
-3. **launch** on the caller's stream: where the call binds the same addresses as the last
-   one (:data:`GRAPH_LAUNCH` "stable", the default), a one-node CUDA graph made at plan time
-   (``cuGraphLaunch``, its node's parameters refreshed from the buffer if an earlier call
-   changed them), which costs the host 2.5-5 us less than a ``cuLaunchKernel`` of the same
-   kernel; otherwise, and on a stream being captured into the caller's graph (where a graph
-   launch is refused), the kernel itself (``cuLaunchKernel``), which a capture records as a
-   kernel node.
+3. **launch** on the caller's stream through a one-node CUDA graph made at plan time
+   (``cuGraphLaunch``; :func:`set_graph_launch` "always", the default), its node's parameters
+   first refreshed from the buffer when they changed (``cuGraphExecKernelNodeSetParams``,
+   which touches no launch already queued): 2.4 us of host time against 7.2 us for a
+   ``cuLaunchKernel`` of the same kernel on an H200 host. On a stream being captured into the
+   caller's graph (where a graph launch is refused), the kernel itself (``cuLaunchKernel``),
+   which a capture records as a kernel node. "stable" launches through the graph only a call
+   that repeats the last call's addresses, "off" never.
 
 The call number and the epoch live on the GPU (:class:`Frame`): each block takes a ticket when
 it starts (``roles.blocks.begin``) and derives them from it. So a launch has no argument that
@@ -46,7 +47,7 @@ from ..primitives import FRAME_WORDS, epoch_of_host
 
 __all__ = ["array_type", "params", "signature", "compile_kernel", "pack", "Slot", "param",
            "Launch", "Frame", "stream_handle", "StreamOrder", "is_capturing", "outputs_in_capture",
-           "OpLifetime"]
+           "OpLifetime", "set_graph_launch", "graph_launch"]
 
 
 def array_type(dtype, ndim):
@@ -257,10 +258,7 @@ class Launch:
         smem, extra = self.smem, self._extra_addr
         g = self._graph
         graph, node, node_params = g.exec, g.node, g.params
-
-        always = GRAPH_LAUNCH == "always"
-        if GRAPH_LAUNCH == "off":
-            graph = 0
+        mode = _GRAPH_MODE
 
         def go(stream, *values):
             changed = self._bound_since_launch
@@ -273,7 +271,8 @@ class Launch:
                 self._synced = False
             # "stable": a call whose parameters changed launches the kernel itself, and the
             # graph's node is refreshed only by a call that repeats the last one's
-            use = graph if (always or not changed) else 0
+            m = mode[0]
+            use = graph if m == _ALWAYS or (m == _STABLE and not changed) else 0
             err = launch(fn, grid, threads, smem, stream, extra, use, node, node_params,
                          not self._synced)
             if err > 0:
@@ -294,17 +293,34 @@ def _launch_failed(err):
 
 
 _LAUNCH = []
-#: when a launch goes through its one-node graph (:class:`_OneKernelGraph`): "stable" (a call
-#: whose parameters are those of the call before; the default), "always" (every call, the
-#: node's parameters refreshed when they changed) or "off" (never). Read once, at import, from
-#: MKNUMBA_GRAPH_LAUNCH. A graph launch costs the host 2.5-5 us less than cuLaunchKernel of the
-#: same kernel and the GPU the same (benchmarks/probe_graph_launch.py); "stable" is the
-#: default because the GPU checks run with it passed (frame, capture, ring, dma), which
-#: "always" has not all finished (benchmarks/NOTES.md)
-GRAPH_LAUNCH = os.environ.get("MKNUMBA_GRAPH_LAUNCH", "stable")
-if GRAPH_LAUNCH not in ("stable", "always", "off"):
+_OFF, _STABLE, _ALWAYS = 0, 1, 2
+_GRAPH_MODES = {"off": _OFF, "stable": _STABLE, "always": _ALWAYS}
+#: when a launch goes through its one-node graph (:class:`_OneKernelGraph`), read by every call:
+#: [_ALWAYS] (every call, the node's parameters refreshed when they changed), [_STABLE] (a call
+#: whose parameters are those of the call before) or [_OFF] (never); :func:`set_graph_launch`
+_GRAPH_MODE = [_ALWAYS]
+
+
+def set_graph_launch(mode):
+    """When a launch goes through its op's one-node CUDA graph instead of ``cuLaunchKernel``:
+    "always" (the default), "stable" (only a call that repeats the last call's addresses) or
+    "off" (never). Takes effect from the next call of every op. The environment's
+    ``MKNUMBA_GRAPH_LAUNCH`` sets it at import. Both launches run the same kernel with the
+    same parameters; a graph launch costs the host less (:mod:`mknumba.kernels.launch`)."""
+    if mode not in _GRAPH_MODES:
+        raise MkValueError(f"graph launch mode must be stable, always or off, not {mode!r}")
+    _GRAPH_MODE[0] = _GRAPH_MODES[mode]
+
+
+def graph_launch():
+    """The graph launch mode in effect (:func:`set_graph_launch`)."""
+    return next(name for name, m in _GRAPH_MODES.items() if m == _GRAPH_MODE[0])
+
+
+if os.environ.get("MKNUMBA_GRAPH_LAUNCH", "always") not in _GRAPH_MODES:
     raise MkValueError(f"MKNUMBA_GRAPH_LAUNCH must be stable, always or off, not "
-                       f"{GRAPH_LAUNCH!r}")
+                       f"{os.environ['MKNUMBA_GRAPH_LAUNCH']!r}")
+set_graph_launch(os.environ.get("MKNUMBA_GRAPH_LAUNCH", "always"))
 
 
 def _driver_launch():
