@@ -9,9 +9,9 @@ nothing of the calls runs meanwhile: the host's time alone, not the GPU's (two r
 one GPU slice it between their contexts) nor a full launch queue. A graph
 record (``graph: true``) is the host time of one ``CUDAGraph.replay()`` of a captured call; a
 ``fresh_out: true`` record, of calls whose output alternates between two arrays, for each op of
-ours twice: with its launches through the op's one-node graph (``graph_launch: "always"``, the
-default) and with ``cuLaunchKernel`` for every call whose addresses changed (``"stable"``),
-``kernels.launch.set_graph_launch``.
+ours in each graph launch mode (``kernels.launch.set_graph_launch``; the record's
+``graph_launch``): the default first, then "always" (its launches through the op's one-node
+graph) and "stable" (``cuLaunchKernel`` for every call whose addresses changed).
 Ranks may share a GPU (``MKNUMBA_ALLOW_SHARED_GPU=1``): only the host side is timed. Records:
 ``kernel: "host_cost"`` with ``op``, ``host_us`` and ``graph`` (docs/design.md §8); the slowest
 rank counts.

@@ -818,10 +818,11 @@ def test_gemm_tail_split_matches_fp32_reference(m, n, k, reserved, tail, layout)
     (512, 1024, 2048, (64, 64)), (1024, 1024, 1024, (128, 64)),
     (512, 1024, 4160, (64, 64)), (1024, 1024, 8192, (128, 64))])    # K split-K took before
 def test_auto_pingpong_matches_fp32_reference(m, n, k, shape, layout):
-    """"auto" on few-tile shapes runs a ping-pong tile of the shape ``pp_shape_for`` picks
-    (its plan has that many tile flags; ragged m, n and K too): 20 calls
-    (:func:`_twenty_calls`), every tile flag at the last call's epoch."""
+    """"auto" on few-tile shapes runs a ping-pong tile of the shape ``pp_shape_for`` picks,
+    in the variant ``pp_auto_name`` names (its plan has that many tile flags; ragged m, n and K
+    too): 20 calls (:func:`_twenty_calls`), every tile flag at the last call's epoch."""
     torch = pytest.importorskip("torch")
+    from mknumba.kernels import gemm as G
     from mknumba.kernels.gemm import Gemm
     if torch.cuda.get_device_properties(0).multi_processor_count != 132:
         pytest.skip("the rule's picks named here are an H200's (132 SMs)")
@@ -830,6 +831,8 @@ def test_auto_pingpong_matches_fp32_reference(m, n, k, shape, layout):
     plan = next(iter(op._plans.values()))
     bm, bn = shape
     assert plan.tile_shape == shape and plan.slices == 1, (plan.tile_shape, plan.slices)
+    # the variant "auto" names for that shape (PP_AUTO_VARIANT), B's layout's build
+    assert plan.kind == G.pp_auto_name(shape) + (":kn" if layout == "kn" else ""), plan.kind
     assert len(plan.tile_flags) == -(-m // bm) * -(-n // bn)
     assert op.calls() == (20, 20) and (plan.tile_flags.copy_to_host() == 20).all()
     print(f"{m}x{n}x{k} {layout}: ping-pong tiles {bm}x{bn}, worst rel err {worst:.1e}")

@@ -495,7 +495,8 @@ class Gemm:
     :data:`TMS_MAX_K`, and the default ``"sm90"`` elsewhere (chosen per shape; the SIMT twin
     without sm_90a); or a build by name (module docstring):
     ``"sm90"``, ``"sm90:pp"`` (and ``"sm90:pp:128x64"``, ``":64x128"``, ``":64x64"``; and
-    their variants, e.g. ``"sm90:ppdr:128x64"``) and ``"sm90:tms"`` (these whole tiles only: ``split_k`` None or 1, no tail split), ``"simt"``.
+    their variants, e.g. ``"sm90:ppdr:128x64"``) and ``"sm90:tms"`` (these whole tiles only:
+    ``split_k`` None or 1, no tail split), ``"simt"``.
     """
 
     name = "mknumba.gemm"
@@ -722,6 +723,7 @@ class _Plan:
                               f"the GEMM's grid has {bps}; pass split_k=1")
         _, frame, self.err = op._counter(device, grid.grid)
         self.m, self.n, self.k, self.mode, self.tile_shape = m, n, k, mode, build.shape
+        self.kind = kind          # the tile build's name
         # flags start at the last call's epoch, which no later call's reaches (a fresh 0 would
         # read as reached past 2**31 calls: primitives.epoch_reached)
         self.flags = cuda.to_device(np.full((self.slices + 1) * tiles, frame.read()[1],

@@ -317,10 +317,11 @@ def graph_launch():
     return next(name for name, m in _GRAPH_MODES.items() if m == _GRAPH_MODE[0])
 
 
-if os.environ.get("MKNUMBA_GRAPH_LAUNCH", "always") not in _GRAPH_MODES:
+try:
+    set_graph_launch(os.environ.get("MKNUMBA_GRAPH_LAUNCH", "always"))
+except MkValueError:
     raise MkValueError(f"MKNUMBA_GRAPH_LAUNCH must be stable, always or off, not "
-                       f"{os.environ['MKNUMBA_GRAPH_LAUNCH']!r}")
-set_graph_launch(os.environ.get("MKNUMBA_GRAPH_LAUNCH", "always"))
+                       f"{os.environ['MKNUMBA_GRAPH_LAUNCH']!r}") from None
 
 
 def _driver_launch():
@@ -343,8 +344,8 @@ def _driver_launch():
         kernel.argtypes = [u64, u32, u32, u32, u32, u32, u32, u32, u64, u64, u64]
         set_params = lib.cuGraphExecKernelNodeSetParams       # the v1 node parameters
         set_params.restype, set_params.argtypes = i32, [u64, u64, u64]
-        graph_launch = lib.cuGraphLaunch
-        graph_launch.restype, graph_launch.argtypes = i32, [u64, u64]
+        launch_graph = lib.cuGraphLaunch
+        launch_graph.restype, launch_graph.argtypes = i32, [u64, u64]
         capturing = lib.cuStreamIsCapturing
         capturing.restype, capturing.argtypes = i32, [u64, u64]
 
@@ -360,7 +361,7 @@ def _driver_launch():
                         err = set_params(graph, node, node_params)
                         if err:
                             return err
-                    return graph_launch(graph, stream)
+                    return launch_graph(graph, stream)
                 err = kernel(fn, grid, 1, 1, threads, 1, 1, smem, stream, 0, params)
                 return err if err else -1     # the graph's node was left as it was
             return kernel(fn, grid, 1, 1, threads, 1, 1, smem, stream, 0, params)

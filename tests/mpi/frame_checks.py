@@ -23,7 +23,8 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
              compared with ``primitives.next_epoch_host``. The plain Gemm likewise, through
              ``op.frame.set`` after a first call (its counter is made at the first call).
   alternate  a GemmReduceScatter, a GemmAllReduce and an AllGather on one comm, called in
-             turn for 4 rounds back to back, every result checked.
+             turn for 4 rounds back to back, each round in another graph launch mode (off,
+             stable, always, stable: ``kernels.launch.set_graph_launch``), every result checked.
   free       a call after ``free()`` raises MkError; a second ``free()`` does what each op says
              (AllGatherGemm too; its other frame checks are in ``allgather_gemm_checks.py``).
   capture    inside a CUDA graph capture (every stream reads as captured: ``capturing``), a call
@@ -56,6 +57,7 @@ import numpy as np
 import mknumba as mk
 from mknumba._compat import SIMULATOR
 from mknumba.arrays import from_bf16_bits, operand, to_bf16_bits
+from mknumba.kernels.launch import graph_launch, set_graph_launch
 from mknumba.primitives import next_epoch_host
 from numba import cuda
 
@@ -500,13 +502,21 @@ def check_alternate(comm, opts, A, rounds=4):
     shape = (opts["ag"],)
     ag = mk.AllGather(comm, shape, "float32")
     results = []
-    for r in range(rounds):            # back to back: no host synchronisation
-        for oi, op in enumerate(ops):
-            a_bits, b_bits = fused_inputs(comm, opts, (5, oi, r))
-            out = A.poisoned((op.out_shape()[0], n))
-            results.append((op, oi, r, op(A.dev(a_bits), A.dev(b_bits), out=out)))
-        out = ag_out(comm, opts, A)
-        results.append((ag, 2, r, ag(A.dev(rand_f32(opts, shape, comm.rank, 5, r)), out=out)))
+    mode = graph_launch()
+    try:
+        for r in range(rounds):            # back to back: no host synchronisation
+            # each round in another graph launch mode: every op's graph node, left behind by
+            # a round that launched the kernel itself, must be refreshed before it launches
+            set_graph_launch(("off", "stable", "always", "stable")[r % 4])
+            for oi, op in enumerate(ops):
+                a_bits, b_bits = fused_inputs(comm, opts, (5, oi, r))
+                out = A.poisoned((op.out_shape()[0], n))
+                results.append((op, oi, r, op(A.dev(a_bits), A.dev(b_bits), out=out)))
+            out = ag_out(comm, opts, A)
+            results.append((ag, 2, r, ag(A.dev(rand_f32(opts, shape, comm.rank, 5, r)),
+                                         out=out)))
+    finally:
+        set_graph_launch(mode)
     for op in ops + [ag]:
         op.synchronize()
     worst = 0.0

@@ -10,7 +10,8 @@
 // The tile's shape and the ring's depth are the build's (roles/compute.py derives them and the
 // shared memory from the build's name): MK_PP_BM, MK_PP_BN in {64, 128}, MK_PP_STAGES; by default
 // 128 x 128 in 6 stages. Smaller tiles give a GEMM with few output tiles more of them to spread
-// over the SMs.
+// over the SMs. MK_PP_DESC_ITER 1 ("sm90:ppd*"): k_step builds the slot's two wgmma descriptors
+// once and each MMA's by an add (sm90.cuh desc_at).
 // Only one warpgroup runs its main loop at a time, so one warpgroup's epilogue (and its wait for
 // its next tile's inputs) runs while the other's MMAs keep the tensor cores busy.
 // Ring: STAGES slots of A BM x 128 B (box 64 x BM) + B BN x 128 B (box 64 x BN, or with MK_B_KN
