@@ -194,9 +194,9 @@ def pp_shape_for(m, n, blocks):
 #: ``roles.compute.SM90_PP_VARIANTS``): on an H200 at the 20 few-tile shapes of the grid (512 x
 #: 4096, 2048 x 1024, 1024 x 1024, 512 x 1024 at K 512-8192, ours and cuBLAS alternating), d
 #: (each MMA's descriptors by an add) made the 128-row tiles faster, up to 4% at long K with B
-#: [n, k], and the 64 x 64 tile 1-5% slower; r (the block's first order entry prefetched before
-#: its setup) was level or faster at every tile shape (benchmarks/NOTES.md). 64 x 128 is
-#: untimed: r only, as the other 64-row tile.
+#: [n, k], and the 64 x 64 tile slower at most points (up to 6%); r (the block's first order
+#: entry prefetched before its setup) read level or faster at every tile shape, within the
+#: timing's noise (benchmarks/NOTES.md). 64 x 128 is untimed: r only, as the other 64-row tile.
 PP_AUTO_VARIANT = {(128, 128): "dr", (128, 64): "dr", (64, 128): "r", (64, 64): "r"}
 
 
