@@ -15,6 +15,12 @@ graph) and "stable" (``cuLaunchKernel`` for every call whose addresses changed).
 Ranks may share a GPU (``MKNUMBA_ALLOW_SHARED_GPU=1``): only the host side is timed. Records:
 ``kernel: "host_cost"`` with ``op``, ``host_us`` and ``graph`` (docs/design.md §8); the slowest
 rank counts.
+
+``--profile DIR``: instead, where each op's host time goes: rank 0 runs ``--calls`` calls of
+each op with fresh outputs under cProfile (after warm-up, the default graph launch mode) and
+writes ``DIR/host_profile.txt``, each op's functions by their own time, and how many of its
+calls took the checked path (``arrays.operand`` calls per call: 0 on the hot path). cProfile
+adds its own cost to every Python call, so the shares, not the microseconds, are the finding.
 """
 import os
 import time
@@ -76,9 +82,40 @@ def _alternating(call, outs):
     return fn
 
 
+def profile(cases, calls, path, mpi):
+    """Rank 0 (``--profile``): ``calls`` calls of each op of ours with fresh outputs under
+    cProfile, each op's top functions by own time into ``path``."""
+    import cProfile
+    import io
+    import pstats
+    import torch
+    with open(path, "w") if mpi.Get_rank() == 0 else io.StringIO() as f:
+        for name, call, outs, _ in cases:
+            if not name.startswith("mk."):
+                continue
+            fn = _alternating(call, outs)
+            for _ in range(5):
+                fn()
+            torch.cuda.synchronize()
+            mpi.Barrier()
+            torch.cuda._sleep(GATE_CYCLES)
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(calls):
+                fn()
+            prof.disable()
+            torch.cuda.synchronize()
+            mpi.Barrier()
+            stats = pstats.Stats(prof, stream=f)
+            checked = sum(v[0] for k, v in stats.stats.items() if k[2] == "operand")
+            f.write(f"==== {name}: {calls} calls, arrays.operand called {checked} times\n")
+            stats.sort_stats("tottime").print_stats(18)
+
+
 def main():
     args = common.parse_args(ranks="2 shared", extra=[
-        (("--calls",), dict(type=int, default=100))])
+        (("--calls",), dict(type=int, default=100)),
+        (("--profile",), dict(default=None, help="a directory: profile, do not time"))])
     import torch
     comm = mk.init()
     torch.cuda.set_device(comm.device_id)
@@ -132,6 +169,9 @@ def main():
         ("mk.MoeDispatchGemm", lambda o: moe(x_tok, topk, w_moe, out=o, layout=moe_layout),
          (moe_out, moe_out2), False),
     ]
+    if args.profile:
+        profile(cases, args.calls, os.path.join(args.profile, "host_profile.txt"), mpi)
+        cases = []
     records = []
     default = graph_launch()
     modes = [default] + [m for m in ("always", "stable") if m != default]
@@ -154,7 +194,7 @@ def main():
     for op in (rs, ar, ag, agg, ring, moe):
         op.synchronize()
         op.free()
-    if comm.rank == 0:
+    if comm.rank == 0 and records:
         common.write(records, args.out)
         for r in records:
             print(f"host_cost {r['op']:<22} graph={int(r['graph'])} fresh_out="

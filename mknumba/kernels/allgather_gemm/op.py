@@ -106,6 +106,7 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         self._cfg = {c: cuda.to_device(pack(CFG_FIELDS, **cfg, collect=c)) for c in (0, 1)}
         self._cfg_ptr = {c: param(x) for c, x in self._cfg.items()}
         self._no_gathered = cuda.to_device(np.zeros(1, np.uint64))    # never read
+        self._no_gathered_ptr = param(self._no_gathered)   # bound by every call that has none
         items = max(self.grid, P * max(1, len(comm.rail_peers) if comm.nodes > 1 else 1),
                     W * P, len(self.order)) if self.tracing else 1
         self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
@@ -205,7 +206,7 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
             L.binder("a", "b", "tmaps", "tmaps_odd", "out", "gathered_out", "cfg")(
                 stream, a, b, self.tmaps(self._slot_ptr[0], b, stream, kn),
                 self.tmaps(self._slot_ptr[1], b, stream, kn), out,
-                gathered if collect else param(self._no_gathered), self._cfg_ptr[int(collect)])
+                gathered if collect else self._no_gathered_ptr, self._cfg_ptr[int(collect)])
 
     # -- traces -----------------------------------------------------------------------------------
     def trace_events(self):

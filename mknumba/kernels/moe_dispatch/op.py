@@ -93,6 +93,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             self.tmaps = ExpertMaps(self.recv, El, H, F, self.w_kn, self.build.shape)
         else:
             self._no_maps = cuda.to_device(np.zeros((El, 32), np.uint64))
+            self._no_maps_ptr = param(self._no_maps)
         wins = (0, 0, 0)
         if nodes > 1:
             if comm.proxy is None:
@@ -121,6 +122,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
         self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
         self._no_weights = cuda.to_device(np.zeros(1, np.float32))      # never read
+        self._no_weights_ptr = param(self._no_weights)   # bound by every call that has none
         compiled, bps = compile_kernel(self._kernel, self.threads, self.build.smem_bytes)
         if bps < 1:
             raise MkError(f"{self.name}: the kernel does not fit on an SM")
@@ -266,8 +268,8 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             self.streams.enter(stream)
             L.binder("x", "topk", "weights", "wt", "tmtable", "out", "counts", "offsets",
                      "rows_out", "weights_out", "cfg")(
-                stream, x, topk, weights if weights is not None else param(self._no_weights), w,
-                self.tmaps(w, stream) if self.build.tma else param(self._no_maps), out, *lay,
+                stream, x, topk, weights if weights is not None else self._no_weights_ptr, w,
+                self.tmaps(w, stream) if self.build.tma else self._no_maps_ptr, out, *lay,
                 self._cfg_param(T, weights is not None, stream))
 
     def _cfg_param(self, T, weighted, stream):

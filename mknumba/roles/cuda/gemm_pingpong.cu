@@ -137,6 +137,7 @@ __device__ __forceinline__ void k_step(const Ring &r, unsigned g, float (&d0)[BN
 // Once per block, before the first tile; thread 0 initialises the barriers, the caller then
 // runs __syncthreads(). tmaps: address of the two 128-byte CUtensorMaps (A, then B).
 extern "C" __device__ int mk_gemm_sm90pp_init(unsigned long long smem, unsigned long long tmaps) {
+    MK_STAMP(block_start, 0, 0);
     if (threadIdx.x == 0) {
         Ring r = ring_at(smem);
         init_ring<STAGES>(r.full, r.empty, 1, tmaps);  // one warpgroup consumes each slot
