@@ -172,3 +172,47 @@ def test_set_graph_launch():
         assert launch.graph_launch() == "always"
     finally:
         launch.set_graph_launch(before)
+
+
+# ---- tensor-map rows and captures (CPU check of kernels.tensor_maps.MapTable's rule) ----------
+def test_map_rows_written_in_a_capture_are_rewritten_before_their_first_eager_use(monkeypatch):
+    """A row first written inside a capture exists only in the graph's copy, so its first use
+    outside a capture writes it again (once); rows of other keys meanwhile are served from
+    the table without asking whether the stream captures; a full table during a capture is
+    refused. The device side is stubbed: host rows stand in, copies are recorded."""
+    import numpy as np
+    from mknumba.errors import MkError
+    from mknumba.kernels import tensor_maps
+
+    class Table(tensor_maps.MapTable):
+        def _new_table(self):
+            self.dev = self.host = np.zeros((self.capacity, self.words), np.uint64)
+            self.base, self.used = 1 << 20, 0
+            self._tables.append((self.dev, self.host))
+
+        def _copy(self, addr, src, stream):
+            copies.append((addr, capturing[0]))
+
+    copies, capturing, asked = [], [False], []
+
+    def is_capturing(stream):
+        asked.append(stream)
+        return capturing[0]
+
+    monkeypatch.setattr(tensor_maps, "is_capturing", is_capturing)
+    t = Table(lambda key: np.full(4, key[0], np.uint64), 4, capacity=3)
+    a = t.row((1,), 7)                        # eager: written once
+    assert copies == [(a, False)] and (t.host[0] == 1).all()
+    capturing[0] = True
+    b = t.row((2,), 7)                        # new inside a capture: the graph's copy only
+    assert b != a and copies[-1] == (b, True)
+    assert t.row((2,), 7) == b and len(copies) == 2     # again in the capture: nothing new
+    capturing[0] = False
+    del asked[:]
+    assert t.row((1,), 7) == a and asked == [] and len(copies) == 2   # other keys: no query
+    assert t.row((2,), 7) == b and copies[-1] == (b, False)           # rewritten, eagerly
+    assert t.row((2,), 7) == b and len(copies) == 3                   # and only once
+    t.row((3,), 7)                            # the table is full now
+    capturing[0] = True
+    with pytest.raises(MkError, match="during a CUDA graph capture"):
+        t.row((4,), 7)

@@ -70,8 +70,8 @@ class MapTable:
     def row(self, key, stream):
         """Device address of the row for ``key``, written on ``stream`` when new."""
         addr = self._rows.get(key)
-        if addr is None or self._pending:
-            addr = self._miss(key, stream)
+        if addr is None or (self._pending and key in self._pending):
+            addr = self._miss(key, stream)   # the only path that asks whether we capture
         return addr
 
     def _miss(self, key, stream):
