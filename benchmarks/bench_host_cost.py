@@ -37,23 +37,39 @@ M, N, K = 2048, 2048, 512      # the decode-sized GEMM the issue names (0.42x cu
 GATE_CYCLES = 60_000_000       # ~30 ms of GPU clock: longer than a burst of calls takes to queue
 
 
-def host_us(fn, calls, mpi):
-    """Mean host microseconds per call of ``fn`` (slowest rank), after warm-up."""
+def warm_up(fn, mpi):
+    """A few calls of ``fn``, finished on every rank."""
     import torch
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
     mpi.Barrier()
-    best = None
-    for _ in range(5):                       # best of five bursts: a burst can hit a GC pause
-        torch.cuda._sleep(GATE_CYCLES)       # holds the stream until the burst is queued
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        us = (time.perf_counter() - t0) / calls * 1e6
-        torch.cuda.synchronize()
-        mpi.Barrier()
-        best = us if best is None else min(best, us)
+
+
+def burst(fn, calls, mpi, prof=None):
+    """Host seconds of ``calls`` back-to-back calls of ``fn``, queued behind a kernel that holds
+    the stream until the burst is in; then finished on every rank. ``prof``: a cProfile
+    profiler, enabled for the calls alone."""
+    import torch
+    torch.cuda._sleep(GATE_CYCLES)
+    t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
+    for _ in range(calls):
+        fn()
+    if prof is not None:
+        prof.disable()
+    s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    mpi.Barrier()
+    return s
+
+
+def host_us(fn, calls, mpi):
+    """Mean host microseconds per call of ``fn`` (slowest rank), after warm-up."""
+    warm_up(fn, mpi)
+    # best of five bursts: a burst can hit a GC pause
+    best = min(burst(fn, calls, mpi) for _ in range(5)) / calls * 1e6
     return mpi.allreduce(best, op=common._max())
 
 
@@ -88,24 +104,14 @@ def profile(cases, calls, path, mpi):
     import cProfile
     import io
     import pstats
-    import torch
     with open(path, "w") if mpi.Get_rank() == 0 else io.StringIO() as f:
         for name, call, outs, _ in cases:
             if not name.startswith("mk."):
                 continue
             fn = _alternating(call, outs)
-            for _ in range(5):
-                fn()
-            torch.cuda.synchronize()
-            mpi.Barrier()
-            torch.cuda._sleep(GATE_CYCLES)
+            warm_up(fn, mpi)
             prof = cProfile.Profile()
-            prof.enable()
-            for _ in range(calls):
-                fn()
-            prof.disable()
-            torch.cuda.synchronize()
-            mpi.Barrier()
+            burst(fn, calls, mpi, prof)
             stats = pstats.Stats(prof, stream=f)
             checked = sum(v[0] for k, v in stats.stats.items() if k[2] == "operand")
             f.write(f"==== {name}: {calls} calls, arrays.operand called {checked} times\n")
