@@ -104,6 +104,8 @@ def profile(cases, calls, path, mpi):
     import cProfile
     import io
     import pstats
+    if mpi.Get_rank() == 0:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") if mpi.Get_rank() == 0 else io.StringIO() as f:
         for name, call, outs, _ in cases:
             if not name.startswith("mk."):

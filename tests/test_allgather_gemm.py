@@ -130,9 +130,11 @@ def test_gpu_1x2_adaptive():
 
 @pytest.mark.gpu
 def test_gpu_2x1_dma_numba():
-    """Two emulated nodes: the shards through the dma transport's copy engine."""
+    """Two emulated nodes: the shards through the dma transport's copy engine; n a whole
+    number of 64-column panels (B [k, n] read in one copy per k-step, ``gemm_inputs.b_map``;
+    the other tests' n = 776 reads it a panel at a time)."""
     env = dict(GPU_ENV, MKNUMBA_GPUS_PER_NODE="1", MKNUMBA_TRANSPORT="dma:ordered")
-    out = run_mpi("allgather_gemm_checks.py", 2, "calls", *GPU_SHAPE, "calls=10",
+    out = run_mpi("allgather_gemm_checks.py", 2, "calls", *GPU_SHAPE, "n=1024", "calls=10",
                   simulator=False, env=env)
     _passes(out, "calls", 2)
 

@@ -396,18 +396,26 @@ def test_pingpong_builds_by_name(monkeypatch):
             G.check_tile_name(bad)
     with pytest.raises(MkValueError, match="no ping-pong tile"):
         compute.pp_shape((64, 256))
-    # tensor-map boxes from the build's shape: A 64 (k) x BM, B [n, k] 64 x BN, B [k, n] 64 x 64
-    boxes = []
+    # tensor-map boxes from the build's shape: A 64 (k) x BM, B [n, k] 64 x BN; B [k, n] in
+    # 64 x 64 panels, with n a whole number of panels all BN / 64 in one 3-d box (B seen as 64
+    # columns x k rows x n / 64 panels: byte strides 2 n from row to row, 128 from panel to
+    # panel), else one 2-d box per panel
+    maps_made = []
     monkeypatch.setattr(gemm_inputs, "tensor_map",
-                        lambda ptr, dims, box, pitch=None: boxes.append(tuple(box)) or
+                        lambda ptr, dims, box, pitch=None, strides=None: maps_made.append(
+                            (tuple(dims), tuple(box), strides and tuple(strides))) or
                         np.zeros(16, np.uint64))
     for shape in names:
-        for kn in (False, True):
-            boxes.clear()
-            maps = pytypes.SimpleNamespace(m=520, n=1032, k=200, shape=shape, slices=1, kc=0,
+        bm, bn = shape
+        for n, kn in [(1032, False), (1032, True), (1024, False), (1024, True)]:
+            maps_made.clear()
+            maps = pytypes.SimpleNamespace(m=520, n=n, k=200, shape=shape, slices=1, kc=0,
                                            c_map=False)
             gemm_inputs.TensorMaps._encode(maps, (0, 0, kn, None))
-            assert boxes == [(64, shape[0]), (64, 64) if kn else (64, shape[1])], boxes
+            b = ((n, 200), (64, 64), None) if kn and n % 64 else \
+                ((64, 200, n // 64), (64, 64, bn // 64), (2 * n, 128)) if kn else \
+                ((200, n), (64, bn), None)
+            assert maps_made == [((200, 520), (64, bm), None), b], maps_made
     if SIMULATOR:
         return
     for shape, name in names.items():

@@ -118,10 +118,12 @@ def test_gpu_1x2_graph(arrays):
 def test_gpu_2x1_dma():
     """Two emulated nodes: meta regions and token units (64 tokens: several per rank)
     through the dma transport's copy engine (4 rounds of the five routings), expert ids out
-    of range, a graph capture."""
+    of range, a graph capture; ffn a whole number of 64-column panels (w [E/W, hidden, ffn]
+    read in one copy per k-step, ``gemm_inputs.b_map``; the other tests' ffn = 776 reads it a
+    panel at a time)."""
     env = dict(GPU_ENV, MKNUMBA_GPUS_PER_NODE="1", MKNUMBA_TRANSPORT="dma:ordered")
-    out = run_mpi("moe_dispatch_checks.py", 2, "calls,badid,graph", *GPU_SHAPE, "calls=4",
-                  "unit=64", "arrays=torch", simulator=False, env=env)
+    out = run_mpi("moe_dispatch_checks.py", 2, "calls,badid,graph", *GPU_SHAPE, "ffn=768",
+                  "calls=4", "unit=64", "arrays=torch", simulator=False, env=env)
     for check in ("calls", "badid", "graph"):
         _passes(out, check, 2)
     assert out.count("topology 2x1") == 6, out[-4000:]

@@ -105,8 +105,9 @@ class TensorMaps(MapTable):
     """The tile's tensor maps of A [m, k] and B (``uint64[32]`` per address pair and layout of
     B), in a :class:`tensor_maps.MapTable`, for a tile build of ``shape`` (BM, BN)
     (``roles.compute.TileBuild.shape``): A in boxes of 64 (k) x BM rows; B [n, k] in boxes of
-    64 (k) x BN rows, or B [k, n] (``b_kn``) in boxes of 64 (n) x 64 (k), the tile's columns
-    then being BN / 64 such boxes side by side (``cuda/gemm_common.cuh``, produce_tile).
+    64 (k) x BN rows, or B [k, n] (``b_kn``) in 64 (n) x 64 (k) panels, the tile's columns
+    then being BN / 64 such panels side by side (:func:`b_map`; ``cuda/gemm_common.cuh``,
+    produce_tile).
 
     ``slices`` > 1 (split-K, ``kernels.gemm``): a row holds ``slices`` such pairs, pair j
     seeing A and B from k = j * ``kc`` on, to the end of K (a slice that ends past K reads
@@ -145,12 +146,27 @@ class TensorMaps(MapTable):
         return self.row((a_ptr, b_ptr, bool(b_kn), c_ptr if self.c_map else None), stream)
 
 
+def kn_one_copy(n):
+    """Whether the tile loads a k-step of B [k, n] in one copy of all its 64-column panels
+    (a 3-d tensor map) rather than one copy per panel: where n is a whole number of panels
+    (a ragged last panel would read past each row's end). The device's twin,
+    ``b_kn_one_copy`` in ``roles/cuda/gemm_common.cuh``, must agree: it picks the copy that
+    the map's rank serves."""
+    return n % 64 == 0
+
+
 def b_map(ptr, n, k, kn, bn, pitch=None):
     """The tensor map of the tile's B at ``ptr``: [n, k] (boxes of the tile's ``bn`` rows), or
-    [k, n] when ``kn`` (``pitch``: see :func:`tensor_map`)."""
+    [k, n] when ``kn`` (``pitch``: see :func:`tensor_map`; [k, n] takes none). B [k, n] is
+    read in 64-column panels, 8 KB apart in the ring's slot: with :func:`kn_one_copy` seen as
+    (64 columns, k rows, n / 64 panels), whose box of ``bn`` / 64 panels lands them so in one
+    copy; else as [k, n], one 64 x 64 box per panel."""
     bk = compute.SM90_BK
-    return (tensor_map(ptr, (n, k), (64, bk), pitch) if kn else
-            tensor_map(ptr, (k, n), (bk, bn), pitch))
+    if not kn:
+        return tensor_map(ptr, (k, n), (bk, bn), pitch)
+    if kn_one_copy(n):
+        return tensor_map(ptr, (64, k, n // 64), (64, bk, bn // 64), strides=(2 * n, 128))
+    return tensor_map(ptr, (n, k), (64, bk))
 
 
 class NoTensorMaps:

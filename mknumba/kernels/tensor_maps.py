@@ -15,25 +15,26 @@ from .launch import is_capturing
 MAP_WORDS = 16      # one CUtensorMap, in uint64 words
 
 
-def tensor_map(ptr, dims, box, pitch=None):
+def tensor_map(ptr, dims, box, pitch=None, strides=None):
     """CUtensorMap of a row-major bf16 array at ``ptr`` as 16 uint64 words.
 
     dims: the array's extents innermost first (a [rows, cols] matrix is ``(cols, rows)``);
     box: the extents one copy moves, innermost first; the inner box is 64 elements (128
     bytes: the 128B swizzle that wgmma reads). Parts of a box past the array read as zeros.
     pitch: elements from one row to the next of a 2-d array (default ``dims[0]``: contiguous;
-    more for a block of columns of a wider array, e.g. a slice of K)."""
+    more for a block of columns of a wider array, e.g. a slice of K). strides: bytes from one
+    index to the next of each of ``dims[1:]``, for a view that is not a plain row-major array
+    (they need not increase: ``gemm_inputs.b_map``'s panels of B [k, n])."""
     from cuda.bindings import driver as drv
     u64, u32 = drv.cuuint64_t, drv.cuuint32_t
-    strides, step = [], 2
-    for extent in dims[:-1]:
-        step *= int(extent)
-        strides.append(u64(step))
-    if pitch is not None:
-        strides = [u64(2 * int(pitch))]
+    if strides is None and pitch is not None:
+        strides = [2 * int(pitch)]
+    elif strides is None:
+        strides = 2 * np.cumprod([int(x) for x in dims[:-1]], dtype=np.int64)
     err, tmap = drv.cuTensorMapEncodeTiled(
         drv.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, len(dims), ptr,
-        [u64(int(x)) for x in dims], strides, [u32(int(x)) for x in box], [u32(1)] * len(dims),
+        [u64(int(x)) for x in dims], [u64(int(x)) for x in strides],
+        [u32(int(x)) for x in box], [u32(1)] * len(dims),
         drv.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         drv.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         drv.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

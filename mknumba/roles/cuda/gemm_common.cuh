@@ -44,14 +44,21 @@ __device__ __forceinline__ void init_ring(unsigned full, unsigned empty, unsigne
     prefetch_tensormap(tmaps + 128);
 }
 
+// Whether B [K, N] comes in one copy per k-step (a 3-d tensor map) rather than one per 64-column
+// panel: the host's twin, kernels/gemm_inputs.py kn_one_copy, encodes the map of that rank.
+__device__ __forceinline__ bool b_kn_one_copy(int n) { return n % 64 == 0; }
+
 // The producer's part of one tile (one lane calls it): k-steps g0 .. g0 + k_iters - 1 of the
 // block's ring of STAGES slots, k-step g in slot g % STAGES, whose mbarriers full and empty
 // (8 bytes apart per slot) complete once per use, so g / STAGES gives the phase. Slot s holds A
 // (BM rows x 64 k, box 64 x BM of tmaps) at a_ring + s * BM * 128 and B at b_ring + s * BN * 128:
 //   B_KN 0  B [N, K]: one box 64 (k) x BN (rows of B), K-major like A;
 //   B_KN 1  B [K, N]: BN / 64 boxes 64 (N) x 64 (k) side by side, 8 KB apart, each a 64-column
-//           panel of MN-major B (smem_desc_mn); boxes wholly past column n are not loaded
-//           (their columns of the accumulator are never stored).
+//           panel of MN-major B (smem_desc_mn). Where N is a whole number of panels
+//           (b_kn_one_copy) one 3-d copy lands them all (the map sees B as 64 columns x K rows
+//           x N / 64 panels; panels past N read as zeros and count toward the bytes); else one
+//           copy per panel, and boxes wholly past column n are not loaded (their columns of
+//           the accumulator are never stored).
 template <int BM, int BN, int STAGES, int B_KN>
 __device__ __forceinline__ void produce_tile(unsigned a_ring, unsigned b_ring, unsigned full,
                                              unsigned empty, unsigned long long tmaps, int n,
@@ -61,7 +68,12 @@ __device__ __forceinline__ void produce_tile(unsigned a_ring, unsigned b_ring, u
         const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
         mbar_wait(empty + 8 * s, phase ^ 1);  // slot free (a fresh barrier passes)
         MK_STAMP(slot_free, g0 / k_iters, kk);
-        if (B_KN) {
+        if (B_KN && b_kn_one_copy(n)) {
+            mbar_expect_tx(full + 8 * s, A_BYTES + B_BYTES);
+            tma_load_2d(a_ring + s * A_BYTES, tmaps, kk * 64, tile_m * BM, full + 8 * s);
+            tma_load_3d(b_ring + s * B_BYTES, tmaps + 128, 0, kk * 64, tile_n * (BN / 64),
+                        full + 8 * s);
+        } else if (B_KN) {
             const int n0 = tile_n * BN, boxes = min(BN / 64, (n - n0 + 63) / 64);
             mbar_expect_tx(full + 8 * s, A_BYTES + boxes * B_BOX_BYTES);
             tma_load_2d(a_ring + s * A_BYTES, tmaps, kk * 64, tile_m * BM, full + 8 * s);
