@@ -68,22 +68,20 @@ __device__ __forceinline__ void produce_tile(unsigned a_ring, unsigned b_ring, u
         const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
         mbar_wait(empty + 8 * s, phase ^ 1);  // slot free (a fresh barrier passes)
         MK_STAMP(slot_free, g0 / k_iters, kk);
-        if (B_KN && b_kn_one_copy(n)) {
-            mbar_expect_tx(full + 8 * s, A_BYTES + B_BYTES);
-            tma_load_2d(a_ring + s * A_BYTES, tmaps, kk * 64, tile_m * BM, full + 8 * s);
-            tma_load_3d(b_ring + s * B_BYTES, tmaps + 128, 0, kk * 64, tile_n * (BN / 64),
-                        full + 8 * s);
-        } else if (B_KN) {
-            const int n0 = tile_n * BN, boxes = min(BN / 64, (n - n0 + 63) / 64);
-            mbar_expect_tx(full + 8 * s, A_BYTES + boxes * B_BOX_BYTES);
-            tma_load_2d(a_ring + s * A_BYTES, tmaps, kk * 64, tile_m * BM, full + 8 * s);
+        const int n0 = tile_n * BN;
+        const bool per_panel = B_KN && !b_kn_one_copy(n);
+        const int boxes = per_panel ? min(BN / 64, (n - n0 + 63) / 64) : 0;
+        mbar_expect_tx(full + 8 * s, A_BYTES + (per_panel ? boxes * B_BOX_BYTES : B_BYTES));
+        tma_load_2d(a_ring + s * A_BYTES, tmaps, kk * 64, tile_m * BM, full + 8 * s);
+        if (per_panel) {
             for (int j = 0; j < boxes; ++j)
                 tma_load_2d(b_ring + s * B_BYTES + j * B_BOX_BYTES, tmaps + 128, n0 + 64 * j,
                             kk * 64, full + 8 * s);
+        } else if (B_KN) {  // the k-step's BN / 64 panels in one 3-d copy
+            tma_load_3d(b_ring + s * B_BYTES, tmaps + 128, 0, kk * 64, tile_n * (BN / 64),
+                        full + 8 * s);
         } else {
-            mbar_expect_tx(full + 8 * s, A_BYTES + B_BYTES);
-            tma_load_2d(a_ring + s * A_BYTES, tmaps, kk * 64, tile_m * BM, full + 8 * s);
-            tma_load_2d(b_ring + s * B_BYTES, tmaps + 128, kk * 64, tile_n * BN, full + 8 * s);
+            tma_load_2d(b_ring + s * B_BYTES, tmaps + 128, kk * 64, n0, full + 8 * s);
         }
     }
 }
