@@ -156,6 +156,7 @@ def main():
     x_tok = torch.randn(512, 1024, device="cuda", dtype=torch.bfloat16)
     topk = torch.randint(0, 8, (512, 2), device="cuda", dtype=torch.int32)
     w_moe = torch.randn(8 // W, 1024, 512, device="cuda", dtype=torch.bfloat16)
+    topk_w = torch.rand(512, 2, device="cuda", dtype=torch.float32)
     moe_out, moe_layout = moe(x_tok, topk, w_moe)
     rs_out = torch.empty(M // W, N, device="cuda", dtype=torch.bfloat16)
     ag_out = torch.empty((ag.members,) + tuple(x.shape), device="cuda", dtype=torch.float32)
@@ -175,6 +176,9 @@ def main():
         ("mk.AllGatherGemm", lambda o: agg(a_shard, w.T, out=o), (c, c2), False),
         ("mk.RingAttention", lambda o: ring(q, kk, v, out=o, lse=lse), (q_out, q_out2), False),
         ("mk.MoeDispatchGemm", lambda o: moe(x_tok, topk, w_moe, out=o, layout=moe_layout),
+         (moe_out, moe_out2), False),
+        ("mk.MoeDispatchGemm topk_weights",
+         lambda o: moe(x_tok, topk, w_moe, topk_w, out=o, layout=moe_layout),
          (moe_out, moe_out2), False),
         # the first op of ours timed read up to 2x slower than b [k, n] with fresh outputs
         # (benchmarks/NOTES.md): timed again last, whether that follows the op or its place
@@ -208,7 +212,7 @@ def main():
     if comm.rank == 0 and records:
         common.write(records, args.out)
         for r in records:
-            print(f"host_cost {r['op']:<22} graph={int(r['graph'])} fresh_out="
+            print(f"host_cost {r['op']:<32} graph={int(r['graph'])} fresh_out="
                   f"{int(r['fresh_out'])} {r['graph_launch']:<6} {r['host_us']:7.2f} us")
     dist.destroy_process_group()
     comm.finalize()

@@ -162,13 +162,13 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         past ``layout.offsets[-1]`` are left as they were. ``out=`` / ``layout=`` reuse arrays
         of an earlier call (a CUDA graph capture must pass both). Expert ids are checked on
         the device (see the class docstring): nothing here waits for the GPU."""
-        if (out is not None and isinstance(layout, MoeLayout) and topk_weights is None
-                and stream is None and not self.freed and self.comm.proxy is None
+        if (out is not None and isinstance(layout, MoeLayout) and stream is None
+                and not self.freed and self.comm.proxy is None
                 and is_torch(x)):                               # the hot path: tensors
-            ptrs = self._hot_ptrs(x, topk_idx, w, out, layout)
+            ptrs = self._hot_ptrs(x, topk_idx, w, topk_weights, out, layout)
             if ptrs is not None and not self.err[ERR_SET]:
-                T, px, pi, pw, po, lay = ptrs
-                self._run(T, px, pi, None, pw, po, lay, stream_handle(None, self.comm.device_id))
+                T, px, pi, pg, pw, po, lay = ptrs
+                self._run(T, px, pi, pg, pw, po, lay, stream_handle(None, self.comm.device_id))
                 return out, layout
         if self.freed:
             raise MkError(f"{self.name}: called after free()")
@@ -208,29 +208,33 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                   L, stream)
         return out, layout
 
-    def _hot_ptrs(self, x, topk_idx, w, out, layout):
-        """``(T, x, topk_idx, w, out, layout's four)`` as addresses when every tensor is exactly
-        what the plan expects and a call with T tokens ran before (its cfg exists); else None,
-        and the call takes the checked path."""
+    def _hot_ptrs(self, x, topk_idx, w, topk_weights, out, layout):
+        """``(T, x, topk_idx, topk_weights or None, w, out, layout's four)`` as addresses when
+        every tensor is exactly what the plan expects and a call with T tokens, weighted or
+        not as this one, ran before (its cfg exists); else None, and the call takes the
+        checked path."""
         if x.dim() != 2:
             return None
         T = x.shape[0]
-        if (T, False) not in self._cfgs:
+        if (T, topk_weights is not None) not in self._cfgs:
             return None
-        dev, cap, El, int32 = (self.comm.device_id, self.capacity, self.local_experts,
-                               sys.modules["torch"].int32)
+        torch = sys.modules["torch"]
+        dev, cap, El, K = self.comm.device_id, self.capacity, self.local_experts, self.top_k
         wshape = (El, self.hidden, self.ffn) if self.w_layout == "ehf" else \
             (El, self.ffn, self.hidden)
         px = torch_ptr(x, (T, self.hidden), dev)
-        pi = px and torch_ptr(topk_idx, (T, self.top_k), dev, dtype=int32, align=4)
+        pi = px and torch_ptr(topk_idx, (T, K), dev, dtype=torch.int32, align=4)
+        pg = None
+        if pi and topk_weights is not None:
+            pg = torch_ptr(topk_weights, (T, K), dev, dtype=torch.float32, align=4)
+            pi = pg and pi
         pw = pi and torch_ptr(w, wshape, dev)
         po = pw and torch_ptr(out, (cap, self.ffn), dev)
-        pc = po and torch_ptr(layout.counts, (El,), dev, dtype=int32, align=4)
-        pf = pc and torch_ptr(layout.offsets, (El + 1,), dev, dtype=int32, align=4)
-        pr = pf and torch_ptr(layout.rows, (cap, 3), dev, dtype=int32, align=4)
-        pg = pr and torch_ptr(layout.weights, (cap,), dev, dtype=sys.modules["torch"].float32,
-                              align=4)
-        return (T, px, pi, pw, po, (pc, pf, pr, pg)) if pg else None
+        pc = po and torch_ptr(layout.counts, (El,), dev, dtype=torch.int32, align=4)
+        pf = pc and torch_ptr(layout.offsets, (El + 1,), dev, dtype=torch.int32, align=4)
+        pr = pf and torch_ptr(layout.rows, (cap, 3), dev, dtype=torch.int32, align=4)
+        pl = pr and torch_ptr(layout.weights, (cap,), dev, dtype=torch.float32, align=4)
+        return (T, px, pi, pg, pw, po, (pc, pf, pr, pl)) if pl else None
 
     def _new_layout(self, like, torch):
         cap, El = self.capacity, self.local_experts
