@@ -36,9 +36,10 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
             expert, ``chunks`` pulls each), no block is left counted in the communication
             role, and the queues hold the tickets of the epoch rule after the calls (from
             the wrap).
-  inplace   one op (w [E/W, hidden, ffn], read as it is): the same x, topk_idx and w
-            arrays, w updated in place between 2 calls, out= and layout= reused: the second
-            result follows the update.
+  inplace   one op (w [E/W, hidden, ffn], read as it is): the same x, topk_idx,
+            topk_weights and w arrays, w updated in place between 2 calls, out= and layout=
+            reused (out and the layout's weights poisoned again): the second result follows
+            the update (with tensors, the second call is the hot path's, weighted).
   bad       refused with MkValueError before anything is launched, naming the op and the
             argument: x's hidden, a float32 x, T > max_tokens, int64 topk_idx, topk_idx's
             shape, expert ids -1 and E, w's shape, a float32 w, out's shape, topk_weights'
@@ -235,8 +236,8 @@ def check_controller(op, items, calls):
 def check_inplace(comm, opts, A, layout="ehf"):
     op = make_op(comm, opts, w_layout=layout)
     key = (2, 0)
-    x, idx, _ = inputs(opts, comm.size, comm.rank, key, "uniform")
-    dx, di = A.dev(x), A.dev(idx)             # the same tokens and routing on both calls
+    x, idx, wts = inputs(opts, comm.size, comm.rank, key, "uniform")
+    dx, di, dg = A.dev(x), A.dev(idx), A.dev(wts)   # the same tokens and routing on both calls
     w_bits = weights_of(opts, comm.size, comm.rank, key)
     dw = A.dev(w_bits)
     out, lay = poisoned(op, A)
@@ -246,8 +247,9 @@ def check_inplace(comm, opts, A, layout="ehf"):
             w_bits = weights_of(opts, comm.size, comm.rank, (2, 1))
             A.put(dw, w_bits)
             A.poison(out)
-        op(dx, di, dw, out=out, layout=lay)
-        worst = max(worst, verify(comm, opts, A, op, key, "uniform", out, lay, w_bits, False,
+            A.poison(lay.weights)
+        op(dx, di, dw, dg, out=out, layout=lay)
+        worst = max(worst, verify(comm, opts, A, op, key, "uniform", out, lay, w_bits, True,
                                   f"w {layout} call {call}"))
     op.free()
     say("inplace", comm, f"w {layout} arrays={A.kind} max_rel_err={worst:.2e}")
