@@ -22,12 +22,13 @@ from .errors import (ERR_BLOCK, ERR_EXPECTED, ERR_FLAG, ERR_KIND, ERR_RANK, ERR_
                      ERR_SET, KIND_TIMEOUT)
 from numba import cuda
 
-__all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "atomic_add_release",
+__all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "st_relaxed",
+           "atomic_add_release",
            "atomic_add_release_sys", "atomic_add_relaxed", "fence_gpu", "fence_sys",
            "fence_proxy_async", "bar_sync", "nanosleep", "prefetch_l1",
            "globaltimer", "peer_view", "peer_after", "data_ptr", "epoch_reached", "wait_flag", "record_timeout",
            "record_error",
-           "acquire", "release", "pack_bf16x2", "add_bf16x2",
+           "acquire", "release", "record", "pack_bf16x2", "add_bf16x2",
            "epoch_of", "epoch_of_host", "next_epoch_host", "FRAME_WORDS"]
 
 #: An op's call counter on its GPU (``kernels.launch.Frame``, ``roles.blocks.begin``): one
@@ -74,7 +75,7 @@ if not SIMULATOR:
             return arr.dtype(arr, idx), codegen
         return load
 
-    def _make_store(scope):
+    def _make_store(scope, sem="release"):
         @intrinsic
         def store(typingctx, arr, idx, val):
             b, _, c = _elem(arr)
@@ -83,7 +84,7 @@ if not SIMULATOR:
                 ptr = _elem_ptr(context, builder, sig.args[0], args[0], args[1], sig.args[1])
                 v = context.cast(builder, args[2], sig.args[2], sig.args[0].dtype)
                 _asm(builder, ir.VoidType(), [ptr.type, v.type],
-                     f"st.release.{scope}.{b} [$0], $1;", f"l,{c}", [ptr, v])
+                     f"st.{sem}.{scope}.{b} [$0], $1;", f"l,{c}", [ptr, v])
                 return context.get_dummy_value()
             return types.none(arr, idx, val), codegen
         return store
@@ -136,6 +137,7 @@ if not SIMULATOR:
 
     ld_acquire, ld_acquire_sys = _make_load("gpu"), _make_load("sys")
     st_release, st_release_sys = _make_store("gpu"), _make_store("sys")
+    st_relaxed = _make_store("gpu", "relaxed")
     atomic_add_release, atomic_add_release_sys = _make_add("release", "gpu"), _make_add("release", "sys")
     atomic_add_relaxed = _make_add("relaxed", "gpu")
     fence_gpu, fence_sys = _make_fence("gpu"), _make_fence("sys")
@@ -251,7 +253,7 @@ else:  # ---- simulator twins: same names, same meaning, plain Python ----------
     def st_release(arr, idx, val):
         arr[idx] = val
 
-    st_release_sys = st_release
+    st_release_sys = st_relaxed = st_release
 
     def atomic_add_release(arr, idx, val):
         with _lock:
@@ -409,6 +411,14 @@ def release(flags, idx, value, system):
     else:
         fence_gpu()
         st_release(flags, idx, value)
+
+
+@cuda.jit(device=True, inline=True)
+def record(flags, idx, value, system):
+    """``flags[idx] = value`` with no fence (``release``'s signature): a flag that nothing
+    reads before the kernel ends (the host reads it after), so no fence need wait for the
+    writes before it, as ``release``'s does for microseconds when stores are in flight."""
+    st_relaxed(flags, idx, value)
 
 
 @cuda.jit(device=True)

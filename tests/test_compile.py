@@ -233,8 +233,9 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     load 16 bytes at a time; the tail split's whole tiles store to global memory, then the
     block meets and the ring is invalidated and initialised again before the tail's tiles
     (tail_split_order); the tensor-store tile stores only by TMA, each chunk after waiting for
-    its buffer's last store to read it and after a proxy fence, publishes its flags only after
-    waiting for every store (tms_epilogue_order). Those and the ring kernel (the attention tile:
+    its buffer's last store to read it and after a proxy fence, records its flags after
+    waiting for every store to read its buffer (tms_epilogue_order); whole tiles record their
+    flags with plain stores, only a split's slices release theirs (the folds read them). Those and the ring kernel (the attention tile:
     setmaxnreg, S and P V overlapped, the consumer warpgroups' turns) are checked on ptxas's
     log of the link numba does on a GPU
     (``_link_sm90a(as_launched=True)``)."""
@@ -309,6 +310,9 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
         if "r" in letters:
             assert ptx.index("prefetch.global.L1") < ptx.index("atom.add.relaxed.gpu")
         assert ("mbarrier.inval" in ptx) == tail     # only the tail split starts a ring again
+        # nothing in the kernel reads a whole tile's flag: recorded, no fence waits for the
+        # tile's stores; a split's slices release theirs for the folds
+        assert ("st.release.gpu" in ptx) == ("fence.acq_rel.gpu" in ptx) == (split or tail)
         if tail:
             tail_split_order(ptx)
 
@@ -396,7 +400,8 @@ def tms_epilogue_order(ptx):
     """The tensor-store tile's epilogue and end in the linked PTX (gemm_tile.cu MK_TMA_STORE):
     no generic global store of C; per 64-column chunk (4, unrolled) a wait until at most one
     store still reads staging, the stmatrix, the proxy fence, then the tensor store and its
-    commit; after the tiles, a wait for every store, then the flags' release."""
+    commit; after the tiles, a wait until every store has read its buffer, then the flags,
+    recorded with plain stores (no release: nothing in the kernel reads them)."""
     assert "st.global.v4" not in ptx
     body = ptx[ptx.index("wgmma.wait_group.sync.aligned 0"):]
     read1, fence = "cp.async.bulk.wait_group.read 1;", "fence.proxy.async.shared::cta;"
@@ -408,10 +413,9 @@ def tms_epilogue_order(ptx):
         assert order == sorted(order), (chunk, order)
         at = order[-1] + 1
     assert store not in body[at:]
-    drained = body.index("cp.async.bulk.wait_group 0;", at)
-    assert drained < body.index("bar.sync 1, 256;", drained) < body.index("st.release.gpu",
-                                                                           drained)
-    assert "st.release" not in body[:drained]           # no flag before the stores are done
+    drained = body.index("cp.async.bulk.wait_group.read 0;", at)
+    assert "cp.async.bulk.wait_group 0;" not in body and "st.release" not in body
+    assert "st.relaxed.gpu.b32" in body[drained:], "no flag recorded"
 
 
 @pytest.mark.slow

@@ -336,7 +336,8 @@ def tail_split_role(build):
     ``tail``, it runs the whole tiles first (the unsplit role), then, after a block barrier, the
     tail's units (the split role, its tile state started afresh: ``build.reinit``). The tail's
     length follows from the order's: ``tiles - tail + (slices + 1) * tail`` units."""
-    whole_role = compute.make_compute_role(build, (whole_tiles, compute.nothing_to_wait))
+    whole_role = compute.make_compute_role(build, (whole_tiles, compute.nothing_to_wait),
+                                           publish=False)   # the folds read slice flags only
     unit, place, ready = split_units(build)
     tail_role = compute.make_compute_role(build._replace(init=build.reinit), (place, ready),
                                           units=unit)
@@ -362,7 +363,9 @@ def _make_kernel(build, threads, split):
         compute_role = tail_split_role(build)
     else:
         unit, place, ready = split_units(build, split)
-        compute_role = compute.make_compute_role(build, (place, ready), units=unit)
+        # whole tiles' flags are read by nothing in the kernel: recorded, not released
+        compute_role = compute.make_compute_role(build, (place, ready), units=unit,
+                                                 publish=bool(split))
     bn, n_dim = build.shape[1], 1 if build.b_kn else 0
     ramp = compute.ramp_of(build)
 
@@ -374,7 +377,8 @@ def _make_kernel(build, threads, split):
         """a [m, k], b [n, k] (or [k, n] with a ":kn" tile build), c [m, n]: bf16 bits;
         ws: the split's workspace [slices + 1, m, n] (one slice: c as [1, m, n], never read);
         tmaps: the tensor maps of a and b, a pair per slice (sm90); flags uint32[(slices + 1)
-        * tiles]: [0, tiles) := epoch when tile t is done, the rest the slices' (split_units);
+        * tiles]: [0, tiles) := epoch when tile t is done (nothing in the kernel reads
+        them: whole tiles record them with plain stores), the rest the slices' (split_units);
         frame: the op's call counter (``kernels.launch.Frame``); order int32: the work units
         (split_order of sched.grouped_order, with the tail split's ``tail``); slices of kc
         (split_slices); a fold waits at most timeout_ns, then records the error in err

@@ -20,7 +20,10 @@ every thread of the block):
 
 The thread that returns 1 does so after every thread's stores of this tile were issued and a
 block-level barrier among the storing threads, so it can publish the tile's completion flag with a
-release (``primitives.st_release``). Threads may leave a call before its tile is done (the sm_90a
+release (``primitives.st_release``), or, where nothing in the kernel reads the flag (the unsplit
+mk.Gemm), record it with no fence (``primitives.record``) for the host to read after the kernel:
+the release's fence waits for the tile's stores, at a block's last tile on the kernel's path
+(:func:`make_compute_role`; what it cost: benchmarks/NOTES.md). Threads may leave a call before its tile is done (the sm_90a
 producer warp once its loads are queued; in the ping-pong tile the warpgroup that does not own
 the tile at once), so whatever a caller does per tile it does per thread, with no block barrier
 between tiles. A build with a ``drain`` (:class:`TileBuild`; mk.Gemm's opt-in tensor-store tile)
@@ -56,7 +59,8 @@ from numba import cuda, types
 
 from .._compat import SIMULATOR
 from ..errors import ROLE_COMPUTE, MkValueError
-from ..primitives import data_ptr, peer_view, prefetch_l1, release, udiv32, wait_flag
+from ..primitives import (data_ptr, peer_view, prefetch_l1, record, release, udiv32,
+                          wait_flag)
 from .blocks import no_stamp, stamp
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda", "gemm_tile.cu")
@@ -248,9 +252,10 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
                            np.int32(c_row0), data_ptr(addend), np.int32(adds), np.int32(m),
                            np.int32(n), np.int32(tile_m), np.int32(tile_n), np.int32(k_iters),
                            np.int32(seq))
-        # after the block's last tile, every thread: its tensor stores are complete; returns
-        # 0..DRAIN_PUBLISHERS - 1 in the threads that publish its flags, else -1
-        drain = (cuda.declare_device(f"{prefix}_drain", i32(), link=[helper], abi="c")
+        # after the block's last tile, every thread: drain(1) its tensor stores are complete,
+        # drain(0) they have read shared memory; returns 0..DRAIN_PUBLISHERS - 1 in the
+        # threads that publish (or record) its flags, else -1
+        drain = (cuda.declare_device(f"{prefix}_drain", i32(i32), link=[helper], abi="c")
                  if tms else None)
         # between two runs of tiles whose ring phases do not continue (the caller syncs the
         # block before and after): every barrier invalidated and initialised again
@@ -390,15 +395,18 @@ gemm_tile_simt = _simt_tile(False)
 gemm_tile_simt_kn = _simt_tile(True)
 
 
-def make_compute_role(build, destination, grouped=None, stamps=None, units=None):
+def make_compute_role(build, destination, grouped=None, stamps=None, units=None,
+                      publish=True):
     """The compute role around one tile build (:class:`TileBuild`: the plain GEMM and the
     fused kernels); ``b`` is [n, k], or [k, n] when ``build.b_kn``.
 
     ``compute_role(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where)``: compute
     block ``blk`` of ``blocks`` computes tiles ``order[blk], order[blk + blocks], ...`` (linear
     ids ``t = tile_m * tiles_n + tile_n``) and announces each with ``flags[idx] = epoch`` behind
-    a release. ``destination = (place, ready)``: ``place(where, t, tile_m) -> (c, c_row0,
-    addend, adds, flags, idx, system)`` says where the tile goes (``c`` from global row
+    a release; with ``publish`` False, for a kernel in which nothing waits on these flags,
+    records it with ``primitives.record`` instead (read by the host once the kernel is done:
+    no fence waits for the tile's stores). ``destination = (place, ready)``: ``place(where, t,
+    tile_m) -> (c, c_row0, addend, adds, flags, idx, system)`` says where the tile goes (``c`` from global row
     ``c_row0`` on; ``adds`` planes of ``addend`` to fold in, see the tile contract), the flag
     array and index that announce it, and whether the release is at system scope (the flag's
     reader is another GPU) or GPU scope; ``ready(where, t, adds, epoch)`` waits, in every
@@ -424,8 +432,9 @@ def make_compute_role(build, destination, grouped=None, stamps=None, units=None)
     """
     work = grouped[0] if grouped is not None else all_tiles
     tile_init = build.init
-    compute_tile = make_compute_tile(build, destination, grouped, units)
-    finish = nothing_after if build.drain is None else publish_after(build, destination, units)
+    compute_tile = make_compute_tile(build, destination, grouped, units, publish)
+    finish = (nothing_after if build.drain is None
+              else publish_after(build, destination, units, publish))
     mark = stamp if stamps is not None else no_stamp
     start, done = stamps if stamps is not None else (0, 0)
 
@@ -460,12 +469,12 @@ def make_compute_role(build, destination, grouped=None, stamps=None, units=None)
     return compute_role
 
 
-def make_compute_tile(build, destination, grouped=None, units=None):
+def make_compute_tile(build, destination, grouped=None, units=None, publish=True):
     """One tile of :func:`make_compute_role`'s loop, for kernels that hand tiles out
     themselves (the fused reductions' adaptive split, ``roles.controller``):
     ``compute_tile(smem, tmaps, a, b, t, tiles_n, seq, epoch, where)`` computes linear tile
     ``t`` as this block's ``seq``-th tile (after ``tile_init`` and a barrier, once per block),
-    places and announces it as the role does. Per thread, no barrier.
+    places and announces it as the role does (``publish``: as there). Per thread, no barrier.
 
     ``units(where, u, a, b, tmaps) -> (t, a, b, tmaps)``: ``t`` is a work unit ``u``, a part
     of tile ``t`` that reads the operands returned (split-K, ``kernels.gemm``: a slice of K);
@@ -474,6 +483,7 @@ def make_compute_tile(build, destination, grouped=None, units=None):
     operands = grouped[1] if grouped is not None else same_operands
     unit = units if units is not None else whole_tile
     tile, n_dim = build.tile, 1 if build.b_kn else 0
+    announce = release if publish else record
 
     @cuda.jit(device=True, inline=True)
     def compute_tile(smem, tmaps, a, b, u, tiles_n, seq, epoch, where):
@@ -487,8 +497,9 @@ def make_compute_tile(build, destination, grouped=None, units=None):
             adds = 0              # timed out (recorded): store the product alone, go on
         if tile(smem, tt, ta, tb, c, c_row0, addend, adds, m, n, k, tm, t - tm * tiles_n,
                 seq):
-            release(flags, idx, epoch, system)   # the tile's stores (its barrier) first
+            announce(flags, idx, epoch, system)   # the tile's stores (its barrier) first
     return compute_tile
+
 
 
 @cuda.jit(device=True, inline=True)
@@ -518,25 +529,27 @@ def nothing_after(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where, 
     pass
 
 
-def publish_after(build, destination, units=None):
+def publish_after(build, destination, units=None, publish=True):
     """The end of :func:`make_compute_role`'s loop for a build with a ``drain``
     (:class:`TileBuild`), whose tiles publish nothing: every thread drains the block's
     outstanding stores, then :data:`DRAIN_PUBLISHERS` threads release the flags (``place`` of
     ``destination``) of the units ``order[blk], order[blk + blocks], ...`` the block ran, each
-    thread every DRAIN_PUBLISHERS-th (their fences overlap: one warp)."""
+    thread every DRAIN_PUBLISHERS-th (their fences overlap: one warp). ``publish`` False: the
+    drain waits only until the stores have read shared memory, and the flags are recorded."""
     place, drain = destination[0], build.drain
     unit = units if units is not None else whole_tile
+    announce, complete = (release, np.int32(1)) if publish else (record, np.int32(0))
 
     @cuda.jit(device=True, inline=True)
     def publish_all(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where, tiles):
-        j = drain()
+        j = drain(complete)
         if j >= 0:
             i = blk + j * blocks
             while i < tiles:
                 u = order[i]
                 tm = udiv32(unit(where, u, a, b, tmaps)[0], tiles_n)
                 flags, idx, system = place(where, u, tm)[4:]
-                release(flags, idx, epoch, system)
+                announce(flags, idx, epoch, system)
                 i += DRAIN_PUBLISHERS * blocks
     return publish_all
 
@@ -624,8 +637,9 @@ TO_OWNER = (to_owner, inbox_ready)
 #: smem_bytes: dynamic shared memory per block; tma: reads A and B through tensor maps (sm_90a);
 #: timing_only: leaves the output unwritten (probes; the fused ops refuse it); b_kn: B is [k, n]
 #: (row-major, N contiguous), not [n, k]; gemm_only: only mk.Gemm without split-K runs it (the
-#: fused ops refuse it); drain: None, or a device function () -> int that the tiles of a build
-#: which publishes no flag per tile need after the block's last one (:func:`publish_after`);
+#: fused ops refuse it); drain: None, or a device function (int32 publish) -> int that the
+#: tiles of a build which publishes no flag per tile need after the block's last one
+#: (:func:`publish_after`);
 #: c_map: the tile stores C through a third tensor map after A's and B's, of the caller's ``c``
 #: (``kernels.gemm_inputs.TensorMaps`` with ``c_map``); reinit: None, or a device function
 #: like ``init`` that starts the tile's state afresh after tiles ran (every thread of the block

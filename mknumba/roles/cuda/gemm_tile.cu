@@ -42,8 +42,10 @@
 // be in flight. After the block's last tile mk_gemm_sm90_drain waits for them (wait_group 0 in
 // each lane 0, a proxy fence, the consumers' barrier) and names the threads that then publish
 // every tile flag of the block (compute.make_compute_role), so a flag still says its tile's
-// data is in C. Only the unsplit mk.Gemm runs it: a split-K fold (adds > 0) would read slices
-// whose flags come only at their blocks' end, and the fused ops read flags during the kernel.
+// data is in C; where nothing reads the flags during the kernel (mk.Gemm's, which records them)
+// it waits only until the stores have read shared memory. Only the unsplit mk.Gemm runs it: a
+// split-K fold (adds > 0) would read slices whose flags come only at their blocks' end, and the
+// fused ops read flags during the kernel.
 // MK_PUBLISHER 1 (the fused ops' build, compute.SM90_FUSED_TILE) adds a tenth warp (320 threads)
 // that publishes tile flags: consumers arrive on an mbarrier after their stores and go on; the
 // publisher waits on it and returns 1, so the fence before the flag (which waits for the tile's
@@ -286,18 +288,25 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
 }
 
 #if MK_TMA_STORE
-// Once per block after its last tile, in every thread: each consumer warp's tensor stores are
-// complete and ordered before generic accesses (wait_group 0 and a proxy fence in the lane that
-// issued them, then the consumers' barrier). Returns the publisher index 0..31 in consumer warp
-// 0, which then publishes the block's tile flags; -1 elsewhere (the producer warp at once).
-extern "C" __device__ int mk_gemm_sm90_drain() {
+// Once per block after its last tile, in every thread. publish 1: each consumer warp's tensor
+// stores are complete and ordered before generic accesses (wait_group 0 and a proxy fence in the
+// lane that issued them, then the consumers' barrier), so the flags released next say their
+// tiles are in C. publish 0 (nothing in the kernel reads the flags): only until the stores have
+// read their staging (wait_group.read 0), which the block's shared memory must outlive; the
+// writes finish with the kernel. Returns the publisher index 0..31 in consumer warp 0, which
+// then publishes (or records) the block's tile flags; -1 elsewhere (the producer warp at once).
+extern "C" __device__ int mk_gemm_sm90_drain(int publish) {
     const int tid = threadIdx.x;
     if (tid >= CONSUMER_THREADS) return -1;
     if (tid % 32 == 0) {
-        bulk_wait<0>();
-        fence_proxy_async();
+        if (publish) {
+            bulk_wait<0>();
+            fence_proxy_async();
+        } else {
+            bulk_wait_read<0>();
+        }
     }
-    consumer_barrier();
+    if (publish) consumer_barrier();
     return tid < 32 ? tid : -1;
 }
 #endif
