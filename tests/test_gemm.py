@@ -331,6 +331,26 @@ def test_auto_takes_the_pingpong_tile_where_tiles_are_few():
                                                                    132)
 
 
+def test_auto_takes_the_pingpong_tile_where_rounds_fill_poorly(monkeypatch):
+    """"auto"'s second ping-pong region (``pp_for``): many 128 x 256 tiles whose last round
+    leaves blocks idle, where 128 x 128 tiles fill the rounds better, up to TMS_MAX_K (the
+    tail split takes the last round beyond); on 132 blocks, of issue 23's grid only 512 x
+    28672 (448 tiles, 4 rounds x 1.85 against 7 of 128 x 128)."""
+    from mknumba.kernels import gemm as G
+    grid = [(m, n, k) for m in (512, 1024, 2048, 4096, 8192, 16384)
+            for n in (1024, 4096, 8192, 28672) for k in (512, 1024, 2048, 4096, 8192, 14336)]
+    many = [(m, n, k) for m, n, k in grid if (m // 128) * (n // 256) > 66]
+    assert {s for s in many if G.pp_for("sm90", *s, 132)} == \
+        {(512, 28672, k) for k in (512, 1024, 2048)}
+    assert G.pp_shape_for(512, 28672, 132) == (128, 128)
+    assert G.pp_for("sm90:kn", 512, 28672, 512, 132) and not G.pp_for("sm90:tms", 512, 28672,
+                                                                       512, 132)
+    assert not G.pp_for("sm90", 1024, 28672, 512, 132)       # 7 rounds x 1.85 < 14
+    assert G.pp_rounds_cost((128, 128), 512, 28672, 132) == 7.0
+    monkeypatch.setattr(G, "SM90_TILE_COST", 1.7)              # 4 x 1.7 < 7: the big tiles
+    assert not G.pp_for("sm90", 512, 28672, 512, 132)
+
+
 #: issue 23's few-tile rows on an H200 (132 blocks) -> the ping-pong tile shape "auto" takes
 #: there (pp_shape_for with PP_TILE_COST), at the K where pp_for takes one
 PP_PICKS = {(512, 1024): ((64, 64), (512, 1024, 2048, 4096, 8192)),   # 128 tiles of 64 x 64

@@ -42,7 +42,8 @@ as split-K's (the tail's tiles are columns of the grouped order, not a band of r
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (the
 ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K; "auto"
-takes it where 128 x 256 tiles are few and K <= ``PP_MAX_K``: ``pp_for``; also in 128 x 64,
+takes it where 128 x 256 tiles are few and K <= ``PP_MAX_K``, or fill their rounds poorly and
+K <= ``TMS_MAX_K``: ``pp_for``; also in 128 x 64,
 64 x 128 and 64 x 64 tiles, ``"sm90:pp:<BM>x<BN>"``, which "auto" takes there by the tiles'
 count: ``pp_shape_for``, in the variant ``PP_AUTO_VARIANT`` names: ``pp_auto_name``),
 ``"sm90:tms"`` (the sm90 tile whose epilogue leaves by TMA tensor stores it does not wait
@@ -151,17 +152,31 @@ PP_MAX_K = 8192
 def pp_for(kind, m, n, k, blocks):
     """Whether "auto" takes a ping-pong tile (whole tiles, no split; which shape:
     :func:`pp_shape_for`) for a shape whose tile build would be ``kind`` on ``blocks`` compute
-    blocks: where 128 x 256 tiles are few (at most half the blocks get one: split-K's region),
-    up to :data:`PP_MAX_K`. Smaller whole tiles beat the slices and folds of split-K there (an
-    H200, gated: 512 x 4096 and 2048 x 1024 at K 512-8192 0.56-0.85x -> 0.78-0.87x cuBLAS;
-    512 x 1024 at K 4096 / 8192 in 64 x 64 tiles 16.5 / 28.4 us against 4 / 8 slices' 23.2 /
-    28.2; 1024 x 1024 in 128 x 64 tiles 17.8 / 32.5 us against 4 slices' 24.3 / 35.3), while
-    at K = 14336 the slices win (benchmarks/NOTES.md)."""
+    blocks, in two regions:
+
+    - where 128 x 256 tiles are few (at most half the blocks get one: split-K's region), up
+      to :data:`PP_MAX_K`. Smaller whole tiles beat the slices and folds of split-K there (an
+      H200, gated: 512 x 4096 and 2048 x 1024 at K 512-8192 0.56-0.85x -> 0.78-0.87x cuBLAS;
+      512 x 1024 at K 4096 / 8192 in 64 x 64 tiles 16.5 / 28.4 us against 4 / 8 slices'
+      23.2 / 28.2; 1024 x 1024 in 128 x 64 tiles 17.8 / 32.5 us against 4 slices' 24.3 /
+      35.3), while at K = 14336 the slices win;
+    - where they are many but their last round leaves blocks idle and smaller tiles fill the
+      rounds better: the ping-pong shape's rounds times its cost (:func:`pp_rounds_cost`)
+      below the 128 x 256 tiles' rounds times :data:`SM90_TILE_COST`, at K up to
+      :data:`TMS_MAX_K` (beyond, the tail split evens out the last round). On an H100:
+      512 x 28672 (448 tiles, 4 rounds, against 7 of 128 x 128) at K 512 / 1024 / 2048
+      0.85-0.88x -> 0.91-0.94x cuBLAS with B [n, k], 0.95-0.98x -> 1.02x with B [k, n];
+      1024 x 28672 (7 rounds against 14) stays with 128 x 256 (0.96 against 0.92).
+
+    (benchmarks/NOTES.md.)"""
     if kind not in ("sm90", "sm90:kn"):
         return False
     bm, bn = compute.SM90_TILE
     tiles = cdiv(m, bm) * cdiv(n, bn)
-    return tiles <= blocks // 2 and k <= PP_MAX_K
+    if tiles <= blocks // 2:
+        return k <= PP_MAX_K
+    return k <= TMS_MAX_K and pp_rounds_cost(pp_shape_for(m, n, blocks), m, n, blocks) < \
+        cdiv(tiles, blocks) * SM90_TILE_COST
 
 
 #: "auto"'s ping-pong tile shapes (:func:`pp_shape_for`) -> the time of one such tile relative
@@ -174,19 +189,32 @@ def pp_for(kind, m, n, k, blocks):
 PP_TILE_COST = {(128, 128): 1.0, (128, 64): 0.55, (64, 128): 0.55, (64, 64): 0.3}
 
 
+#: the sm90 tile's (128 x 256) time relative to a 128 x 128 ping-pong tile's at the same K, in
+#: :data:`PP_TILE_COST`'s unit: on an H100 a round of 128 x 256 tiles took 1.86 / 1.90 times one
+#: of 128 x 128 tiles at 512 x 28672 x 512 / 1024 x 28672 x 512 (benchmarks/NOTES.md)
+SM90_TILE_COST = 1.85
+
+
+def pp_rounds_cost(shape, m, n, blocks):
+    """The time of ``m x n`` in ping-pong tiles of ``shape`` on ``blocks`` compute blocks, in
+    :data:`PP_TILE_COST`'s unit: rounds of tiles (``ceil(tiles / blocks)``) times the cost of
+    one."""
+    bm, bn = shape
+    return cdiv(cdiv(m, bm) * cdiv(n, bn), blocks) * PP_TILE_COST[tuple(shape)]
+
+
 def pp_shape_for(m, n, blocks):
     """The ping-pong tile shape (BM, BN) "auto" takes where :func:`pp_for` takes the
-    ping-pong tile: of :data:`PP_TILE_COST`'s shapes, the one whose rounds of tiles on
-    ``blocks`` compute blocks (``ceil(tiles / blocks)``) times its cost per tile is least; a
-    tie goes to the larger tile (fewer loads of A and B), then to the taller one. On an H200
-    (132 blocks): 512 x 1024 64 x 64 (128 tiles), 1024 x 1024
+    ping-pong tile: of :data:`PP_TILE_COST`'s shapes, the one of least
+    :func:`pp_rounds_cost`; a tie goes to the larger tile (fewer loads of A and B), then to
+    the taller one. On an H200 (132 blocks): 512 x 1024 64 x 64 (128 tiles), 1024 x 1024
     128 x 64 (128), 2048 x 1024 and 512 x 4096 128 x 128 (128)."""
     best, best_cost = compute.SM90_PINGPONG_SHAPE, None
-    larger_first = sorted(PP_TILE_COST.items(), key=lambda e: (-e[0][0] * e[0][1], -e[0][0]))
-    for (bm, bn), cost in larger_first:
-        total = cdiv(cdiv(m, bm) * cdiv(n, bn), blocks) * cost
+    larger_first = sorted(PP_TILE_COST, key=lambda s: (-s[0] * s[1], -s[0]))
+    for shape in larger_first:
+        total = pp_rounds_cost(shape, m, n, blocks)
         if best_cost is None or total < best_cost:
-            best, best_cost = (bm, bn), total
+            best, best_cost = shape, total
     return best
 
 
@@ -492,7 +520,8 @@ class Gemm:
     split; fewer when K has fewer 64-deep steps).
 
     ``tile``: "auto" runs, on a Hopper GPU (sm_90a), a ping-pong build where 128 x 256 tiles
-    are few and K <= :data:`PP_MAX_K` (:func:`pp_for`; only with ``split_k`` None;
+    are few and K <= :data:`PP_MAX_K`, or fill their rounds poorly and K <= :data:`TMS_MAX_K`
+    (:func:`pp_for`; only with ``split_k`` None;
     ``"sm90:pp"`` or a smaller tile's, :func:`pp_shape_for`, in the variant of
     :func:`pp_auto_name`), the tensor-store build
     ``"sm90:tms"`` for other shapes it does not split (nor their tail) with K <=
