@@ -12,14 +12,17 @@ profiled range (``torch.cuda.profiler.start``), so ncu sees exactly ours then cu
 per shape, in that order; B is [n, k] (``w.T``), or [k, n] with ``--b-layout kn``. ncu
 flushes the caches before each kernel (its default), so both start from cold L2; with
 ``--cache-control none`` both find what the warm-up left there, as in ``bench_gemm.py``.
-Leave the clocks alone (``--clock-control none``: the device notes). ``--summarize`` turns ncu's raw CSV into records ``kernel: "gemm_ncu"``,
-the shape taken from the launch order.
+Leave the clocks alone (``--clock-control none``: the device notes). ``--summarize`` turns
+ncu's raw CSV into records ``kernel: "gemm_ncu"``, the shape taken from the launch order.
 """
 import argparse
 import csv
 import json
 import os
 import sys
+
+
+TENSOR_PIPE = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed"
 
 
 def run(shapes, layout):
@@ -88,7 +91,7 @@ def main():
               f"{mt.get('gpu__time_duration.sum', 0) / 1e3:8.1f} us  L2 "
               f"{mt.get('lts__t_bytes.sum.per_second', 0) / 1e12:5.2f} TB/s "
               f"({mt.get('lts__throughput.avg.pct_of_peak_sustained_elapsed', 0):4.1f}%)  "
-              f"tensor pipe {mt.get('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed', 0):4.1f}%")
+              f"tensor pipe {mt.get(TENSOR_PIPE, 0):4.1f}%")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)

@@ -235,9 +235,9 @@ def test_hopper_kernels_keep_wgmma_asynchronous(fake_sm90, name):
     (tail_split_order); the tensor-store tile stores only by TMA, each chunk after waiting for
     its buffer's last store to read it and after a proxy fence, records its flags after
     waiting for every store to read its buffer (tms_epilogue_order); whole tiles record their
-    flags with plain stores, only a split's slices release theirs (the folds read them). Those and the ring kernel (the attention tile:
-    setmaxnreg, S and P V overlapped, the consumer warpgroups' turns) are checked on ptxas's
-    log of the link numba does on a GPU
+    flags with plain stores, only a split's slices release theirs (the folds read them). Those
+    and the ring kernel (the attention tile: setmaxnreg, S and P V overlapped, the consumer
+    warpgroups' turns) are checked on ptxas's log of the link numba does on a GPU
     (``_link_sm90a(as_launched=True)``)."""
     ptx, log = _link_sm90a(*_hopper_kernel(name), fake_sm90,
                            as_launched=name in GEMM_BUILDS or name.startswith("ring_attention"))

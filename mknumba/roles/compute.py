@@ -21,14 +21,15 @@ every thread of the block):
 The thread that returns 1 does so after every thread's stores of this tile were issued and a
 block-level barrier among the storing threads, so it can publish the tile's completion flag with a
 release (``primitives.st_release``), or, where nothing in the kernel reads the flag (the unsplit
-mk.Gemm), record it with no fence (``primitives.record``) for the host to read after the kernel:
-the release's fence waits for the tile's stores, at a block's last tile on the kernel's path
-(:func:`make_compute_role`; what it cost: benchmarks/NOTES.md). Threads may leave a call before its tile is done (the sm_90a
-producer warp once its loads are queued; in the ping-pong tile the warpgroup that does not own
-the tile at once), so whatever a caller does per tile it does per thread, with no block barrier
-between tiles. A build with a ``drain`` (:class:`TileBuild`; mk.Gemm's opt-in tensor-store tile)
-returns 0 everywhere instead, its stores may still be in flight; after the block's last tile
-the role drains them and publishes the flag of every tile the block ran (:func:`publish_after`).
+mk.Gemm), record it with no fence (``primitives.record``) for the host to read after the kernel: the
+release's fence waits for the tile's stores, at a block's last tile on the kernel's path
+(:func:`make_compute_role`; what it cost: benchmarks/NOTES.md). Threads may leave a call before its
+tile is done (the sm_90a producer warp once its loads are queued; in the ping-pong tile the
+warpgroup that does not own the tile at once), so whatever a caller does per tile it does per
+thread, with no block barrier between tiles. A build with a ``drain`` (:class:`TileBuild`; mk.Gemm's
+opt-in tensor-store tile) returns 0 everywhere instead, its stores may still be in flight; after the
+block's last tile the role drains them and publishes the flag of every tile the block ran
+(:func:`publish_after`).
 
 Implementations:
 - ``gemm_tile_sm90``: Hopper only (sm_90a). The linked helper ``cuda/gemm_tile.cu`` does TMA into a
@@ -404,15 +405,15 @@ def make_compute_role(build, destination, grouped=None, stamps=None, units=None,
     block ``blk`` of ``blocks`` computes tiles ``order[blk], order[blk + blocks], ...`` (linear
     ids ``t = tile_m * tiles_n + tile_n``) and announces each with ``flags[idx] = epoch`` behind
     a release; with ``publish`` False, for a kernel in which nothing waits on these flags,
-    records it with ``primitives.record`` instead (read by the host once the kernel is done:
-    no fence waits for the tile's stores). ``destination = (place, ready)``: ``place(where, t,
-    tile_m) -> (c, c_row0, addend, adds, flags, idx, system)`` says where the tile goes (``c`` from global row
-    ``c_row0`` on; ``adds`` planes of ``addend`` to fold in, see the tile contract), the flag
-    array and index that announce it, and whether the release is at system scope (the flag's
-    reader is another GPU) or GPU scope; ``ready(where, t, adds, epoch)`` waits, in every
-    thread and before every tile, until the tile's inputs are there: the planes to fold in,
-    or (AllGather + GEMM) the rows of A that other GPUs send (False: timed out, error
-    recorded). Per thread, not block-wide: the sm_90a tile's producer warp runs ahead into
+    records it with ``primitives.record`` instead (read by the host once the kernel is done: no
+    fence waits for the tile's stores). ``destination = (place, ready)``: ``place(where, t,
+    tile_m) -> (c, c_row0, addend, adds, flags, idx, system)`` says where the tile goes (``c``
+    from global row ``c_row0`` on; ``adds`` planes of ``addend`` to fold in, see the tile
+    contract), the flag array and index that announce it, and whether the release is at system
+    scope (the flag's reader is another GPU) or GPU scope; ``ready(where, t, adds, epoch)``
+    waits, in every thread and before every tile, until the tile's inputs are there: the planes
+    to fold in, or (AllGather + GEMM) the rows of A that other GPUs send (False: timed out,
+    error recorded). Per thread, not block-wide: the sm_90a tile's producer warp runs ahead into
     the next tile while the consumers finish this one, and a block barrier would stall it.
     ``where`` is the kernel's tuple of what they need (:data:`OWN_TILE`, :data:`TO_OWNER`,
     ``kernels.allgather_gemm``).
@@ -499,7 +500,6 @@ def make_compute_tile(build, destination, grouped=None, units=None, publish=True
                 seq):
             announce(flags, idx, epoch, system)   # the tile's stores (its barrier) first
     return compute_tile
-
 
 
 @cuda.jit(device=True, inline=True)
