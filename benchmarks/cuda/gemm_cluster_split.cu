@@ -21,32 +21,13 @@
 //        benchmarks/cuda/gemm_cluster_split.cu -lcuda -lcublas -o gemm_cluster_split
 //   ./gemm_cluster_split M N K S [M N K S ...]     # S in {1, 2, 4, 8}; prints JSON lines
 //
-// Per shape: ours and cuBLAS (cublasGemmEx, bf16 in and out, fp32 compute: what torch.matmul
-// runs) on the same fresh random inputs, each timed as a CUDA graph of 20 launches replayed in
-// alternating rounds (median per call), the relative error of ours against cuBLAS's output (max |diff| /
-// max |ref|), and how many clusters of S such CTAs fit at once (cudaOccupancyMaxActiveClusters).
+// Per shape: ours and cuBLAS on the same fresh random inputs (gemm_probe.cuh: each a CUDA graph of
+// 20 launches replayed in alternating rounds, the median per call, and the relative error of
+// ours against cuBLAS's output), and how many clusters of S such CTAs fit at once
+// (cudaOccupancyMaxActiveClusters).
 // S = 1 is the unsplit tile through the same code (its "reduction" reads its own tile).
-#include <cuda.h>
-#include <cuda_runtime.h>
-#include <cublas_v2.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
-
 #include "gemm_common.cuh"
-
-#define CHECK(x)                                                                          \
-    do {                                                                                  \
-        auto e_ = (x);                                                                    \
-        if (e_ != 0) {                                                                    \
-            fprintf(stderr, "%s:%d %s failed: %d\n", __FILE__, __LINE__, #x, (int)e_);    \
-            exit(1);                                                                      \
-        }                                                                                 \
-    } while (0)
+#include "gemm_probe.cuh"
 
 namespace {
 
@@ -59,24 +40,6 @@ constexpr unsigned BAR_OFFSET = RING_BYTES;
 constexpr int RED_LD = BN + 8;
 static_assert(BM * RED_LD * 4 <= RING_BYTES, "the partial tile fits in the ring");
 constexpr unsigned SMEM_BYTES = RING_BYTES + 16 * STAGES + 1024;
-
-__device__ __forceinline__ void cluster_sync() {
-    asm volatile("barrier.cluster.arrive.release.aligned;\n"
-                 "barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-
-__device__ __forceinline__ unsigned cluster_rank() {
-    unsigned r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-
-// this CTA's shared address ``addr`` as CTA ``cta`` of the cluster sees it
-__device__ __forceinline__ unsigned map_to(unsigned addr, unsigned cta) {
-    unsigned out;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(out) : "r"(addr), "r"(cta));
-    return out;
-}
 
 __device__ __forceinline__ float4 ld_cluster_f4(unsigned addr) {
     float4 v;
@@ -98,7 +61,7 @@ __global__ void __launch_bounds__(THREADS, 1)
     const unsigned a_ring = base, b_ring = base + STAGES * A_BYTES;
     const unsigned full = base + BAR_OFFSET, empty = full + 8 * STAGES;
     const int tid = threadIdx.x;
-    const unsigned r = S > 1 ? cluster_rank() : 0;
+    const unsigned r = S > 1 ? probe::cluster_rank() : 0;
     const int tile = blockIdx.x / S, tile_m = tile / tiles_n, tile_n = tile % tiles_n;
     const int k0 = (int)r * k_iters;  // this slice's first k-step
 
@@ -154,13 +117,13 @@ __global__ void __launch_bounds__(THREADS, 1)
             st_shared_f2(base + ((row + 8) * RED_LD + col) * 4, d[4 * j + 2], d[4 * j + 3]);
         }
     }
-    if (S > 1) cluster_sync(); else __syncthreads();
+    if (S > 1) probe::cluster_sync(); else __syncthreads();
 
     // rows [r * BM / S, +BM / S) of the tile: the S partials summed, rounded once
     constexpr int ROWS = BM / S, UNITS = ROWS * (BN / 8);  // 8 columns (two float4) a unit
     unsigned src[S];
 #pragma unroll
-    for (int q = 0; q < S; ++q) src[q] = S > 1 ? map_to(base, q) : base;
+    for (int q = 0; q < S; ++q) src[q] = S > 1 ? probe::map_to(base, q) : base;
     for (int u = tid; u < UNITS; u += THREADS) {
         const int lr = u / (BN / 8), col = 8 * (u % (BN / 8));
         const int row = (int)r * ROWS + lr;
@@ -180,73 +143,33 @@ __global__ void __launch_bounds__(THREADS, 1)
         }
         if (grow < m && gcol < n) *(uint4 *)(c + (long long)grow * n + gcol) = pack_bf16x8(f);
     }
-    if (S > 1) cluster_sync();  // the others are done reading this CTA's partial
+    if (S > 1) probe::cluster_sync();  // the others are done reading this CTA's partial
 }
-
-CUtensorMap encode(void *ptr, int rows, int cols, int box_rows) {
-    CUtensorMap map;
-    cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
-    cuuint64_t strides[1] = {(cuuint64_t)cols * 2};
-    cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, elem[2] = {1, 1};
-    CHECK(cuTensorMapEncodeTiled(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr, dims, strides,
-                                 box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
-    return map;
-}
-
-__global__ void fill_random(__nv_bfloat16 *x, long long count, unsigned seed) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < count;
-         i += (long long)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 15; h *= 2246822519u; h ^= h >> 13; h *= 3266489917u; h ^= h >> 16;
-        x[i] = __float2bfloat16((h & 0xFFFF) / 32768.f - 1.f);
-    }
-}
-
-cudaStream_t stream = 0;  // the stream launches go to (a capture's, while timing)
-
-// A launch of `ctas` CTAs of the kernel in clusters of S (the attribute lives beside the config,
-// which points at it).
-template <int S> struct ClusterLaunch {
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    explicit ClusterLaunch(int ctas) {
-        cfg.gridDim = dim3(ctas);
-        cfg.blockDim = dim3(THREADS);
-        cfg.dynamicSmemBytes = SMEM_BYTES;
-        cfg.stream = stream;
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = S;
-        attr[0].val.clusterDim.y = 1;
-        attr[0].val.clusterDim.z = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-    }
-};
 
 template <int S>
-void launch(const unsigned long long tmaps, __nv_bfloat16 *c, int m, int n, int k) {
+void launch(const unsigned long long tmaps, __nv_bfloat16 *c, int m, int n, int k,
+            cudaStream_t stream) {
     const int tiles_n = (n + BN - 1) / BN, tiles = ((m + BM - 1) / BM) * tiles_n;
-    ClusterLaunch<S> l(tiles * S);
+    probe::ClusterLaunch l(tiles * S, THREADS, SMEM_BYTES, S, stream);
     CHECK(cudaLaunchKernelEx(&l.cfg, cluster_split_gemm<S>, tmaps, c, m, n, k / BK / S, tiles_n));
 }
 
 template <int S> int max_clusters() {
     CHECK(cudaFuncSetAttribute(cluster_split_gemm<S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                SMEM_BYTES));
-    ClusterLaunch<S> l(S * 64);
+    probe::ClusterLaunch l(S * 64, THREADS, SMEM_BYTES, S, 0);
     int count = 0;
     CHECK(cudaOccupancyMaxActiveClusters(&count, cluster_split_gemm<S>, &l.cfg));
     return count;
 }
 
-void run_ours(int s, const unsigned long long tmaps, __nv_bfloat16 *c, int m, int n, int k) {
+void run_ours(int s, const unsigned long long tmaps, __nv_bfloat16 *c, int m, int n, int k,
+              cudaStream_t st) {
     switch (s) {
-        case 1: launch<1>(tmaps, c, m, n, k); break;
-        case 2: launch<2>(tmaps, c, m, n, k); break;
-        case 4: launch<4>(tmaps, c, m, n, k); break;
-        case 8: launch<8>(tmaps, c, m, n, k); break;
+        case 1: launch<1>(tmaps, c, m, n, k, st); break;
+        case 2: launch<2>(tmaps, c, m, n, k, st); break;
+        case 4: launch<4>(tmaps, c, m, n, k, st); break;
+        case 8: launch<8>(tmaps, c, m, n, k, st); break;
         default: fprintf(stderr, "S must be 1, 2, 4 or 8\n"); exit(2);
     }
 }
@@ -259,12 +182,10 @@ int main(int argc, char **argv) {
         return 2;
     }
     CHECK(cudaFree(0));
-    const int fits[4] = {max_clusters<1>(), max_clusters<2>(), max_clusters<4>(), max_clusters<8>()};
+    const int fits[4] = {max_clusters<1>(), max_clusters<2>(), max_clusters<4>(),
+                         max_clusters<8>()};
     cublasHandle_t handle;
     CHECK(cublasCreate(&handle));
-    cudaEvent_t e0, e1;
-    CHECK(cudaEventCreate(&e0));
-    CHECK(cudaEventCreate(&e1));
     for (int arg = 1; arg < argc; arg += 4) {
         const int m = atoi(argv[arg]), n = atoi(argv[arg + 1]), k = atoi(argv[arg + 2]),
                   s = atoi(argv[arg + 3]);
@@ -272,97 +193,20 @@ int main(int argc, char **argv) {
             fprintf(stderr, "skip %dx%dx%d S=%d: whole tiles and slices only\n", m, n, k, s);
             continue;
         }
-        __nv_bfloat16 *a, *b, *c, *ref;
-        CHECK(cudaMalloc(&a, (size_t)m * k * 2));
-        CHECK(cudaMalloc(&b, (size_t)n * k * 2));
-        CHECK(cudaMalloc(&c, (size_t)m * n * 2));
-        CHECK(cudaMalloc(&ref, (size_t)m * n * 2));
-        fill_random<<<1024, 256>>>(a, (long long)m * k, 1234u + arg);
-        fill_random<<<1024, 256>>>(b, (long long)n * k, 99u + arg);
-        CHECK(cudaMemset(c, 0xFF, (size_t)m * n * 2));  // poison: NaNs where nothing is written
-        CUtensorMap maps[2] = {encode(a, m, k, BM), encode(b, n, k, BN)};
+        probe::Operands x(m, n, k, arg);
+        CUtensorMap maps[2] = {probe::encode(x.a, m, k, BM), probe::encode(x.b, n, k, BN)};
         unsigned long long *tm;
         CHECK(cudaMalloc(&tm, sizeof(maps)));
         CHECK(cudaMemcpy(tm, maps, sizeof(maps), cudaMemcpyHostToDevice));
-        const float one = 1.f, zero = 0.f;
-        auto cublas = [&]() {
-            CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, m, k, &one, b, CUDA_R_16BF, k,
-                               a, CUDA_R_16BF, k, &zero, ref, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-                               CUBLAS_GEMM_DEFAULT));
-        };
-        auto ours = [&]() { run_ours(s, (unsigned long long)tm, c, m, n, k); };
-        ours();
-        cublas();
-        CHECK(cudaDeviceSynchronize());
-        CHECK(cudaGetLastError());
-        // error of ours against cuBLAS's output
-        std::vector<unsigned short> hc((size_t)m * n), hr((size_t)m * n);
-        CHECK(cudaMemcpy(hc.data(), c, hc.size() * 2, cudaMemcpyDeviceToHost));
-        CHECK(cudaMemcpy(hr.data(), ref, hr.size() * 2, cudaMemcpyDeviceToHost));
-        auto f32 = [](unsigned short h) {
-            unsigned u = (unsigned)h << 16;
-            float f;
-            memcpy(&f, &u, 4);
-            return f;
-        };
-        double maxdiff = 0, maxref = 0;
-        for (size_t i = 0; i < hc.size(); ++i) {
-            const double x = f32(hc[i]), y = f32(hr[i]);
-            maxdiff = std::max(maxdiff, x == x ? std::fabs(x - y) : 1e30);
-            maxref = std::max(maxref, std::fabs(y));
-        }
-        // timing: a CUDA graph of `reps` launches each (the GPU's time, not the host's launch
-        // rate), replayed in rounds, ours and cuBLAS alternating
-        const int reps = 20, rounds = 7;
-        cudaStream_t st;
-        CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
-        CHECK(cublasSetStream(handle, st));
-        auto capture = [&](auto fn) {
-            cudaGraph_t g;
-            cudaGraphExec_t x;
-            CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-            for (int i = 0; i < reps; ++i) fn();
-            CHECK(cudaStreamEndCapture(st, &g));
-            CHECK(cudaGraphInstantiate(&x, g, 0));
-            CHECK(cudaGraphDestroy(g));
-            return x;
-        };
-        stream = st;
-        cudaGraphExec_t go = capture(ours), gb = capture(cublas);
-        std::vector<float> to, tb;
-        for (int w = 0; w < 2; ++w) {
-            CHECK(cudaGraphLaunch(go, st));
-            CHECK(cudaGraphLaunch(gb, st));
-        }
-        for (int rd = 0; rd < rounds; ++rd) {
-            for (int which = 0; which < 2; ++which) {
-                float ms;
-                CHECK(cudaEventRecord(e0, st));
-                CHECK(cudaGraphLaunch(which ? gb : go, st));
-                CHECK(cudaEventRecord(e1, st));
-                CHECK(cudaEventSynchronize(e1));
-                CHECK(cudaEventElapsedTime(&ms, e0, e1));
-                (which ? tb : to).push_back(ms * 1000 / reps);
-            }
-        }
-        CHECK(cudaGraphExecDestroy(go));
-        CHECK(cudaGraphExecDestroy(gb));
-        CHECK(cublasSetStream(handle, 0));
-        stream = 0;
-        CHECK(cudaStreamDestroy(st));
-        std::sort(to.begin(), to.end());
-        std::sort(tb.begin(), tb.end());
+        auto ours = [&](cudaStream_t st) { run_ours(s, (unsigned long long)tm, x.c, m, n, k, st); };
+        const probe::Result res = probe::compare_with_cublas(handle, x, m, n, k, ours);
         const int fit = fits[s == 1 ? 0 : s == 2 ? 1 : s == 4 ? 2 : 3];
         printf("{\"kernel\": \"gemm_cluster_split_probe\", \"shape\": {\"m\": %d, \"n\": %d, "
                "\"k\": %d}, \"slices\": %d, \"ctas\": %d, \"max_active_clusters\": %d, "
                "\"ours_us\": %.3f, \"cublas_us\": %.3f, \"speedup\": %.4f, \"rel_err\": %.3e}\n",
-               m, n, k, s, (m / BM) * (n / BN) * s, fit, to[rounds / 2], tb[rounds / 2],
-               tb[rounds / 2] / to[rounds / 2], maxdiff / maxref);
+               m, n, k, s, (m / BM) * (n / BN) * s, fit, res.ours_us, res.cublas_us,
+               res.cublas_us / res.ours_us, res.rel_err);
         fflush(stdout);
-        CHECK(cudaFree(a));
-        CHECK(cudaFree(b));
-        CHECK(cudaFree(c));
-        CHECK(cudaFree(ref));
         CHECK(cudaFree(tm));
     }
     return 0;
