@@ -39,7 +39,14 @@ namespace {
 //         through shared memory at the end (an even ring: each warpgroup only ever waits on
 //         its own slots' phases);
 //      3: two consumer warpgroups, each the tile's 32 columns 32 w.. (wgmma m64n32k16): two
-//         independent chains over the same k-steps, both waiting for and freeing every slot.
+//         independent chains over the same k-steps, both waiting for and freeing every slot;
+//      4: loads only (the ring's delivery rate alone; the output is not the product): the
+//         consumer warpgroup waits for each slot and frees it, no wgmma instruction at all
+//         (an empty wgmma group makes ptxas issue a dummy MMA). Its four warps meet at a named
+//         barrier before the slot is freed: without the MMAs' warpgroup-wide sync, warp 0
+//         could free a slot whose full barrier a lagging warp has yet to pass, and once the
+//         refill completes that barrier's next phase the lagging warp's parity wait never
+//         returns (the hang of the first MODE 4 builds).
 #ifndef MODE
 #define MODE 0
 #endif
@@ -138,19 +145,24 @@ __global__ void __launch_bounds__(THREADS, 1)
             const unsigned s = kk % STAGES, phase = (kk / STAGES) & 1;
             mbar_wait(full + 8 * s, phase);
             const unsigned a = a_ring + s * A_BYTES, b = b_ring + s * B_BYTES;
-            wgmma_fence();
+            if (MODE == 4) {
+                asm volatile("bar.sync 1, 128;" ::: "memory");
+            } else {
+                wgmma_fence();
 #pragma unroll
-            for (int k16 = 0; k16 < BK / 16; ++k16) {
-                if (MODE == 3)
-                    wgmma_m64n32k16_ss(*(float(*)[16])d, smem_desc(a + 32 * k16),
-                                       smem_desc(b + wg * 32 * 128 + 32 * k16));
-                else if (MODE == 1 && (k16 & 1))
-                    wgmma_m64n64k16_ss(e, smem_desc(a + 32 * k16), smem_desc(b + 32 * k16), 1);
-                else
-                    wgmma_m64n64k16_ss(d, smem_desc(a + 32 * k16), smem_desc(b + 32 * k16), 1);
+                for (int k16 = 0; k16 < BK / 16; ++k16) {
+                    const unsigned long long da = smem_desc(a + 32 * k16);
+                    if (MODE == 3)
+                        wgmma_m64n32k16_ss(*(float(*)[16])d, da,
+                                           smem_desc(b + wg * 32 * 128 + 32 * k16));
+                    else if (MODE == 1 && (k16 & 1))
+                        wgmma_m64n64k16_ss(e, da, smem_desc(b + 32 * k16), 1);
+                    else
+                        wgmma_m64n64k16_ss(d, da, smem_desc(b + 32 * k16), 1);
+                }
+                wgmma_commit();
+                wgmma_wait<1>();
             }
-            wgmma_commit();
-            wgmma_wait<1>();
             fence_operands(d);
             if (MODE == 1) fence_operands(e);
             if (prev >= 0 && tid % 128 == 0) {  // the previous slot, in every CTA writing it
