@@ -16,13 +16,14 @@
 // (CM, CN) = (1, 1) is the plain tile through the same code: the calibration against the
 // library's 64 x 64 rate. cuBLAS's kernel there runs 384 threads (a producer and two consumer
 // warpgroups, Nsight Compute); MODE 1-3 ask whether one chain of dependent MMAs a block is
-// what holds the tile.
+// what holds the tile, MODE 4 what the ring delivers with no MMA at all.
 //
-//   nvcc -O3 -std=c++17 [-DMODE=1|2|3] -gencode=arch=compute_90a,code=sm_90a \
+//   nvcc -O3 -std=c++17 [-DMODE=1|2|3|4] -gencode=arch=compute_90a,code=sm_90a \
 //        -I mknumba/roles/cuda benchmarks/cuda/gemm_multicast64.cu -lcuda -lcublas \
 //        -o gemm_multicast64
 //   ./gemm_multicast64 M N K CM CN [M N K CM CN ...]   # (CM, CN) in (1,1) (2,1) (1,2) (2,2)
 //                                                      # (4,1); prints JSON lines
+// (Clusters of 4 CTAs: at 512 x 1024, 32 clusters, of which an H100 holds 30 at once: two waves.)
 //
 // Per shape: ours and cuBLAS (cublasGemmEx, bf16 in and out, fp32 compute) on the same random
 // inputs (gemm_probe.cuh: each a CUDA graph of 20 launches replayed in alternating rounds,
