@@ -14,11 +14,14 @@
 // KB slots, and the consumers MODE (below) names: by default one warpgroup (wgmma m64n64k16, 32
 // fp32 accumulators a thread), the library's ping-pong 64 x 64 loop with one tile a block.
 // (CM, CN) = (1, 1) is the plain tile through the same code: the calibration against the
-// library's 64 x 64 rate. cuBLAS's kernel there runs 384 threads (a producer and two consumer
-// warpgroups, Nsight Compute); MODE 1-3 ask whether one chain of dependent MMAs a block is
-// what holds the tile, MODE 4 what the ring delivers with no MMA at all.
+// library's 64 x 64 rate. MODE 1-3 ask whether one chain of dependent MMAs a block is what
+// holds the tile, MODE 4 what the ring delivers with no MMA at all; TMAP and INTERLEAVE, whether
+// where the tensor maps live or how the ring is laid out matters (cuBLAS's kernel there: one
+// consumer warpgroup's chain, parameter maps, an interleaved ring; benchmarks/NOTES.md,
+// twenty-eighth session).
 //
-//   nvcc -O3 -std=c++17 [-DMODE=1|2|3|4] -gencode=arch=compute_90a,code=sm_90a \
+//   nvcc -O3 -std=c++17 [-DMODE=1|2|3|4] [-DRING_SLOTS=n] [-DTMAP=1|2] [-DINTERLEAVE=1] \
+//        -gencode=arch=compute_90a,code=sm_90a \
 //        -I mknumba/roles/cuda benchmarks/cuda/gemm_multicast64.cu -lcuda -lcublas \
 //        -o gemm_multicast64
 //   ./gemm_multicast64 M N K CM CN [M N K CM CN ...]   # (CM, CN) in (1,1) (2,1) (1,2) (2,2)
@@ -47,16 +50,29 @@ namespace {
 //         barrier before the slot is freed: without the MMAs' warpgroup-wide sync, warp 0
 //         could free a slot whose full barrier a lagging warp has yet to pass, and once the
 //         refill completes that barrier's next phase the lagging warp's parity wait never
-//         returns (the hang of the first MODE 4 builds).
+//         returns.
 #ifndef MODE
 #define MODE 0
 #endif
-#ifndef STAGES
-#define STAGES (MODE == 2 ? 12 : 13)
+// TMAP: where the kernel reads its two tensor maps. 0: global memory (a pointer argument, as the
+// library passes them), 1: kernel parameters (__grid_constant__, as cuBLAS and CUTLASS pass
+// them), 2: __constant__ memory. (The CUDA guide: maps in global memory "may be slower".)
+#ifndef TMAP
+#define TMAP 0
 #endif
+__constant__ CUtensorMap const_maps[2];
+// INTERLEAVE=1: a slot's A and B boxes side by side (slot s at s x 16 KB, as cuBLAS lays out
+// its ring), else all A boxes, then all B boxes
+#ifndef INTERLEAVE
+#define INTERLEAVE 0
+#endif
+#ifndef RING_SLOTS  // -DRING_SLOTS=n: the ring's depth (a macro STAGES would clash with
+#define RING_SLOTS (MODE == 2 ? 12 : 13)  // gemm_common.cuh's template parameters)
+#endif
+constexpr int STAGES = RING_SLOTS;
 static_assert(MODE != 2 || STAGES % 2 == 0, "MODE 2 needs an even ring");
 constexpr int BM = 64, BN = 64, BK = 64;
-constexpr int CONSUMERS = MODE >= 2 ? 256 : 128, THREADS = CONSUMERS + 32;
+constexpr int CONSUMERS = MODE == 2 || MODE == 3 ? 256 : 128, THREADS = CONSUMERS + 32;
 constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
 constexpr unsigned RING_BYTES = STAGES * (A_BYTES + B_BYTES);
 constexpr unsigned SMEM_BYTES = RING_BYTES + 16 * STAGES + 1024;
@@ -93,12 +109,21 @@ __device__ __forceinline__ void wgmma_m64n32k16_ss(float (&d)[16], unsigned long
 // tmaps: A (box 64 x 64 / CN), B (box 64 x 64 / CM)
 template <int CM, int CN>
 __global__ void __launch_bounds__(THREADS, 1)
-    mc_gemm(const unsigned long long tmaps, __nv_bfloat16 *c, int m, int n, int k_iters,
-            int clusters_m) {
+    mc_gemm(const unsigned long long global_maps, __nv_bfloat16 *c, int m, int n, int k_iters,
+            int clusters_m, const __grid_constant__ CUtensorMap map_a,
+            const __grid_constant__ CUtensorMap map_b) {
     extern __shared__ __align__(1024) unsigned char smem[];
     constexpr int CS = CM * CN;
+    const unsigned long long ta = TMAP == 1   ? (unsigned long long)&map_a
+                                  : TMAP == 2 ? (unsigned long long)&const_maps[0]
+                                              : global_maps;
+    const unsigned long long tb = TMAP == 1   ? (unsigned long long)&map_b
+                                  : TMAP == 2 ? (unsigned long long)&const_maps[1]
+                                              : global_maps + 128;
     const unsigned base = ring_base((unsigned long long)smem);
-    const unsigned a_ring = base, b_ring = base + STAGES * A_BYTES;
+    constexpr unsigned A_STEP = INTERLEAVE ? A_BYTES + B_BYTES : A_BYTES,
+                       B_STEP = INTERLEAVE ? A_BYTES + B_BYTES : B_BYTES;
+    const unsigned a_ring = base, b_ring = base + (INTERLEAVE ? A_BYTES : STAGES * A_BYTES);
     const unsigned full = base + RING_BYTES, empty = full + 8 * STAGES;
     const int tid = threadIdx.x;
     const unsigned r = CS > 1 ? probe::cluster_rank() : 0;
@@ -107,7 +132,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int tile_m = (cl % clusters_m) * CM + rm, tile_n = (cl / clusters_m) * CN + rn;
 
     if (tid == 0) {
-        init_ring<STAGES>(full, empty, (CM + CN - 1) * (MODE == 3 ? 2 : 1), tmaps);
+        init_ring<STAGES>(full, empty, (CM + CN - 1) * (MODE == 3 ? 2 : 1), global_maps);
+        if (TMAP) {
+            prefetch_tensormap(ta);
+            prefetch_tensormap(tb);
+        }
         mbar_init_fence();
     }
     if (CS > 1) probe::cluster_sync(); else __syncthreads();
@@ -121,16 +150,16 @@ __global__ void __launch_bounds__(THREADS, 1)
                 const unsigned s = kk % STAGES, phase = (kk / STAGES) & 1;
                 mbar_wait(empty + 8 * s, phase ^ 1);
                 mbar_expect_tx(full + 8 * s, A_BYTES + B_BYTES);
-                const unsigned a_dst = a_ring + s * A_BYTES, b_dst = b_ring + s * B_BYTES;
+                const unsigned a_dst = a_ring + s * A_STEP, b_dst = b_ring + s * B_STEP;
                 if (CN == 1)
-                    tma_load_2d(a_dst, tmaps, kk * BK, tile_m * BM, full + 8 * s);
+                    tma_load_2d(a_dst, ta, kk * BK, tile_m * BM, full + 8 * s);
                 else
-                    tma_load_2d_mc(a_dst + rn * (BM / CN) * 128, tmaps, kk * BK,
+                    tma_load_2d_mc(a_dst + rn * (BM / CN) * 128, ta, kk * BK,
                                    tile_m * BM + rn * (BM / CN), full + 8 * s, mask_a);
                 if (CM == 1)
-                    tma_load_2d(b_dst, tmaps + 128, kk * BK, tile_n * BN, full + 8 * s);
+                    tma_load_2d(b_dst, tb, kk * BK, tile_n * BN, full + 8 * s);
                 else
-                    tma_load_2d_mc(b_dst + rm * (BN / CM) * 128, tmaps + 128, kk * BK,
+                    tma_load_2d_mc(b_dst + rm * (BN / CM) * 128, tb, kk * BK,
                                    tile_n * BN + rm * (BN / CM), full + 8 * s, mask_b);
             }
         }
@@ -145,7 +174,7 @@ __global__ void __launch_bounds__(THREADS, 1)
         for (int kk = MODE == 2 ? wg : 0; kk < k_iters; kk += MODE == 2 ? 2 : 1) {
             const unsigned s = kk % STAGES, phase = (kk / STAGES) & 1;
             mbar_wait(full + 8 * s, phase);
-            const unsigned a = a_ring + s * A_BYTES, b = b_ring + s * B_BYTES;
+            const unsigned a = a_ring + s * A_STEP, b = b_ring + s * B_STEP;
             if (MODE == 4) {
                 asm volatile("bar.sync 1, 128;" ::: "memory");
             } else {
@@ -230,11 +259,12 @@ done:
 }
 
 template <int CM, int CN>
-void launch(const unsigned long long tmaps, __nv_bfloat16 *c, int m, int n, int k,
-            cudaStream_t stream) {
+void launch(const unsigned long long tmaps, const CUtensorMap *maps, __nv_bfloat16 *c, int m,
+            int n, int k, cudaStream_t stream) {
     const int tiles_m = m / BM, tiles_n = n / BN;
     probe::ClusterLaunch l(tiles_m * tiles_n, THREADS, SMEM_BYTES, CM * CN, stream);
-    CHECK(cudaLaunchKernelEx(&l.cfg, mc_gemm<CM, CN>, tmaps, c, m, n, k / BK, tiles_m / CM));
+    CHECK(cudaLaunchKernelEx(&l.cfg, mc_gemm<CM, CN>, tmaps, c, m, n, k / BK, tiles_m / CM,
+                               maps[0], maps[1]));
 }
 
 template <int CM, int CN> void allow_smem() {
@@ -242,13 +272,13 @@ template <int CM, int CN> void allow_smem() {
                                SMEM_BYTES));
 }
 
-bool run_ours(int cm, int cn, const unsigned long long tmaps, __nv_bfloat16 *c, int m, int n,
-              int k, cudaStream_t st) {
-    if (cm == 1 && cn == 1) launch<1, 1>(tmaps, c, m, n, k, st);
-    else if (cm == 2 && cn == 1) launch<2, 1>(tmaps, c, m, n, k, st);
-    else if (cm == 1 && cn == 2) launch<1, 2>(tmaps, c, m, n, k, st);
-    else if (cm == 2 && cn == 2) launch<2, 2>(tmaps, c, m, n, k, st);
-    else if (cm == 4 && cn == 1) launch<4, 1>(tmaps, c, m, n, k, st);
+bool run_ours(int cm, int cn, const unsigned long long tmaps, const CUtensorMap *maps,
+              __nv_bfloat16 *c, int m, int n, int k, cudaStream_t st) {
+    if (cm == 1 && cn == 1) launch<1, 1>(tmaps, maps, c, m, n, k, st);
+    else if (cm == 2 && cn == 1) launch<2, 1>(tmaps, maps, c, m, n, k, st);
+    else if (cm == 1 && cn == 2) launch<1, 2>(tmaps, maps, c, m, n, k, st);
+    else if (cm == 2 && cn == 2) launch<2, 2>(tmaps, maps, c, m, n, k, st);
+    else if (cm == 4 && cn == 1) launch<4, 1>(tmaps, maps, c, m, n, k, st);
     else return false;
     return true;
 }
@@ -279,8 +309,9 @@ int main(int argc, char **argv) {
         unsigned long long *tm;
         CHECK(cudaMalloc(&tm, sizeof(maps)));
         CHECK(cudaMemcpy(tm, maps, sizeof(maps), cudaMemcpyHostToDevice));
+        CHECK(cudaMemcpyToSymbol(const_maps, maps, sizeof(maps)));
         auto ours = [&](cudaStream_t st) {
-            if (!run_ours(cm, cn, (unsigned long long)tm, x.c, m, n, k, st)) {
+            if (!run_ours(cm, cn, (unsigned long long)tm, maps, x.c, m, n, k, st)) {
                 fprintf(stderr, "no build for cluster %dx%d\n", cm, cn);
                 exit(2);
             }
@@ -289,9 +320,11 @@ int main(int argc, char **argv) {
         printf("{\"kernel\": \"gemm_multicast64_probe\", \"shape\": {\"m\": %d, \"n\": %d, "
                "\"k\": %d}, \"cluster\": [%d, %d], \"stages\": %d, \"ctas\": %d, "
                "\"ours_us\": %.3f, \"cublas_us\": %.3f, \"speedup\": %.4f, "
-               "\"ns_per_kstep\": %.1f, \"mode\": %d, \"rel_err\": %.3e}\n",
+               "\"ns_per_kstep\": %.1f, \"mode\": %d, \"tmap\": %d, \"interleave\": %d, "
+               "\"rel_err\": %.3e}\n",
                m, n, k, cm, cn, STAGES, (m / BM) * (n / BN), res.ours_us, res.cublas_us,
-               res.cublas_us / res.ours_us, res.ours_us * 1000 / (k / BK), MODE, res.rel_err);
+               res.cublas_us / res.ours_us, res.ours_us * 1000 / (k / BK), MODE, TMAP,
+               INTERLEAVE, res.rel_err);
         fflush(stdout);
         CHECK(cudaFree(tm));
     }
