@@ -63,6 +63,9 @@ namespace {
 __constant__ CUtensorMap const_maps[2];
 // INTERLEAVE=1: a slot's A and B boxes side by side (slot s at s x 16 KB, as cuBLAS lays out
 // its ring), else all A boxes, then all B boxes
+#ifndef RASTER
+#define RASTER 0
+#endif
 #ifndef INTERLEAVE
 #define INTERLEAVE 0
 #endif
@@ -129,7 +132,11 @@ __global__ void __launch_bounds__(THREADS, 1)
     const unsigned r = CS > 1 ? probe::cluster_rank() : 0;
     const int rm = r % CM, rn = r / CM;
     const int cl = blockIdx.x / CS;
-    const int tile_m = (cl % clusters_m) * CM + rm, tile_n = (cl / clusters_m) * CN + rn;
+    // RASTER 0: consecutive clusters down a tile column (sharing B), 1: along a tile row
+    const int clusters_n = gridDim.x / CS / clusters_m;
+    const int cm_ = RASTER ? cl / clusters_n : cl % clusters_m;
+    const int cn_ = RASTER ? cl % clusters_n : cl / clusters_m;
+    const int tile_m = cm_ * CM + rm, tile_n = cn_ * CN + rn;
 
     if (tid == 0) {
         init_ring<STAGES>(full, empty, (CM + CN - 1) * (MODE == 3 ? 2 : 1), global_maps);
@@ -321,10 +328,10 @@ int main(int argc, char **argv) {
                "\"k\": %d}, \"cluster\": [%d, %d], \"stages\": %d, \"ctas\": %d, "
                "\"ours_us\": %.3f, \"cublas_us\": %.3f, \"speedup\": %.4f, "
                "\"ns_per_kstep\": %.1f, \"mode\": %d, \"tmap\": %d, \"interleave\": %d, "
-               "\"rel_err\": %.3e}\n",
+               "\"raster\": %d, \"promo\": %d, \"rel_err\": %.3e}\n",
                m, n, k, cm, cn, STAGES, (m / BM) * (n / BN), res.ours_us, res.cublas_us,
                res.cublas_us / res.ours_us, res.ours_us * 1000 / (k / BK), MODE, TMAP,
-               INTERLEAVE, res.rel_err);
+               INTERLEAVE, RASTER, PROMO, res.rel_err);
         fflush(stdout);
         CHECK(cudaFree(tm));
     }

@@ -50,6 +50,10 @@ __device__ __forceinline__ unsigned map_to(unsigned addr, unsigned cta) {
 }
 
 // a row-major bf16 [rows, cols] matrix read in boxes of 64 columns x box_rows rows, 128B swizzle
+// PROMO: the maps' L2 promotion, 256 (the library's), 128 or 0 (none)
+#ifndef PROMO
+#define PROMO 256
+#endif
 inline CUtensorMap encode(void *ptr, int rows, int cols, int box_rows) {
     CUtensorMap map;
     cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
@@ -57,7 +61,10 @@ inline CUtensorMap encode(void *ptr, int rows, int cols, int box_rows) {
     cuuint32_t box[2] = {64, (cuuint32_t)box_rows}, elem[2] = {1, 1};
     CHECK(cuTensorMapEncodeTiled(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr, dims, strides,
                                  box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                 CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                 CU_TENSOR_MAP_SWIZZLE_128B,
+                                 PROMO == 256   ? CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+                                 : PROMO == 128 ? CU_TENSOR_MAP_L2_PROMOTION_L2_128B
+                                                : CU_TENSOR_MAP_L2_PROMOTION_NONE,
                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE));
     return map;
 }

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One device call's worth of the standalone probes (issue 23), results under $OUT:
-#   OUT=dir bash benchmarks/cuda/probe_calls.sh [runs|traffic]
+#   OUT=dir bash benchmarks/cuda/probe_calls.sh [runs|traffic|lrc]
 # runs (default): builds gemm_multicast64.cu in the variants below, runs each beside cuBLAS
 # (under `timeout`: some are new), then Nsight Compute's L2 sector counts for the tensor-map
 # placements. traffic: Nsight Compute's L2 and crossbar counters of cuBLAS's kernel beside
-# ours at 512x1024x8192 (MODE 0 alone, MODE 4 in pairs), one metric group per profile.
+# ours at 512x1024x8192 (MODE 0 alone, MODE 4 in pairs), one metric group per profile. lrc:
+# the L2 request coalescer's counters, and the builds that might change them (raster order, the
+# tensor maps' L2 promotion), timed.
 set -u
 cd "$(dirname "$0")"
 PART=${1:-runs}
@@ -31,9 +33,35 @@ if [ "$PART" = traffic ]; then
         | grep -E "mc_gemm|nvjet|^    [a-z]|ERROR|rror" >> "$OUT/traffic.txt"
     done
   done
-  timeout 120 ncu $P -k regex:nvjet --launch-count 1 --section MemoryWorkloadAnalysis_Tables \
-    --print-details all /tmp/mc_0 512 1024 8192 1 1 > "$OUT/nvjet_tables.txt" 2>&1
   cat "$OUT/traffic.txt"
+  exit 0
+fi
+if [ "$PART" = lrc ]; then
+  build mc_0 -DMODE=0 & build mc_0r -DMODE=0 -DRASTER=1 & build mc_0p128 -DMODE=0 -DPROMO=128 &
+  build mc_0p0 -DMODE=0 -DPROMO=0 & build mc_4 -DMODE=4 & build mc_4p128 -DMODE=4 -DPROMO=128 &
+  wait
+  for b in mc_0 mc_0r mc_0p128 mc_0p0 mc_4 mc_4p128; do
+    timeout 40 /tmp/$b 512 1024 8192 1 1 512 1024 8192 2 1 >> "$OUT/probe.jsonl" \
+      2>> "$OUT/probe.log"
+  done
+  M=gpu__time_duration.sum,lts__t_sectors_srcunit_tex_op_read.sum,lrc__xbar2gpc_sectors_op_read.sum
+  M=$M,lrc__lrc2xbar_sectors_op_read.sum
+  M=$M,lrc__lrc2xbar_sectors_op_read_coalescing_achieved_type_hardware.sum
+  M=$M,lrc__lrc2xbar_sectors_op_read_coalescing_achieved_type_programmatic.sum
+  for run in "mc_0 512 1024 8192 1 1" "mc_0r 512 1024 8192 1 1" "mc_0p128 512 1024 8192 1 1"; do
+    echo "## $run" >> "$OUT/lrc.txt"
+    timeout 60 ncu --clock-control none --cache-control none --launch-count 2 \
+      -k regex:"mc_gemm|nvjet" --metrics $M /tmp/$run 2>&1 \
+      | grep -E "mc_gemm|nvjet|^    [a-z]|ERROR|rror" >> "$OUT/lrc.txt"
+  done
+  cat "$OUT/probe.log" "$OUT/lrc.txt"
+  python3 - "$OUT/probe.jsonl" <<'P'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    print(f"mode {r['mode']} raster {r['raster']} promo {r['promo']} cluster {r['cluster']} "
+          f"ours {r['ours_us']:6.2f} us ({r['ns_per_kstep']:.0f} ns), cuBLAS {r['cublas_us']:.2f}")
+P
   exit 0
 fi
 build mc_0 -DMODE=0 & build mc_0p -DMODE=0 -DTMAP=1 & build mc_0c -DMODE=0 -DTMAP=2 &
