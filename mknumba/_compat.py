@@ -80,3 +80,113 @@ if SIMULATOR:
         return res
 
     _kernelapi.FakeCUDAShared.array = _shared_array
+
+    import numba_cuda
+    from numba.cuda.simulator import kernel as _kernel
+
+    # The block runner and the ``cuda`` swap below copy numba-cuda 0.30's simulator internals
+    # (its BlockThread's fields, kernelapi's swap registry); other versions keep numba's own.
+    _SIM_INTERNALS_0_30 = numba_cuda.__version__.startswith("0.30.")
+
+    class _BlockThread(_kernel.BlockThread):
+        """numba's simulated thread, telling its block's manager when the last live thread
+        reaches a barrier or a thread ends (numba's manager polls every thread in a loop that
+        competes for the GIL with them: a 1x2 fused test run took 16 s with it, 13 s without)."""
+
+        def run(self):
+            try:
+                super().run()        # records an exception in self.exception
+            finally:
+                m = self._manager
+                with m.changed:
+                    m.live -= 1
+                    m.changed.notify()
+
+        def syncthreads(self):
+            if self.abort:
+                raise RuntimeError("abort flag set on syncthreads call")
+            m = self._manager
+            with m.changed:
+                self.syncthreads_blocked = True
+                m.blocked += 1
+                if m.blocked == m.live:
+                    m.changed.notify()
+            self.syncthreads_event.wait()
+            self.syncthreads_event.clear()
+            if self.abort:
+                raise RuntimeError("abort flag set on syncthreads clear")
+
+    class _BlockManager(_kernel.BlockManager):
+        """numba's BlockManager.run with the same rules (all live threads at the barrier: all
+        go on; a thread's exception aborts the others and is raised), woken by the threads
+        instead of polling them."""
+
+        def run(self, grid_point, *args):
+            self.changed = threading.Condition()
+
+            def target():
+                self._f(*args)
+
+            threads = [_BlockThread(target, self, grid_point, point, self._debug)
+                       for point in np.ndindex(*self._block_dim)]
+            self.live, self.blocked = len(threads), 0      # threads not ended; at a barrier
+            with self.changed:
+                for t in threads:
+                    t.start()
+                while True:
+                    failed = next((t for t in threads if t.exception), None)
+                    if failed is not None:
+                        for t in threads:
+                            t.abort = True
+                            t.syncthreads_blocked = False
+                            t.syncthreads_event.set()
+                        raise failed.exception[0].with_traceback(failed.exception[1])
+                    if self.live == 0:
+                        return
+                    if self.blocked == self.live:
+                        self.blocked = 0
+                        for t in threads:
+                            if t.syncthreads_blocked:
+                                t.syncthreads_blocked = False
+                                t.syncthreads_event.set()
+                    self.changed.wait()
+
+    if _SIM_INTERNALS_0_30:
+        _kernel.BlockManager = _BlockManager
+
+    from numba import cuda as _cuda
+
+    class _SwappedCudaModule:
+        """numba's ``kernelapi.swapped_cuda_module`` (around every simulated kernel and device
+        function call: the fake ``cuda`` module in the function's globals while any thread is
+        inside one of that module's functions), with the same locks and counts, as a plain
+        context manager: numba's generator-based one doubled the cost of a device call."""
+        __slots__ = ("globs", "gid", "lock", "fake")
+
+        def __init__(self, fn, fake_cuda_module):
+            self.globs, self.fake = fn.__globals__, fake_cuda_module
+            self.gid = id(self.globs)
+            lock = _kernelapi._globals_locks.get(self.gid)
+            if lock is None:
+                with _kernelapi._locks_register_lock:
+                    lock = _kernelapi._globals_locks[self.gid]
+            self.lock = lock
+
+        def __enter__(self):
+            with self.lock:
+                if _kernelapi._swap_refcount[self.gid] == 0:
+                    orig = {k: v for k, v in self.globs.items() if v is _cuda}
+                    _kernelapi._swap_orig[self.gid] = orig
+                    for k in orig:
+                        self.globs[k] = self.fake
+                _kernelapi._swap_refcount[self.gid] += 1
+
+        def __exit__(self, *exc):
+            with self.lock:
+                _kernelapi._swap_refcount[self.gid] -= 1
+                if _kernelapi._swap_refcount[self.gid] == 0:
+                    self.globs.update(_kernelapi._swap_orig.pop(self.gid))
+                    del _kernelapi._swap_refcount[self.gid]
+
+    if _SIM_INTERNALS_0_30:
+        _kernel.swapped_cuda_module = _SwappedCudaModule

@@ -47,8 +47,9 @@ def test_tile_order_follows_arrival(shard, bm):
 
 
 # ---- simulator, several ranks -------------------------------------------------------------------
-# The runs of 2 ranks share one mpiexec start (each its own mk.init and layout).
-TWO = SharedLaunch(2)
+# The runs of 2 ranks share one mpiexec start, those of 4 another (each its own mk.init and
+# layout).
+TWO, FOUR = SharedLaunch(2), SharedLaunch(4)
 SIM_1X2_CHECKS = ("calls", "inplace", "bad", "disagree", "wrap", "alternate", "adaptive",
                   "timeout")
 TWO.add("test_sim_1x2_every_check", "allgather_gemm_checks.py", ",".join(SIM_1X2_CHECKS), *SIM,
@@ -76,26 +77,32 @@ def test_sim_2x1_through_the_proxy(request):
     assert out.count("topology 2x1") == 2, out[-4000:]
 
 
+FOUR.add("test_sim_2x2_forwarded_inside_the_node", "allgather_gemm_checks.py", "calls,wrap",
+         "m=40", "n=16", "k=8", "part_rows=4", "calls=2",
+         env={"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:completion"})
+
+
 @pytest.mark.slow
-def test_sim_2x2_forwarded_inside_the_node():
+def test_sim_2x2_forwarded_inside_the_node(request):
     """Each shard crosses to the other node once, to its rail peer (completion mode: the
     receiving proxy sets the flag), which forwards it to the other GPU of its node. 10 rows
     per rank: one tile row spans four shards. Then across the wrap of the call counter: the
     receiving proxy restores each epoch from its low bits and the flag's last value, which
     ``_start_at`` must set too (``Comm.flags_set``)."""
-    env = {"MKNUMBA_GPUS_PER_NODE": "2", "MKNUMBA_TRANSPORT": "sim:completion"}
-    out = run_mpi("allgather_gemm_checks.py", 4, "calls,wrap", "m=40", "n=16", "k=8",
-                  "part_rows=4", "calls=2", env=env)
+    out = FOUR.output(request)
     _passes(out, "calls", 4)
     _passes(out, "wrap", 4)
     assert out.count("'forward': 1") == 4, out[-4000:]
 
 
+FOUR.add("test_sim_1x4_four_shards", "allgather_gemm_checks.py", "calls", *SIM, "calls=2")
+
+
 @pytest.mark.slow
-def test_sim_1x4_four_shards():
+def test_sim_1x4_four_shards(request):
     """Four GPUs of one node: each rank's 20 rows are broadcast to three peers, and a 32-row
     tile row spans two shards (parts of 16 rows straddle them too)."""
-    out = run_mpi("allgather_gemm_checks.py", 4, "calls", *SIM, "calls=2")
+    out = FOUR.output(request)
     assert out.count("PASS calls ") == 4, out[-4000:]
     assert out.count("topology 1x4") == 4, out[-4000:]
 

@@ -15,8 +15,6 @@ import pytest
 from mpi_util import run_python
 
 SCRIPT = r"""
-import sys
-sys.setswitchinterval(5e-5)   # the simulator's block runner polls its threads: 79 s -> 8 s
 import numpy as np
 from numba import cuda
 import mknumba

@@ -64,8 +64,6 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
             wait for rank 1's counts expires; synchronize() raises MkTimeoutError naming the
             op, rank, role and flag; the next call refuses (``check_peer_never_calls``).
 """
-import sys
-
 import numpy as np
 
 import mknumba as mk
@@ -435,8 +433,6 @@ CHECKS = dict(calls=check_calls, inplace=check_inplace, bad=check_bad, badid=che
 
 
 def main():
-    if SIMULATOR:    # the simulator's block runner polls its threads
-        sys.setswitchinterval(5e-5)
     run_checks(CHECKS, dict(hidden=16, ffn=24, experts=4, top_k=2, max_tokens=12, calls=1,
                             seed=2020, comm_sms=0, unit=0, wrap=1, ehf=1, replays=20,
                             arrays="numba", adaptive=0))
