@@ -2,7 +2,7 @@
 
     python benchmarks/bench_gemm.py --out benchmarks/results/gemm.json [--sass-dir DIR]
     python benchmarks/bench_gemm.py --grid --out benchmarks/results/gemm_grid.json [--tile T]
-        [--split-k S] [--shapes MxNxK,...] [--pp-shapes BMxBN,...]
+        [--split-k S] [--shapes MxNxK,...] [--pp-shapes BMxBN,...] [--group-m G,...]
 
 For every shape: a correctness check on fresh random inputs (poisoned output, relative Frobenius
 error against an fp32 reference), then the median time of ours (0, 8, 16, 32 SMs held back) and of
@@ -19,7 +19,9 @@ the two's repetitions alternating.
 how many slices ran (``slices``); ``--shapes``: only these shapes (e.g. to sweep S on a few).
 ``--pp-shapes``: the ping-pong tile shapes "auto" may choose (``kernels.gemm.PP_TILE_COST``
 restricted to these; ``128x128``: the rule without the smaller tiles); each record names the
-tile shape its plan ran (``tile_shape``).
+tile shape its plan ran (``tile_shape``). ``--group-m``: one op per value, ``Gemm(group_m=G)``
+(the tile order's band height, ``sched.tiles.grouped_order``; "auto": the op's rule), timed
+in turn beside cuBLAS at every shape, each record naming its ``group_m``.
 """
 import argparse
 import datetime
@@ -121,7 +123,9 @@ def sass_report(op, sass_dir):
 
 def grid(args, gpu, sms):
     """Issue 23's grid: records with b_layout "nk" and "kn" per shape, all SMs."""
-    op = Gemm(tile=args.tile, split_k=args.split_k)
+    ops = {g: Gemm(tile=args.tile, split_k=args.split_k,
+                   group_m=None if g == "auto" else int(g))
+           for g in args.group_m.split(",")}
     records, cmd = [], " ".join([os.path.basename(sys.executable)] + sys.argv)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     shapes = ([tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -137,7 +141,9 @@ def grid(args, gpu, sms):
                     topology="1x1", transport="none", baseline="cublas", gpu=gpu,
                     date=date, command=cmd, sms=sms, sms_reserved=0, tile=args.tile,
                     split_k=args.split_k)
-        for layout, b, b_arg in (("nk", b_nk, b_nk.T), ("kn", b_kn, b_kn)):
+        for (layout, b, b_arg), (g, op) in ((x, o) for x in (("nk", b_nk, b_nk.T),
+                                                              ("kn", b_kn, b_kn))
+                                            for o in ops.items()):
             c.fill_(float("nan"))
             op(a, b_arg, out=c)
             torch.cuda.synchronize()
@@ -148,13 +154,13 @@ def grid(args, gpu, sms):
                         if key[:3] == (m, n, k) and (key[3] == "kn") == (layout == "kn"))
             slices = plan.slices
             records.append(dict(base, b_layout=layout, ours_ms=t, baseline_ms=tb,
-                                slices=slices, tile_shape=list(plan.tile_shape),
+                                slices=slices, tile_shape=list(plan.tile_shape), group_m=g,
                                 pp_shapes=args.pp_shapes,
                                 speedup=tb / t, floor_ms=tb, tflops=flops / t / 1e9,
                                 baseline_tflops=flops / tb / 1e9, rel_err=err))
             print(f"{m}x{n}x{k} {layout}: ours {t:.4f} ms cublas {tb:.4f} ms "
                   f"ratio {tb / t:.3f} err {err:.1e} slices {slices} "
-                  f"tile {plan.tile_shape[0]}x{plan.tile_shape[1]}", flush=True)
+                  f"tile {plan.tile_shape[0]}x{plan.tile_shape[1]} group_m {g}", flush=True)
     return records
 
 
@@ -168,6 +174,8 @@ def main():
     p.add_argument("--split-k", type=int, default=None,
                    help="Gemm(split_k=S) (--grid; 1: no split; default: the op's rule)")
     p.add_argument("--shapes", default=None, help="--grid: only these, e.g. 512x1024x14336,...")
+    p.add_argument("--group-m", default="auto",
+                   help="--grid: one op per value, e.g. auto,1 (Gemm(group_m=G))")
     p.add_argument("--pp-shapes", default=None,
                    help="--grid: the ping-pong tile shapes 'auto' may take, e.g. 128x128,64x64 "
                         "(default: every shape of kernels.gemm.PP_TILE_COST)")
