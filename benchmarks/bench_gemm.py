@@ -25,6 +25,7 @@ in turn beside cuBLAS at every shape, each record naming its ``group_m``.
 """
 import argparse
 import datetime
+import itertools
 import json
 import os
 import shutil
@@ -141,9 +142,8 @@ def grid(args, gpu, sms):
                     topology="1x1", transport="none", baseline="cublas", gpu=gpu,
                     date=date, command=cmd, sms=sms, sms_reserved=0, tile=args.tile,
                     split_k=args.split_k)
-        for (layout, b, b_arg), (g, op) in ((x, o) for x in (("nk", b_nk, b_nk.T),
-                                                              ("kn", b_kn, b_kn))
-                                            for o in ops.items()):
+        for (layout, b_arg), (g, op) in itertools.product((("nk", b_nk.T), ("kn", b_kn)),
+                                                          ops.items()):
             c.fill_(float("nan"))
             op(a, b_arg, out=c)
             torch.cuda.synchronize()
