@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One device call's worth of the standalone probes (issue 23), results under $OUT:
-#   OUT=dir bash benchmarks/cuda/probe_calls.sh [runs|traffic|lrc]
+#   OUT=dir bash benchmarks/cuda/probe_calls.sh [runs|traffic|lrc|order]
 # runs (default): builds gemm_multicast64.cu in the variants below, runs each beside cuBLAS
 # (under `timeout`: some are new), then Nsight Compute's L2 sector counts for the tensor-map
 # placements. traffic: Nsight Compute's L2 and crossbar counters of cuBLAS's kernel beside
 # ours at 512x1024x8192 (MODE 0 alone, MODE 4 in pairs), one metric group per profile. lrc:
 # the L2 request coalescer's counters, and the builds that might change them (raster order, the
-# tensor maps' L2 promotion), timed.
+# tensor maps' L2 promotion), timed. order: the two tile orders at more K and M, and the
+# coalescer's counters of a launch inside the timing's graphs (the 31st: the steady state).
 set -u
 cd "$(dirname "$0")"
 PART=${1:-runs}
@@ -61,6 +62,31 @@ for line in open(sys.argv[1]):
     r = json.loads(line)
     print(f"mode {r['mode']} raster {r['raster']} promo {r['promo']} cluster {r['cluster']} "
           f"ours {r['ours_us']:6.2f} us ({r['ns_per_kstep']:.0f} ns), cuBLAS {r['cublas_us']:.2f}")
+P
+  exit 0
+fi
+if [ "$PART" = order ]; then
+  build mc_0 -DMODE=0 & build mc_0r -DMODE=0 -DRASTER=1 & wait
+  for b in mc_0 mc_0r; do
+    timeout 60 /tmp/$b 512 1024 512 1 1 512 1024 2048 1 1 512 1024 8192 1 1 \
+      256 1024 8192 1 1 >> "$OUT/probe.jsonl" 2>> "$OUT/probe.log"
+  done
+  M=gpu__time_duration.sum,lts__t_sectors_srcunit_tex_op_read.sum,lrc__xbar2gpc_sectors_op_read.sum
+  M=$M,lrc__lrc2xbar_sectors_op_read.sum,lts__t_sectors_srcunit_ltcfabric.sum
+  for b in mc_0 mc_0r; do  # a launch inside the timing's graphs: the steady state, not the first
+    echo "## $b, launch 30" >> "$OUT/order.txt"
+    timeout 90 ncu --clock-control none --cache-control none --graph-profiling node \
+      --launch-skip 30 --launch-count 1 -k regex:mc_gemm --metrics $M \
+      /tmp/$b 512 1024 8192 1 1 2>&1 | grep -E "mc_gemm|^    [a-z]|ERROR|rror" >> "$OUT/order.txt"
+  done
+  cat "$OUT/probe.log" "$OUT/order.txt"
+  python3 - "$OUT/probe.jsonl" <<'P'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line)
+    s = r["shape"]
+    print(f"{s['m']}x{s['n']}x{s['k']} raster {r['raster']} ours {r['ours_us']:6.2f} us "
+          f"({r['ns_per_kstep']:.0f} ns), cuBLAS {r['cublas_us']:.2f}")
 P
   exit 0
 fi
