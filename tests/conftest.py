@@ -30,7 +30,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if HAVE_GPU:
         return
-    skip = pytest.mark.skip(reason="no CUDA GPU on this machine (run tests/run_gpu.sh on one)")
+    skip = pytest.mark.skip(reason="no CUDA GPU on this machine (run benchmarks/run_gpu.sh on one)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
