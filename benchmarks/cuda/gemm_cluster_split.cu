@@ -177,28 +177,22 @@ void run_ours(int s, const unsigned long long tmaps, __nv_bfloat16 *c, int m, in
 }  // namespace
 
 int main(int argc, char **argv) {
-    if (argc < 5 || (argc - 1) % 4) {
-        fprintf(stderr, "usage: %s M N K S [M N K S ...]\n", argv[0]);
-        return 2;
-    }
+    const auto runs = probe::arg_runs(argc, argv, 4, "M N K S [M N K S ...]");
     CHECK(cudaFree(0));
     const int fits[4] = {max_clusters<1>(), max_clusters<2>(), max_clusters<4>(),
                          max_clusters<8>()};
     cublasHandle_t handle;
     CHECK(cublasCreate(&handle));
-    for (int arg = 1; arg < argc; arg += 4) {
-        const int m = atoi(argv[arg]), n = atoi(argv[arg + 1]), k = atoi(argv[arg + 2]),
-                  s = atoi(argv[arg + 3]);
+    for (const auto &run : runs) {
+        const int m = run.v[0], n = run.v[1], k = run.v[2], s = run.v[3];
         if (m % BM || n % BN || k % (BK * s)) {
             fprintf(stderr, "skip %dx%dx%d S=%d: whole tiles and slices only\n", m, n, k, s);
             continue;
         }
-        probe::Operands x(m, n, k, arg);
+        probe::Operands x(m, n, k, run.first);
         CUtensorMap maps[2] = {probe::encode(x.a, m, k, BM), probe::encode(x.b, n, k, BN)};
-        unsigned long long *tm;
-        CHECK(cudaMalloc(&tm, sizeof(maps)));
-        CHECK(cudaMemcpy(tm, maps, sizeof(maps), cudaMemcpyHostToDevice));
-        auto ours = [&](cudaStream_t st) { run_ours(s, (unsigned long long)tm, x.c, m, n, k, st); };
+        const probe::DeviceMaps tm(maps);
+        auto ours = [&](cudaStream_t st) { run_ours(s, tm.addr, x.c, m, n, k, st); };
         const probe::Result res = probe::compare_with_cublas(handle, x, m, n, k, ours);
         const int fit = fits[s == 1 ? 0 : s == 2 ? 1 : s == 4 ? 2 : 3];
         printf("{\"kernel\": \"gemm_cluster_split_probe\", \"shape\": {\"m\": %d, \"n\": %d, "
@@ -207,7 +201,6 @@ int main(int argc, char **argv) {
                m, n, k, s, (m / BM) * (n / BN) * s, fit, res.ours_us, res.cublas_us,
                res.cublas_us / res.ours_us, res.rel_err);
         fflush(stdout);
-        CHECK(cudaFree(tm));
     }
     return 0;
 }

@@ -293,32 +293,26 @@ bool run_ours(int cm, int cn, const unsigned long long tmaps, const CUtensorMap 
 }  // namespace
 
 int main(int argc, char **argv) {
-    if (argc < 6 || (argc - 1) % 5) {
-        fprintf(stderr, "usage: %s M N K CM CN [M N K CM CN ...]\n", argv[0]);
-        return 2;
-    }
+    const auto runs = probe::arg_runs(argc, argv, 5, "M N K CM CN [M N K CM CN ...]");
     CHECK(cudaFree(0));
     allow_smem<1, 1>(); allow_smem<2, 1>(); allow_smem<1, 2>(); allow_smem<2, 2>();
     allow_smem<4, 1>();
     cublasHandle_t handle;
     CHECK(cublasCreate(&handle));
-    for (int arg = 1; arg < argc; arg += 5) {
-        const int m = atoi(argv[arg]), n = atoi(argv[arg + 1]), k = atoi(argv[arg + 2]),
-                  cm = atoi(argv[arg + 3]), cn = atoi(argv[arg + 4]);
+    for (const auto &run : runs) {
+        const int m = run.v[0], n = run.v[1], k = run.v[2], cm = run.v[3], cn = run.v[4];
         if (m % (BM * cm) || n % (BN * cn) || k % BK) {
             fprintf(stderr, "skip %dx%dx%d %dx%d: whole clusters of tiles only\n", m, n, k, cm,
                     cn);
             continue;
         }
-        probe::Operands x(m, n, k, arg);
+        probe::Operands x(m, n, k, run.first);
         CUtensorMap maps[2] = {probe::encode(x.a, m, k, BM / cn),
                                probe::encode(x.b, n, k, BN / cm)};
-        unsigned long long *tm;
-        CHECK(cudaMalloc(&tm, sizeof(maps)));
-        CHECK(cudaMemcpy(tm, maps, sizeof(maps), cudaMemcpyHostToDevice));
+        const probe::DeviceMaps tm(maps);
         CHECK(cudaMemcpyToSymbol(const_maps, maps, sizeof(maps)));
         auto ours = [&](cudaStream_t st) {
-            if (!run_ours(cm, cn, (unsigned long long)tm, maps, x.c, m, n, k, st)) {
+            if (!run_ours(cm, cn, tm.addr, maps, x.c, m, n, k, st)) {
                 fprintf(stderr, "no build for cluster %dx%d\n", cm, cn);
                 exit(2);
             }
@@ -333,7 +327,6 @@ int main(int argc, char **argv) {
                res.cublas_us / res.ours_us, res.ours_us * 1000 / (k / BK), MODE, TMAP,
                INTERLEAVE, RASTER, PROMO, res.rel_err);
         fflush(stdout);
-        CHECK(cudaFree(tm));
     }
     return 0;
 }

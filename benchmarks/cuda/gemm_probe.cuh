@@ -97,6 +97,40 @@ struct ClusterLaunch {
     }
 };
 
+// The command line as runs of ``width`` integers each; exits with the usage line when it does
+// not split into whole runs. A run's ``first`` is its first argument's index (a seed).
+struct ArgRun {
+    int first;
+    std::vector<int> v;
+};
+inline std::vector<ArgRun> arg_runs(int argc, char **argv, int width, const char *usage) {
+    if (argc < width + 1 || (argc - 1) % width) {
+        fprintf(stderr, "usage: %s %s\n", argv[0], usage);
+        exit(2);
+    }
+    std::vector<ArgRun> runs;
+    for (int arg = 1; arg < argc; arg += width) {
+        ArgRun r{arg, {}};
+        for (int i = 0; i < width; ++i) r.v.push_back(atoi(argv[arg + i]));
+        runs.push_back(r);
+    }
+    return runs;
+}
+
+// An A map and a B map in device memory, where the kernels read them; freed with the object.
+struct DeviceMaps {
+    unsigned long long addr;
+    explicit DeviceMaps(const CUtensorMap (&maps)[2]) {
+        void *p;
+        CHECK(cudaMalloc(&p, sizeof(maps)));
+        CHECK(cudaMemcpy(p, maps, sizeof(maps), cudaMemcpyHostToDevice));
+        addr = (unsigned long long)p;
+    }
+    ~DeviceMaps() { CHECK(cudaFree((void *)addr)); }
+    DeviceMaps(const DeviceMaps &) = delete;
+    DeviceMaps &operator=(const DeviceMaps &) = delete;
+};
+
 // A [m, k] and B [n, k] filled at random, C poisoned (NaN), cuBLAS's output beside it.
 struct Operands {
     __nv_bfloat16 *a, *b, *c, *ref;
