@@ -14,7 +14,8 @@ from mpi_util import run_python
 
 import mknumba  # noqa: E402,F401
 from mknumba.errors import MkValueError  # noqa: E402
-from mknumba.sched.tiles import cdiv, default_group_m, plan_grid, tile_coords_host  # noqa: E402
+from mknumba.sched.tiles import (cdiv, default_group_m, gemm_group_m, plan_grid,  # noqa: E402
+                                 tile_coords_host)
 from numba import cuda  # noqa: E402
 
 requires_gpu = pytest.mark.skipif(not cuda.is_available(), reason="needs a CUDA GPU")
@@ -52,6 +53,10 @@ def test_default_group_m():
     assert default_group_m(64, 32, 132) == 16
     assert default_group_m(2, 32, 132) == 2
     assert cdiv(257, 128) == 3
+    # the plain GEMM: bands of at most 4 rows where every tile runs in one wave, else the same
+    assert gemm_group_m(16, 8, 132) == 4 and default_group_m(16, 8, 132) == 16
+    assert gemm_group_m(8, 16, 128) == 4 and gemm_group_m(2, 32, 132) == 2
+    assert gemm_group_m(16, 9, 132) == 16 and gemm_group_m(64, 32, 132) == 16
 
 
 # ---- SIMT twin under the simulator (own process: the simulator is chosen at import) ------------
@@ -488,7 +493,7 @@ def test_pingpong_variants_by_name():
 
 TAIL_SCRIPT = SPLIT_RUN + textwrap.dedent("""
     from mknumba.roles.compute import SIMT_TILE
-    from mknumba.sched.tiles import default_group_m, grouped_order
+    from mknumba.sched.tiles import gemm_group_m, grouped_order
     G.SPLIT_MIN_STEPS = 1      # slices of one k-step: the rule splits tiny K here
     os.environ["MKNUMBA_TIMEOUT_S"] = "0.2"   # read when an op plans a shape (the last check)
 
@@ -507,7 +512,7 @@ TAIL_SCRIPT = SPLIT_RUN + textwrap.dedent("""
                         start=2**32 - 2 if wrap else None)
         assert (plan.tail, plan.slices) == (tail, slices), (plan.tail, plan.slices)
         tiles_m, tiles_n = -(-m // SIMT_TILE[0]), -(-n // SIMT_TILE[1])
-        whole = grouped_order(tiles_m, tiles_n, default_group_m(tiles_m, tiles_n, sms - held))
+        whole = grouped_order(tiles_m, tiles_n, gemm_group_m(tiles_m, tiles_n, sms - held))
         tiles = tiles_m * tiles_n
         order = plan.order.copy_to_host()
         assert list(order[:tiles - tail]) == list(whole[:tiles - tail])

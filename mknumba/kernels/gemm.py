@@ -68,7 +68,7 @@ from ..errors import ERR_SET, ERR_WORDS, ROLE_COMPUTE, MkError, MkValueError, ra
 from ..roles import compute
 from ..roles.blocks import begin
 from ..runtime import default_timeout_ns
-from ..sched.tiles import cdiv, default_group_m, grouped_order, plan_grid
+from ..sched.tiles import cdiv, gemm_group_m, grouped_order, plan_grid
 from .gemm_inputs import NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
 from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, is_capturing,
                      outputs_in_capture, stream_handle)
@@ -517,7 +517,8 @@ class Gemm:
     per output tile (split-K, see the module docstring): None lets :func:`split_k_for` choose
     by shape, and where it does not split, :func:`tail_split_for` split the last round's tiles
     (the tail split); an int forces at most that many for every tile (1: no split, nor a tail
-    split; fewer when K has fewer 64-deep steps).
+    split; fewer when K has fewer 64-deep steps). ``group_m``: the tiles' order in bands of
+    that many tile rows (``sched.tiles``); None: :func:`~mknumba.sched.tiles.gemm_group_m`.
 
     ``tile``: "auto" runs, on a Hopper GPU (sm_90a), a ping-pong build where 128 x 256 tiles
     are few and K <= :data:`PP_MAX_K`, or fill their rounds poorly and K <= :data:`TMS_MAX_K`
@@ -717,7 +718,7 @@ class _Plan:
         bm, bn = build.shape
         tiles_m, tiles_n = cdiv(m, bm), cdiv(n, bn)
         tiles, blocks = tiles_m * tiles_n, grid.compute_blocks
-        group_m = op.group_m or default_group_m(tiles_m, tiles_n, blocks)
+        group_m = op.group_m or gemm_group_m(tiles_m, tiles_n, blocks)
         split = split_k_for(tiles, k, blocks) if op.split_k is None else op.split_k
         # the tail split where the rule leaves the shape unsplit, with a tile build that can
         # start its ring afresh and runs split units (not the whole-tile builds), and not

@@ -57,6 +57,23 @@ def default_group_m(tiles_m, tiles_n, blocks):
     return max(1, min(g, tiles_m))
 
 
+#: the plain GEMM's band height where all its tiles run in one wave (at most one a compute
+#: block): on an H100, bands of 2 or 4 tile rows ran 2048 x 1024 (128 x 128 tiles) 5-12%
+#: faster and 1024 x 1024 x 8192 (128 x 64) 4-10% faster than whole tile columns did, and
+#: 512 x 1024 and 512 x 4096 alike (benchmarks/NOTES.md, twenty-ninth session)
+ONE_WAVE_GROUP_M = 4
+
+
+def gemm_group_m(tiles_m, tiles_n, blocks):
+    """The plain GEMM's band height (``Gemm(group_m=None)``): :func:`default_group_m`, but at
+    most :data:`ONE_WAVE_GROUP_M` where the tiles all run in one wave. Every tile is then in
+    flight at once, so the band's L2 reuse is moot; it only sets which tiles neighbouring
+    blocks run, and a few rows measured faster than a whole column (why is not known: the
+    blocks' placement on the SMs is the GPU's)."""
+    g = default_group_m(tiles_m, tiles_n, blocks)
+    return min(g, ONE_WAVE_GROUP_M) if tiles_m * tiles_n <= blocks else g
+
+
 @dataclass(frozen=True)
 class GridPlan:
     """A persistent grid: ``grid`` co-resident blocks, the first ``compute_blocks`` compute."""
