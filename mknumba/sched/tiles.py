@@ -57,11 +57,10 @@ def default_group_m(tiles_m, tiles_n, blocks):
     return max(1, min(g, tiles_m))
 
 
-#: the plain GEMM's band height where all its tiles run in one wave (at most one a compute
-#: block): on an H100, bands of 2 or 4 tile rows ran 2048 x 1024 (128 x 128 tiles) 5-12%
-#: faster and 1024 x 1024 x 8192 (128 x 64) 4-10% faster than whole tile columns did, and
-#: 512 x 1024 and 512 x 4096 alike; on an H200 the same, by ~2% (benchmarks/NOTES.md,
-#: twenty-ninth session). Beyond one wave the cap measured neither faster nor slower.
+#: the plain GEMM's band height, in tile rows, where all its tiles run in one wave (at most
+#: one a compute block): bands of 2-4 rows run the one-wave few-tile shapes (2048 x 1024,
+#: 1024 x 1024) faster than whole tile columns and the others no slower; past one wave the
+#: band keeps :func:`default_group_m`'s L2 reuse (measurements: benchmarks/NOTES.md)
 ONE_WAVE_GROUP_M = 4
 
 
