@@ -183,6 +183,7 @@ def main():
                    help="--grid: the ping-pong tile shapes 'auto' may take, e.g. 128x128,64x64 "
                         "(default: every shape of kernels.gemm.PP_TILE_COST)")
     args = p.parse_args()
+    args.tile = args.tile or ("auto" if args.grid else "sm90")
     if args.pp_shapes:
         keep = {tuple(int(x) for x in s.split("x")) for s in args.pp_shapes.split(",")}
         unknown = keep - set(G.PP_TILE_COST)
@@ -193,7 +194,6 @@ def main():
     gpu = torch.cuda.get_device_name()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if args.grid:
-        args.tile = args.tile or "auto"
         records = grid(args, gpu, sms)
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
@@ -201,7 +201,6 @@ def main():
         import plot_gemm_grid
         plot_gemm_grid.summary(records)
         return
-    args.tile = args.tile or "sm90"
     ops = {s: Gemm(tile=args.tile, reserved_sms=s) for s in RESERVED}
     shapes = [(8192, 8192, 8192)] if args.quick else SQUARE + TP
 
@@ -215,8 +214,7 @@ def main():
     errs["kn_ragged"] = check(ops[0], 389, 264, 200, "kn")    # boxes past n left unloaded
     errs["kn_view"] = check(ops[0], 1000, 776, 1096, "kn_view")
     flags = ops[0].tile_flags(1000, 776, 1096, "kn").copy_to_host()   # a flag a tile
-    bm, bn = next(p.tile_shape for key, p in ops[0]._plans.items()
-                  if key[:3] == (1000, 776, 1096) and key[3] != "nk")
+    bm, bn = ops[0]._plan_of(1000, 776, 1096, "kn").tile_shape
     assert len(flags) == -(-1000 // bm) * -(-776 // bn) and (flags == flags[0]).all() and \
         0 < flags[0] <= ops[0].calls()[1], "a tile flag did not reach its call's epoch"
     errs["reserved32"] = check(ops[32], 4160, 8184, 1032)

@@ -664,9 +664,13 @@ class Gemm:
 
     def tile_flags(self, m, n, k, b_layout="kn"):
         """The tile flags of the plan for this shape (device uint32 array)."""
+        return self._plan_of(m, n, k, b_layout).tile_flags
+
+    def _plan_of(self, m, n, k, b_layout="kn"):
+        """The plan a call of this shape and layout of B ("nk", or any [k, n] one) made."""
         for (pm, pn, pk, mode, _), plan in self._plans.items():
             if (pm, pn, pk) == (m, n, k) and (mode == "nk") == (b_layout == "nk"):
-                return plan.tile_flags
+                return plan
         raise MkValueError(f"{self.name}: no call of shape {m} x {n} x {k} yet")
 
     def calls(self):
