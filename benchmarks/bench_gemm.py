@@ -5,9 +5,10 @@
         [--split-k S] [--shapes MxNxK,...] [--pp-shapes BMxBN,...] [--group-m G,...]
 
 For every shape: a correctness check on fresh random inputs (poisoned output, relative Frobenius
-error against an fp32 reference), then the median time of ours (0, 8, 16, 32 SMs held back) and of
-cuBLAS (torch.matmul, same operand layout: A [M, K], B [N, K]) in the same process, and with all
-SMs ours and cuBLAS with B row-major [K, N] (records with ``b_layout`` "kn"; the others "nk").
+error against an fp32 reference), then the median time of cuBLAS (torch.matmul, same operand
+layout: A [M, K], B [N, K]) and of ours (0, 8, 16, 32 SMs held back), the five's repetitions
+alternating, and with all SMs ours and cuBLAS with B row-major [K, N] (records with
+``b_layout`` "kn"; the others "nk").
 Writes the records of docs/design.md §8 and prints a table last. ``--tile``: the Gemm build
 timed (default ``"sm90"``, the 128 x 256 tile; ``"auto"``: the op's choice per shape and held-back
 count, e.g. a tail split where the blocks left make a ragged last round).
@@ -23,7 +24,9 @@ how many slices ran (``slices``); ``--shapes``: only these shapes (e.g. to sweep
 restricted to these; ``128x128``: the rule without the smaller tiles); each record names the
 tile shape its plan ran (``tile_shape``). ``--group-m``: one op per value, ``Gemm(group_m=G)``
 (the tile order's band height, ``sched.tiles.grouped_order``; "auto": the op's rule), timed
-in turn beside cuBLAS at every shape, each record naming its ``group_m``.
+in turn beside cuBLAS at every shape, each record naming its ``group_m``. ``--fold-parts P``:
+a split tile's fold in at most P units (``kernels.gemm.FOLD_MAX_PARTS``; 1: one unit a
+tile), each record saying how many ran (``fold_parts``).
 """
 import argparse
 import datetime
@@ -156,13 +159,15 @@ def grid(args, gpu, sms):
                         if key[:3] == (m, n, k) and (key[3] == "kn") == (layout == "kn"))
             slices = plan.slices
             records.append(dict(base, b_layout=layout, ours_ms=t, baseline_ms=tb,
-                                slices=slices, tile_shape=list(plan.tile_shape), group_m=g,
+                                slices=slices, fold_parts=plan.parts,
+                                tile_shape=list(plan.tile_shape), group_m=g,
                                 pp_shapes=args.pp_shapes,
                                 speedup=tb / t, floor_ms=tb, tflops=flops / t / 1e9,
                                 baseline_tflops=flops / tb / 1e9, rel_err=err))
             print(f"{m}x{n}x{k} {layout}: ours {t:.4f} ms cublas {tb:.4f} ms "
                   f"ratio {tb / t:.3f} err {err:.1e} slices {slices} "
-                  f"tile {plan.tile_shape[0]}x{plan.tile_shape[1]} group_m {g}", flush=True)
+                  f"parts {plan.parts} tile {plan.tile_shape[0]}x{plan.tile_shape[1]} "
+                  f"group_m {g}", flush=True)
     return records
 
 
@@ -179,6 +184,9 @@ def main():
     p.add_argument("--shapes", default=None, help="--grid: only these, e.g. 512x1024x14336,...")
     p.add_argument("--group-m", default="auto",
                    help="--grid: one op per value, e.g. auto,1 (Gemm(group_m=G))")
+    p.add_argument("--fold-parts", type=int, default=None,
+                   help="--grid: a split tile's fold in at most this many units "
+                        "(kernels.gemm.FOLD_MAX_PARTS; 1: one a tile)")
     p.add_argument("--pp-shapes", default=None,
                    help="--grid: the ping-pong tile shapes 'auto' may take, e.g. 128x128,64x64 "
                         "(default: every shape of kernels.gemm.PP_TILE_COST)")
@@ -190,6 +198,10 @@ def main():
         if unknown or not keep:
             p.error(f"--pp-shapes: not of {sorted(G.PP_TILE_COST)}: {sorted(unknown)}")
         G.PP_TILE_COST = {s: c for s, c in G.PP_TILE_COST.items() if s in keep}
+    if args.fold_parts is not None:
+        if args.fold_parts < 1:
+            p.error("--fold-parts: at least 1")
+        G.FOLD_MAX_PARTS = args.fold_parts
     torch.manual_seed(0)
     gpu = torch.cuda.get_device_name()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -234,7 +246,11 @@ def main():
         c = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
         flops = 2.0 * m * n * k
         iters = max(5, int(2e13 / flops))
-        t_cublas = time_ms(lambda: torch.matmul(a, b.T, out=c), iters)
+        # cuBLAS and every hold-back alternating: a drift of the clock (the power limit at
+        # large shapes) weighs on each alike, and each S against the all-SM rate of that run
+        t_cublas, *t_held = time_ms(lambda: torch.matmul(a, b.T, out=c), iters,
+                                    *[(lambda s=s: ops[s](a, b, b_layout="nk", out=c))
+                                      for s in RESERVED])
         base = dict(kernel="gemm", shape=dict(m=m, n=n, k=k), dtype="bfloat16", world=1,
                     topology="1x1", transport="none", baseline="cublas", gpu=gpu, date=date,
                     command=cmd, sms=sms, sass=sass or None, tile=args.tile)
@@ -247,8 +263,7 @@ def main():
                             sms_reserved=0, rel_err=errs.get((m, n, k, "kn"))))
         print(f"{m}x{n}x{k} b [k, n]: ours {t_kn:.3f} ms, cublas {t_cublas_kn:.3f} ms",
               flush=True)
-        for s in RESERVED:
-            t = time_ms(lambda: ops[s](a, b, b_layout="nk", out=c), iters)
+        for s, t in zip(RESERVED, t_held):
             records.append(dict(
                 base, b_layout="nk", ours_ms=t, baseline_ms=t_cublas, speedup=t_cublas / t,
                 floor_ms=t_cublas, tflops=flops / t / 1e9,

@@ -321,7 +321,7 @@ def _analyse(raw, wall_us, k_steps, order, tiles, slices):
             if u < slices * tiles or p // nb >= ITEMS:
                 continue
             b, i = p % nb, p // nb
-            tt = u - slices * tiles
+            tt = (u - slices * tiles) % tiles     # a fold unit: band p of tile tt
             sl = [where[j * tiles + tt] for j in range(slices) if j * tiles + tt in where]
             last = np.nanmax([ev["done"][sb, si] for sb, si in sl] + [np.nan])
             lat.append(ev["ready"][b, i] - last)

@@ -128,9 +128,11 @@ def test_simt_twin_in_simulator():
 # ---- split-K (few output tiles, long K) -------------------------------------------------------
 def test_split_k_rule_and_order():
     """The rule splits only few tiles over long K; slices are whole k-steps, none empty; the
-    units are every slice of every tile, then the folds; the simulator's block order is
-    checked (a fold must not wait on a later block there)."""
-    from mknumba.kernels.gemm import _sim_safe, split_k_for, split_order, split_slices
+    units are every slice of every tile, then the fold units (bands of each tile's rows, as
+    many as keep them to one round of the blocks); the simulator's block order is checked (a
+    fold must not wait on a later block there)."""
+    from mknumba.kernels.gemm import (_sim_safe, fold_parts_for, split_k_for, split_order,
+                                      split_slices)
     assert split_k_for(16, 14336, 132) == 8          # 512 x 1024: 132 // 16 slices
     assert split_k_for(32, 8192, 132) == 4           # 1024 x 1024: 128 k-steps
     assert split_k_for(32, 2048, 132) == 2           # 32 k-steps: 2 slices of 16
@@ -150,8 +152,19 @@ def test_split_k_rule_and_order():
     assert units.dtype == np.int32 and list(units[:4]) == [0, 2, 1, 3]
     assert list(units[8:12]) == [8, 10, 9, 11] and list(units[12:]) == [12, 14, 13, 15]
     assert split_order(order, 1) is order
+    units = split_order(order, 3, parts=2)               # two fold units a tile
+    assert len(units) == 20 and list(units[:12]) == list(split_order(order, 3)[:12])
+    assert list(units[12:16]) == [12, 14, 13, 15] and list(units[16:]) == [16, 18, 17, 19]
     assert _sim_safe(1, 3, 4) and _sim_safe(4, 3, 4) and _sim_safe(2, 2, 2)
     assert not _sim_safe(2, 2, 4) and not _sim_safe(1, 4, 4)
+    assert _sim_safe(1, 2, 4, parts=2) and not _sim_safe(1, 3, 4, parts=2)   # 5th unit: block 0
+    # fold units a tile: one round of the blocks, bands of at least 16 rows, at most 8
+    assert fold_parts_for(16, 132, 128) == 8             # 512 x 1024: 128 units of 16 rows
+    assert fold_parts_for(32, 132, 128) == 4             # 1024 x 1024
+    assert fold_parts_for(64, 132, 128) == 2 and fold_parts_for(67, 132, 128) == 1
+    assert fold_parts_for(2, 132, 128) == 8              # FOLD_MAX_PARTS
+    assert fold_parts_for(1, 4, 32) == 2                 # the SIMT tile: 16-row bands at least
+    assert fold_parts_for(16, 124, 128) == 4             # 8 SMs held back: 4 x 16 <= 124
 
 
 def test_split_k_option_is_checked():
@@ -235,18 +248,21 @@ SPLIT_RUN = textwrap.dedent("""
 """)
 
 SPLIT_SCRIPT = SPLIT_RUN + textwrap.dedent("""
-    # (m, n, k, B's layout, split_k, blocks of the simulated GPU, slices expected): ragged m, n
-    # and K (no K a multiple of slices * 64), B as [n, k], row-major [k, n] and a w.T view;
-    # None: the op's rule (one tile, K of 33 k-steps: 2 slices); blocks=2: each block runs
+    # (m, n, k, B's layout, split_k, blocks of the simulated GPU, slices and fold units a
+    # tile expected): ragged m, n and K (no K a multiple of slices * 64), B as [n, k], row-major
+    # [k, n] and a w.T view; None: the op's rule (one tile, K of 33 k-steps: 2 slices); two
+    # fold units of 16 rows (m = 20: both bands hold rows; m <= 16: the second none), or one
+    # where a second would wait on a later block here (3 slices); blocks=2: each block runs
     # two slices and then a fold
-    for m, n, k, layout, split, blocks, slices in [
-            (2, 8, 2056, "nk", None, 4, 2), (4, 16, 264, "kn", 3, 4, 3),
-            (3, 16, 136, "kn_view", 2, 4, 2), (8, 40, 136, "nk", 2, 2, 2)]:
+    for m, n, k, layout, split, blocks, slices, parts in [
+            (2, 8, 2056, "nk", None, 4, 2, 2), (4, 16, 264, "kn", 3, 4, 3, 1),
+            (3, 16, 136, "kn_view", 2, 4, 2, 2), (20, 24, 1032, "nk", 2, 4, 2, 2),
+            (8, 40, 136, "nk", 2, 2, 2, 1)]:
         G._SIM_SMS = blocks
         op = G.Gemm(split_k=split)
         plan, err = run(op, m, n, k, layout)
         tiles = len(plan.tile_flags)
-        assert plan.slices == slices, (plan.slices, slices)
+        assert (plan.slices, plan.parts) == (slices, parts), (plan.slices, plan.parts)
         flags = plan.flags.copy_to_host()
         assert op.calls() == (2, 2) and len(flags) == (slices + 1) * tiles and \
             (flags == 2).all(), flags
@@ -284,7 +300,7 @@ def test_split_k_in_simulator():
     """Split-K on the SIMT twin: against float64 references, inputs changed in place, outputs
     poisoned, the rule's choice and forced ones, several units per block, the wrap, a fold's
     bounded wait."""
-    assert run_python(SPLIT_SCRIPT).count("ok") == 7
+    assert run_python(SPLIT_SCRIPT).count("ok") == 8
 
 
 def test_tail_split_rule_and_order():
@@ -323,13 +339,16 @@ def test_tail_split_rule_and_order():
 
 def test_auto_takes_the_pingpong_tile_where_tiles_are_few():
     """"auto"'s ping-pong rule (``pp_for``) at issue 23's few-tile shapes on an H200 (132
-    blocks): where 128 x 256 tiles are at most half the blocks, up to K = 8192; never for
-    other builds, many tiles, or K = 14336 (split-K's slices win there)."""
+    blocks): where 128 x 256 tiles are at most half the blocks, up to K = 8192 and where
+    split-K would take at most 7 slices; never for other builds, many tiles, or K = 14336
+    (split-K's slices win there)."""
     from mknumba.kernels.gemm import pp_for
     for m, n in ((512, 4096), (2048, 1024), (512, 1024), (1024, 1024)):   # 64 / 16 / 32 tiles
-        assert all(pp_for(kind, m, n, k, 132) for k in (512, 1024, 2048, 4096, 8192)
+        assert all(pp_for(kind, m, n, k, 132) for k in (512, 1024, 2048, 4096)
                    for kind in ("sm90", "sm90:kn"))
+        assert pp_for("sm90", m, n, 8192, 132) == ((m, n) != (512, 1024))   # 16 tiles: 8 slices
         assert not pp_for("sm90", m, n, 14336, 132)
+    assert pp_for("sm90", 512, 1024, 8192, 116)             # 16 SMs held back: 7 slices
     assert not pp_for("sm90", 512, 8192, 1024, 132)         # 128 tiles: more than half
     assert pp_for("sm90", 512, 8192, 1024, 300)             # ... of 132, not of 300 blocks
     assert not pp_for("simt", 512, 1024, 512, 132) and not pp_for("sm90:tms", 512, 1024, 512,
@@ -357,8 +376,9 @@ def test_auto_takes_the_pingpong_tile_where_rounds_fill_poorly(monkeypatch):
 
 
 #: issue 23's few-tile rows on an H200 (132 blocks) -> the ping-pong tile shape "auto" takes
-#: there (pp_shape_for with PP_TILE_COST), at the K where pp_for takes one
-PP_PICKS = {(512, 1024): ((64, 64), (512, 1024, 2048, 4096, 8192)),   # 128 tiles of 64 x 64
+#: there (pp_shape_for with PP_TILE_COST), at the K where pp_for takes one (512 x 1024 x
+#: 8192: 8 slices, PP_MAX_SLICES)
+PP_PICKS = {(512, 1024): ((64, 64), (512, 1024, 2048, 4096)),     # 128 tiles of 64 x 64
             (1024, 1024): ((128, 64), (512, 1024, 2048, 4096, 8192)),     # 128 of 128 x 64
             (512, 4096): ((128, 128), (512, 1024, 2048, 4096, 8192)),     # 128 of 128 x 128
             (2048, 1024): ((128, 128), (512, 1024, 2048, 4096, 8192))}
@@ -809,7 +829,8 @@ def test_gemm_split_k_matches_fp32_reference(m, n, k, split_k, layout):
     assert plan.slices > 1, "the rule did not split"
     assert op.calls() == (20, 20)
     assert (plan.flags.copy_to_host() == 20).all()
-    print(f"{m}x{n}x{k} {layout}: {plan.slices} slices of {plan.kc}, worst rel err {worst:.1e}")
+    print(f"{m}x{n}x{k} {layout}: {plan.slices} slices of {plan.kc}, folds in {plan.parts} "
+          f"units a tile, worst rel err {worst:.1e}")
 
 
 @pytest.mark.gpu

@@ -139,6 +139,16 @@ __device__ __forceinline__ void probe_done(int item, int) {
     if (threadIdx.x == 0) probe_put(EV_DONE, item);
 }
 
+// A split-K fold unit (mk_gemm_sm90_fold), which has no seq: the block's next item, as the
+// role-level stamps take it, and then the one after.
+__device__ __forceinline__ void probe_fold_enter(int, int) {
+    if (threadIdx.x == 0) probe_put(EV_ENTER, probe_next_item);
+}
+
+__device__ __forceinline__ void probe_fold_done(int, int) {
+    if (threadIdx.x == 0) probe_put(EV_DONE, probe_next_item++);
+}
+
 // After a full-barrier wait that began at clock t0 (32 bits): k-step 0 stamps the ramp's end;
 // later k-steps add their wait to EV_WAITS (fire-and-forget reductions: thread 0 does not wait
 // on them before its next MMA).

@@ -8,18 +8,22 @@ with ``tile_flags[t] = epoch``. The blocks held back (``reserved_sms``) return a
 the fused kernels they run the communication roles and consume those flags.
 
 Split-K (:func:`split_k_for`): when the output has few tiles for the compute blocks and K is
-long (with "auto", past :data:`PP_MAX_K`: shorter, the ping-pong tiles run instead), each tile's
-K is cut into ``s`` slices. The work units are then (tile t, slice j), each computing its slice
-into plane ``1 + j`` of a bf16 workspace and publishing ``flags[(1 + j) * tiles + t] = epoch``,
-and then one fold unit per tile, which reads no K: it waits for the tile's ``s`` flags and sums
-the planes into C (the tile contract's ``addend`` with no K: an fp32 sum, rounded once; the
-sm_90a tile reads them with no accumulator, many 16-byte loads in flight per thread,
-``fold_planes`` in ``roles/cuda/gemm_common.cuh``). A fold takes no slice of its own because the
-compute role waits before a tile starts: its slice would begin only once the others were done.
-The folds come after every slice in the order, and a block takes a unit only after its last one,
-so a fold waits on units that run or ran, never on one queued behind it; and after a fold a
-block runs only folds, which touch no ring slot, so the sm_90a ring's phases (``seq * k_iters``,
-equal ``k_iters`` for every slice) stay right.
+long (with "auto", past :data:`PP_MAX_K` or into more than :data:`PP_MAX_SLICES` slices: else
+the ping-pong tiles run instead), each tile's K is cut into ``s`` slices. The work units are
+then (tile t, slice j), each computing its slice into plane ``1 + j`` of a bf16 workspace and
+publishing ``flags[(1 + j) * tiles + t] = epoch``, and then the tile's fold, which reads no K:
+it waits for the tile's ``s`` flags and sums the planes into C (an fp32 sum, rounded once: the
+build's ``fold``, ``roles.compute``'s fold contract; the sm_90a one reads them with many 16-byte
+loads in flight per thread, ``fold_planes`` in ``roles/cuda/gemm_common.cuh``). A tile's fold is
+cut into ``parts`` units, each a band of its rows (:func:`fold_parts_for`: as many as keep the
+folds of all tiles to one round of the blocks), so that the sum runs on as many SMs as the
+slices did (512 x 1024 x 8192 in 8 slices on an H100: 22.8 us, against 28.1 with one unit a
+tile; benchmarks/NOTES.md). A fold takes no slice of its own because the compute role waits
+before a tile starts: its slice would begin only once the others were done. The folds come after
+every slice in the order, and a block takes a unit only after its last one, so a fold waits on
+units that run or ran, never on one queued behind it; and after a fold a block runs only folds,
+which touch no ring slot, so the sm_90a ring's phases (``seq * k_iters``, equal ``k_iters`` for
+every slice) stay right.
 
 Tail split (:func:`tail_split_for`): when the tiles outnumber the compute blocks, the last
 round of tiles may leave most blocks idle (448 tiles on 132 blocks: 3 full rounds, then 52
@@ -29,8 +33,8 @@ each a compute role over its part of the order. Phase 1: the first ``tiles - tai
 whole, as the unsplit kernel runs them (:func:`whole_tiles`: into C, ``flags[t]``; the tensor
 maps' first pair, slice 0's, sees all of K from 0 on, as the unsplit maps do). Then a block
 barrier, and phase 2: the tail's units as split-K runs them (:func:`split_units`; units
-``j * tiles + t`` of the tail tiles t, every slice, then the folds: :func:`split_order` with
-``tail``; the same flags and workspace planes), from ``seq`` 0 on a ring started afresh
+``j * tiles + t`` of the tail tiles t, every slice, then the fold units: :func:`split_order`
+with ``tail``; the same flags and workspace planes), from ``seq`` 0 on a ring started afresh
 (``TileBuild.reinit``, ``mk_gemm_sm90_reinit``): phase 1's tiles run ``K / 64`` k-steps, the
 slices fewer, and the tile's ring phase ``seq * k_iters`` assumes one depth per run. The barrier
 comes after every thread's last phase-1 tile (the producer warp, which leaves each tile once
@@ -99,6 +103,24 @@ TAIL_MIN_GAIN = 0.05
 #: the most slices of a split tail: its workspace is ``s + 1`` planes the size of C (full
 #: planes, as split-K's), and tails were measured up to 4 slices
 TAIL_MAX_SLICES = 4
+#: the thinnest band of a tile's rows one fold unit sums (:func:`fold_parts_for`): 16 rows of
+#: the sm90 tile are two rows for each of its 256 summing threads, all their loads at once
+FOLD_MIN_ROWS = 16
+#: the most units a tile's fold is cut into (:func:`fold_parts_for`; 1: one unit a tile)
+FOLD_MAX_PARTS = 8
+
+
+def fold_parts_for(tiles, blocks, bm):
+    """Fold units per split tile (each a band of ``bm / parts`` rows, see the module
+    docstring): the most of 1, 2, 4, ... up to :data:`FOLD_MAX_PARTS` whose units, ``tiles *
+    parts``, are no more than the compute blocks, and whose bands are no thinner than
+    :data:`FOLD_MIN_ROWS` rows. Each unit waits for all of its tile's slices, so units beyond
+    one round of the blocks would add their waits and fixed costs in turn."""
+    parts = 1
+    while (parts * 2 <= FOLD_MAX_PARTS and tiles * parts * 2 <= blocks and
+           bm % (parts * 2) == 0 and bm // (parts * 2) >= FOLD_MIN_ROWS):
+        parts *= 2
+    return parts
 
 
 def split_k_for(tiles, k, blocks):
@@ -147,6 +169,12 @@ TMS_MAX_K = 2048
 #: K up to which "auto" runs the ping-pong tile where 128 x 256 tiles are few
 #: (:func:`pp_for`); at 14336 the sm90 tile's two slices are faster (an H200: NOTES.md)
 PP_MAX_K = 8192
+#: slices of K (:func:`split_k_for`) from which "auto" splits few tiles rather than run the
+#: ping-pong tile at K <= PP_MAX_K (:func:`pp_for`): 8 slices of 128 x 256 tiles, their folds
+#: in 8 units a tile, ran 512 x 1024 x 8192 in 22.8 us against the 64 x 64 ping-pong tile's
+#: 27.4 on an H100, while 4 slices lost to it (512 x 1024 x 4096, 1024 x 1024 x 8192:
+#: benchmarks/NOTES.md)
+PP_MAX_SLICES = 7
 
 
 def pp_for(kind, m, n, k, blocks):
@@ -155,7 +183,8 @@ def pp_for(kind, m, n, k, blocks):
     blocks, in two regions:
 
     - where 128 x 256 tiles are few (at most half the blocks get one: split-K's region), up
-      to :data:`PP_MAX_K`. Smaller whole tiles beat the slices and folds of split-K there (an
+      to :data:`PP_MAX_K` and where split-K's rule would cut K into at most
+      :data:`PP_MAX_SLICES` slices. Smaller whole tiles beat the slices and folds there (an
       H200, gated: 512 x 4096 and 2048 x 1024 at K 512-8192 0.56-0.85x -> 0.78-0.87x cuBLAS;
       512 x 1024 at K 4096 / 8192 in 64 x 64 tiles 16.5 / 28.4 us against 4 / 8 slices'
       23.2 / 28.2; 1024 x 1024 in 128 x 64 tiles 17.8 / 32.5 us against 4 slices' 24.3 /
@@ -174,7 +203,7 @@ def pp_for(kind, m, n, k, blocks):
     bm, bn = compute.SM90_TILE
     tiles = cdiv(m, bm) * cdiv(n, bn)
     if tiles <= blocks // 2:
-        return k <= PP_MAX_K
+        return k <= PP_MAX_K and split_k_for(tiles, k, blocks) <= PP_MAX_SLICES
     return k <= TMS_MAX_K and pp_rounds_cost(pp_shape_for(m, n, blocks), m, n, blocks) < \
         cdiv(tiles, blocks) * SM90_TILE_COST
 
@@ -267,32 +296,42 @@ def split_slices(k, s):
     return (slices, per * SPLIT_BK) if slices > 1 else (1, k)
 
 
-def split_order(order, slices, tail=None):
+def split_order(order, slices, tail=None, parts=1):
     """The work units of a split in the order blocks take them: every slice of every tile
-    (unit ``j * tiles + t``, slice j of tile t, tiles in ``order``'s order), then each tile's
-    fold (``slices * tiles + t``). One slice: ``order`` itself. ``tail`` (the tail split):
-    only the last ``tail`` tiles of ``order`` so, after the others as they are (whole tiles,
-    units ``t``)."""
+    (unit ``j * tiles + t``, slice j of tile t, tiles in ``order``'s order), then the fold
+    units, band p of every tile's fold (``(slices + p) * tiles + t``) for p < ``parts``. One
+    slice: ``order`` itself. ``tail`` (the tail split): only the last ``tail`` tiles of
+    ``order`` so, after the others as they are (whole tiles, units ``t``)."""
     if slices == 1:
         return order
     tiles = len(order)
     whole = tiles - (tiles if tail is None else tail)
     return np.concatenate([order[:whole]] + [order[whole:] + j * tiles
-                                             for j in range(slices + 1)]).astype(np.int32)
+                                             for j in range(slices + parts)]).astype(np.int32)
 
 
-def _sim_safe(tiles, slices, blocks):
+def _sim_safe(tiles, slices, blocks, parts=1):
     """Whether the simulator, which runs blocks one at a time in grid order, meets every
-    slice a fold waits for before the fold (its block is the fold's or an earlier one), for
-    ``tiles`` split tiles (the tail split: the tail's; every block takes its phase-2 units
+    slice a fold unit waits for before the fold (its block is the fold's or an earlier one),
+    for ``tiles`` split tiles (the tail split: the tail's; every block takes its phase-2 units
     from index ``blk`` of them on)."""
     if slices == 1:
         return True       # no folds
     for i in range(tiles):
-        fold = (slices * tiles + i) % blocks
-        if any((j * tiles + i) % blocks > fold for j in range(slices)):
-            return False
+        for p in range(parts):
+            fold = ((slices + p) * tiles + i) % blocks
+            if any((j * tiles + i) % blocks > fold for j in range(slices)):
+                return False
     return True
+
+
+def _fold_parts(tiles, slices, blocks, bm):
+    """:func:`fold_parts_for`; in the simulator as many or fewer, down to 1, so that
+    :func:`_sim_safe` holds where it can."""
+    parts = fold_parts_for(tiles, blocks, bm)
+    while SIMULATOR and parts > 1 and not _sim_safe(tiles, slices, blocks, parts):
+        parts //= 2
+    return parts
 
 
 @cuda.jit(device=True, inline=True)
@@ -306,18 +345,20 @@ def whole_tiles(where, u, tm):
 def split_units(build, split=True):
     """``(units, place, ready)`` of the compute role (``roles.compute.make_compute_tile``)
     for the units of :func:`split_order`, with ``where = (c, flags, ws, slices, kc, tiles,
-    timeout_ns, err)``: ``flags`` [(slices + 1) * tiles], the tiles' then the slices'; ``ws``
-    [slices + 1, m, n] bf16, plane 1 + j slice j's partials (one slice: any [P, m, n] array,
-    never read); a fold waits at most ``timeout_ns`` for a flag, then writes the error record
-    ``err`` (:data:`ROLE_COMPUTE`). ``split`` False: every unit a whole tile (one slice)."""
+    timeout_ns, err, parts)``: ``flags`` [(slices + 1) * tiles], the tiles' then the slices';
+    ``ws`` [slices + 1, m, n] bf16, plane 1 + j slice j's partials (one slice: any [P, m, n]
+    array, never read); a fold unit waits at most ``timeout_ns`` for a flag, then writes the
+    error record ``err`` (:data:`ROLE_COMPUTE`); ``parts`` fold units a tile. The compute role
+    runs them with :func:`tile_or_fold`. ``split`` False: every unit a whole tile (one
+    slice)."""
     if not split:
         return compute.whole_tile, whole_tiles, compute.nothing_to_wait
-    tma, kn, words = build.tma, build.b_kn, TensorMaps.ROW
+    tma, kn, words, bm = build.tma, build.b_kn, TensorMaps.ROW, build.shape[0]
 
     @cuda.jit(device=True, inline=True)
     def unit(where, u, a, b, tmaps):
         """Tile and operands of unit u: slice j reads K from j * kc, ``kc`` deep (the SIMT
-        tile: to the end of K at most); a fold (j == slices) reads none. The sm_90a tile reads
+        tile: to the end of K at most); a fold unit (j >= slices) reads none. The sm_90a tile reads
         through slice j's tensor maps, so its views carry only the depth: every slice runs the
         same k-steps (the maps read zeros past K), as the ring's phases need."""
         slices, kc, tiles = where[3], where[4], where[5]
@@ -332,18 +373,26 @@ def split_units(build, split=True):
 
     @cuda.jit(device=True, inline=True)
     def place(where, u, tm):
-        """Slice j of several: into plane 1 + j, announced in ``flags[tiles + u]``. A fold, or
-        the one slice: into C, announced in ``flags[t]``; a fold adds planes 1..slices."""
+        """Slice j of several: into plane 1 + j, announced in ``flags[tiles + u]``. The one
+        slice: into C, announced in ``flags[t]``. Fold unit p (j = slices + p): the sum of
+        planes 1..slices into band p of the tile's ``parts`` (rows ``tm * bm + p * bm /
+        parts``, as many; C's rows from there, none past m), announced in ``flags[t]`` (by
+        each of the tile's fold units: it holds once the kernel is done)."""
         c, flags, ws, slices, tiles = where[0], where[1], where[2], where[3], where[5]
         j = prim.udiv32(u, tiles)
         if slices > 1 and j < slices:
             return ws[1 + j], 0, ws, 0, flags, tiles + u, False      # flags: this GPU's
-        return c, 0, ws, slices if slices > 1 else 0, flags, u - j * tiles, False
+        if slices == 1:
+            return c, 0, ws, 0, flags, u, False
+        band = prim.udiv32(bm, where[8])
+        lo = min(tm * bm + (j - slices) * band, c.shape[0])
+        return c[lo:min(lo + band, c.shape[0])], lo, ws, slices, flags, u - j * tiles, False
 
     @cuda.jit(device=True, inline=True)
     def ready(where, u, adds, epoch):
-        """A fold (``adds`` planes): wait (this thread, acquire at GPU scope) for each slice's
-        flag, at most ``timeout_ns`` from the first look; anything else waits for nothing."""
+        """A fold unit (``adds`` planes): wait (this thread, acquire at GPU scope) for each
+        slice's flag, at most ``timeout_ns`` from the first look; anything else waits for
+        nothing."""
         if adds == 0:
             return True
         flags, tiles, timeout_ns, err = where[1], where[5], where[6], where[7]
@@ -358,22 +407,36 @@ def split_units(build, split=True):
     return unit, place, ready
 
 
+def tile_or_fold(build):
+    """The tile function of the split kernels' compute role: a unit of :func:`split_units`
+    with no K (a fold unit) runs the build's ``fold`` on the band of C that ``place`` gave it
+    (``roles.compute``'s fold contract), any other unit the build's tile."""
+    tile, fold = build.tile, build.fold
+
+    @cuda.jit(device=True, inline=True)
+    def split_tile(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, tile_n, seq):
+        if k == 0:
+            return fold(c, c_row0, addend, adds, m, n, tile_n)
+        return tile(smem, tmaps, a, b, c, c_row0, addend, adds, m, n, k, tile_m, tile_n, seq)
+    return split_tile
+
+
 def tail_split_role(build):
     """The tail split's compute role (module docstring), called as
     ``roles.compute.make_compute_role``'s: with ``order`` = :func:`split_order` with a
     ``tail``, it runs the whole tiles first (the unsplit role), then, after a block barrier, the
     tail's units (the split role, its tile state started afresh: ``build.reinit``). The tail's
-    length follows from the order's: ``tiles - tail + (slices + 1) * tail`` units."""
+    length follows from the order's: ``tiles - tail + (slices + parts) * tail`` units."""
     whole_role = compute.make_compute_role(build, (whole_tiles, compute.nothing_to_wait),
                                            publish=False)   # the folds read slice flags only
     unit, place, ready = split_units(build)
-    tail_role = compute.make_compute_role(build._replace(init=build.reinit), (place, ready),
-                                          units=unit)
+    tail_role = compute.make_compute_role(
+        build._replace(init=build.reinit, tile=tile_or_fold(build)), (place, ready), units=unit)
 
     @cuda.jit(device=True, inline=True)
     def two_phases(smem, tmaps, a, b, order, tiles_n, blk, blocks, epoch, where):
-        slices, tiles = where[3], where[5]
-        whole = tiles - prim.udiv32(order.shape[0] - tiles, slices)
+        slices, tiles, parts = where[3], where[5], where[8]
+        whole = tiles - prim.udiv32(order.shape[0] - tiles, slices + parts - 1)
         whole_role(smem, tmaps, a, b, order[:whole], tiles_n, blk, blocks, epoch, where)
         cuda.syncthreads()    # every thread done with phase 1's ring before it starts afresh
         tail_role(smem, tmaps, a, b, order[whole:], tiles_n, blk, blocks, epoch, where)
@@ -392,16 +455,17 @@ def _make_kernel(build, threads, split):
     else:
         unit, place, ready = split_units(build, split)
         # whole tiles' flags are read by nothing in the kernel: recorded, not released
-        compute_role = compute.make_compute_role(build, (place, ready), units=unit,
-                                                 publish=bool(split))
+        compute_role = compute.make_compute_role(
+            build._replace(tile=tile_or_fold(build)) if split else build, (place, ready),
+            units=unit, publish=bool(split))
     bn, n_dim = build.shape[1], 1 if build.b_kn else 0
     ramp = compute.ramp_of(build)
 
     @cuda.jit(**bounds)
     def gemm_kernel(a: Bits2D, b: Bits2D, c: Bits2D, ws: Bits3D, tmaps: Words64, flags: Flags,
                     frame: Words64, order: Ints, compute_blocks: types.int64, tiles: types.int64,
-                    slices: types.int64, kc: types.int64, timeout_ns: types.uint64,
-                    err: Record):
+                    slices: types.int64, kc: types.int64, parts: types.int64,
+                    timeout_ns: types.uint64, err: Record):
         """a [m, k], b [n, k] (or [k, n] with a ":kn" tile build), c [m, n]: bf16 bits;
         ws: the split's workspace [slices + 1, m, n] (one slice: c as [1, m, n], never read);
         tmaps: the tensor maps of a and b, a pair per slice (sm90); flags uint32[(slices + 1)
@@ -409,14 +473,14 @@ def _make_kernel(build, threads, split):
         them: whole tiles record them with plain stores), the rest the slices' (split_units);
         frame: the op's call counter (``kernels.launch.Frame``); order int32: the work units
         (split_order of sched.grouped_order, with the tail split's ``tail``); slices of kc
-        (split_slices); a fold waits at most timeout_ns, then records the error in err
-        (int64[ERR_WORDS], mapped)."""
+        (split_slices), each tile's fold in ``parts`` units (fold_parts_for); a fold unit waits
+        at most timeout_ns, then records the error in err (int64[ERR_WORDS], mapped)."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         ramp(order, cuda.blockIdx.x)   # an early-ramp build: the block's first unit, into L1
         epoch, call = begin(frame)
         if cuda.blockIdx.x >= compute_blocks:
             return  # held back for other roles; nothing else runs in a plain GEMM
-        where = (c, flags, ws, slices, kc, tiles, timeout_ns, err)
+        where = (c, flags, ws, slices, kc, tiles, timeout_ns, err, parts)
         compute_role(smem, tmaps, a, b, order, (b.shape[n_dim] + bn - 1) // bn, cuda.blockIdx.x,
                      compute_blocks, epoch, where)
 
@@ -741,8 +805,10 @@ class _Plan:
             # takes them instead of a split)
             kind = base
             build, kernel = _build(kind)
-        self.slices, self.kc = split_slices(k, 1 if build.gemm_only else split)
-        if SIMULATOR and not _sim_safe(self.tail or tiles, self.slices, blocks):
+        self.slices, self.kc = split_slices(k, split if build.fold is not None else 1)
+        self.parts = (_fold_parts(self.tail or tiles, self.slices, blocks, bm)
+                      if self.slices > 1 else 1)
+        if SIMULATOR and not _sim_safe(self.tail or tiles, self.slices, blocks, self.parts):
             raise MkValueError(f"{op.name}: split_k={self.slices} with {tiles} tiles on "
                                f"{blocks} blocks: the simulator runs blocks one at a time, and "
                                "a fold would wait on a later block; take fewer slices, or "
@@ -753,7 +819,7 @@ class _Plan:
             kernel = _build(kind, "tail" if self.tail else True)[1]
             compiled, split_bps = compile_kernel(kernel, build.threads, build.smem_bytes)
             if split_bps < bps and self.tail:      # the rule's choice: then no tail split
-                self.tail, self.slices, self.kc = 0, 1, k
+                self.tail, self.slices, self.kc, self.parts = 0, 1, k, 1
                 kernel = _build(kind)[1]
                 compiled, _ = compile_kernel(kernel, build.threads, build.smem_bytes)
             elif split_bps < bps:
@@ -768,7 +834,7 @@ class _Plan:
                                             np.uint32))
         self.tile_flags = self.flags[:tiles]     # the tiles' own; then the slices' (split_units)
         self.order = cuda.to_device(split_order(grouped_order(tiles_m, tiles_n, int(group_m)),
-                                                self.slices, self.tail or None))
+                                                self.slices, self.tail or None, self.parts))
         split = self.slices > 1
         # the workspace: plane 1 + j holds slice j's partials (plane 0, the addend's own
         # plane, is never read); one slice: C as [1, m, n] stands in, never read either
@@ -783,7 +849,7 @@ class _Plan:
             a=Slot((m, k)), b=Slot(b_shape(mode, n, k)), c=Slot((m, n)),
             ws=self.ws if split else Slot((1, m, n)), tmaps=Slot((words,)),
             flags=self.flags, frame=frame.words, order=self.order, compute_blocks=blocks,
-            tiles=tiles, slices=self.slices, kc=self.kc,
+            tiles=tiles, slices=self.slices, kc=self.kc, parts=self.parts,
             timeout_ns=default_timeout_ns(), err=self.err),
             grid.grid, build.threads, build.smem_bytes)
 

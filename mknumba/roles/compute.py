@@ -13,10 +13,18 @@ every thread of the block):
     c: [*, n] bf16 bits, row-major, from global row c_row0 on — the tile's rows
        [tile_m*BM, +BM) and cols [tile_n*BN, +BN) land in c[row - c_row0, col]
     addend: [P, m, n] bf16 bits; adds > 0: planes 1..adds are added to the tile before it is
-       stored (the fused ReduceScatter's owner folds the delivered partials in, ``to_owner``;
-       with k == 0 the tile is their sum alone: a split-K fold, ``kernels.gemm``)
+       stored (the fused ReduceScatter's owner folds the delivered partials in, ``to_owner``)
     smem: the block's dynamic shared memory (uint8); tmaps: uint64[32], the two CUtensorMaps
     seq: how many tiles this block has already computed (the sm_90a ring's phase follows from it)
+
+A split-K fold (``kernels.gemm``) has no K of its own, so it is not a tile but a build's ``fold``
+(:class:`TileBuild`), called by every thread of the block like the tile:
+
+    fold(c, c_row0, addend, adds, m, n, tile_n) -> 1 in exactly one thread, else 0
+
+    c: rows [c_row0, c_row0 + c.shape[0]) of the output (a band of a tile's rows), set in the
+       tile's columns (tile column tile_n, bounded by n) to planes 1..adds of addend summed in
+       fp32 and rounded once; the thread returning 1 does so as the tile's does
 
 The thread that returns 1 does so after every thread's stores of this tile were issued and a
 block-level barrier among the storing threads, so it can publish the tile's completion flag with a
@@ -201,11 +209,12 @@ def sm90_defines(publisher=False, b_kn=False, tms=False, pingpong=False, desc_it
 
 def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None, defines="",
                         tms=False, desc_iter=False):
-    """``(init, tile, drain, reinit)`` device functions around ``cuda/gemm_tile.cu`` built
+    """``(init, tile, drain, reinit, fold)`` device functions around ``cuda/gemm_tile.cu`` built
     with ``MK_PUBLISHER=publisher``, ``MK_B_KN=b_kn`` and ``MK_TMA_STORE=tms`` (see the
     helper's header; b_kn: B is [k, n], not [n, k]; drain: None, or with ``tms`` the block's
     end; reinit: the ring started afresh, of the library's own gemm_tile.cu only, else None;
-    :class:`TileBuild`), or with ``pingpong`` (True, or a shape: :func:`pp_shape`) around
+    fold: a split-K fold, None for the ping-pong tile; :class:`TileBuild`), or with
+    ``pingpong`` (True, or a shape: :func:`pp_shape`) around
     ``cuda/gemm_pingpong.cu`` (no publisher; the same calling sequence; no reinit; with
     ``desc_iter`` its descriptor variant: :data:`SM90_PP_VARIANTS`).
     ``helper``: another source with gemm_tile.cu's
@@ -269,7 +278,20 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
                 reinit_fn(data_ptr(smem), data_ptr(tmaps))
         else:
             reinit = None
-        _SM90_BUILDS[key] = (gemm_init, gemm_tile, drain, reinit)
+        if pingpong:
+            fold = None       # whole tiles only: no split-K
+        else:
+            fold_fn = cuda.declare_device(f"{prefix}_fold",
+                                          i32(u64, i32, i32, i32, u64, i32, i32, i32, i32),
+                                          link=[helper], abi="c")
+
+            @cuda.jit(device=True)
+            def fold(c, c_row0, addend, adds, m, n, tile_n):
+                """A split-K fold's band (the fold contract): ``mk_gemm_sm90_fold``."""
+                return fold_fn(data_ptr(c), np.int32(c.shape[1]), np.int32(c_row0),
+                               np.int32(c.shape[0]), data_ptr(addend), np.int32(adds),
+                               np.int32(m), np.int32(n), np.int32(tile_n))
+        _SM90_BUILDS[key] = (gemm_init, gemm_tile, drain, reinit, fold)
     return _SM90_BUILDS[key]
 
 
@@ -313,7 +335,7 @@ def linked_source(helper, defines=""):
 
 
 if not SIMULATOR:
-    gemm_init_sm90, gemm_tile_sm90, _, gemm_reinit_sm90 = sm90_tile_functions()
+    gemm_init_sm90, gemm_tile_sm90, _, gemm_reinit_sm90, gemm_fold_sm90 = sm90_tile_functions()
 
 
 # ---- bf16 <-> fp32 on raw bits -----------------------------------------------------------------
@@ -416,6 +438,24 @@ def _simt_tile(b_kn):
 
 gemm_tile_simt = _simt_tile(False)
 gemm_tile_simt_kn = _simt_tile(True)
+
+
+@cuda.jit(device=True)
+def fold_simt(c, c_row0, addend, adds, m, n, tile_n):
+    """The SIMT twin's split-K fold (the fold contract above): threads stride over the band's
+    elements, an fp32 sum of the planes, rounded once."""
+    c0 = tile_n * SIMT_TILE[1]
+    rows = min(c.shape[0], m - c_row0)
+    cols = min(SIMT_TILE[1], n - c0)
+    for e in range(cuda.threadIdx.x, rows * cols, cuda.blockDim.x):
+        i = e // cols
+        j = c0 + e % cols
+        acc = np.float32(0.0)
+        for p in range(1, adds + 1):
+            acc += bf16_to_f32(addend[p, c_row0 + i, j])
+        c[i, j] = f32_to_bf16(acc)
+    cuda.syncthreads()  # every store of the band is issued before thread 0 reports it
+    return cuda.threadIdx.x == 0
 
 
 def make_compute_role(build, destination, grouped=None, stamps=None, units=None,
@@ -668,17 +708,20 @@ TO_OWNER = (to_owner, inbox_ready)
 #: past a barrier, and one after it), so that ``seq`` may restart at 0 with tiles of another
 #: depth (mk.Gemm's tail split; the SIMT tile keeps no state: its ``init``); early: mk.Gemm's
 #: kernel prefetches each block's first entry of the order before the block's setup
-#: (:func:`ramp_of`; the ping-pong tile's "r" variants: :data:`SM90_PP_VARIANTS`).
+#: (:func:`ramp_of`; the ping-pong tile's "r" variants: :data:`SM90_PP_VARIANTS`); fold: None,
+#: or the build's split-K fold (the fold contract, module docstring; mk.Gemm's split kernels).
 TileBuild = namedtuple("TileBuild",
                        "init tile shape threads smem_bytes tma timing_only b_kn gemm_only drain "
-                       "c_map reinit early", defaults=(False, False, None, False, None, False))
+                       "c_map reinit early fold",
+                       defaults=(False, False, None, False, None, False, None))
 _BUILDS = {"simt": TileBuild(gemm_init_simt, gemm_tile_simt, SIMT_TILE, SIMT_THREADS, 0, False,
-                             False, reinit=gemm_init_simt),
+                             False, reinit=gemm_init_simt, fold=fold_simt),
            "simt:kn": TileBuild(gemm_init_simt, gemm_tile_simt_kn, SIMT_TILE, SIMT_THREADS, 0,
-                                False, False, True, reinit=gemm_init_simt)}
+                                False, False, True, reinit=gemm_init_simt, fold=fold_simt)}
 if not SIMULATOR:
     _BUILDS["sm90"] = TileBuild(gemm_init_sm90, gemm_tile_sm90, SM90_TILE, SM90_THREADS,
-                                SM90_SMEM_BYTES, True, False, reinit=gemm_reinit_sm90)
+                                SM90_SMEM_BYTES, True, False, reinit=gemm_reinit_sm90,
+                                fold=gemm_fold_sm90)
 
 
 class KernelBuilds:
@@ -715,11 +758,12 @@ def sm90_build(publisher=False, b_kn=False, pingpong=False, helper=None, defines
     :data:`SM90_PP_VARIANTS`)."""
     if early and not pingpong:
         raise MkValueError("the early ramp is a variant of the ping-pong tile (mk.Gemm only)")
-    init, tile, drain, reinit = sm90_tile_functions(publisher, b_kn, pingpong, helper,
-                                                    defines, tms, desc_iter)
+    init, tile, drain, reinit, fold = sm90_tile_functions(publisher, b_kn, pingpong, helper,
+                                                          defines, tms, desc_iter)
     return TileBuild(init, tile, pp_shape(pingpong) or SM90_TILE,
                      sm90_threads(publisher), sm90_smem_bytes(pingpong, tms), True, False, b_kn,
-                     _whole_tiles(pingpong=pingpong, tms=tms), drain, tms, reinit, bool(early))
+                     _whole_tiles(pingpong=pingpong, tms=tms), drain, tms, reinit, bool(early),
+                     fold)
 
 
 def _whole_tiles(pingpong=False, tms=False, **_):

@@ -1,5 +1,5 @@
 // What the Hopper GEMM tiles (gemm_tile.cu, gemm_pingpong.cu) share after their main loops:
-// folding partials in (add_planes, add_planes_v4; a split-K fold: fold_planes), the staged
+// folding partials in (add_planes, add_planes_v4; a split-K fold's band: fold_planes), the staged
 // epilogue (store_warp_rows) and the swizzled stmatrix of 64 accumulator columns that it and
 // the tensor-store epilogue (gemm_tile.cu, MK_TMA_STORE) share (stmatrix_chunk).
 #pragma once
@@ -167,38 +167,35 @@ __device__ __forceinline__ uint4 add_planes_v4(uint4 v, unsigned long long adden
     return pack_bf16x8(f);
 }
 
-// A tile that is a sum of partials only (a split-K fold, kernels/gemm.py: no K of its own, so no
-// product to add them to): rows [row0, +BM) and columns [col0, +BN) of ``out`` (indexed by global
-// row, ldc elements per row), bounded by m and n, := planes 1..adds of ``addend`` ([P, m, n])
-// summed in fp32, rounded once. Threads tid < THREADS each take one column of 8 elements (16
-// bytes; a warp covers 512 contiguous bytes of a row) in every THREADS / (BN / 8)-th row, V rows
-// and P planes at a time: V * P 16-byte loads in flight per thread before the first add. (The
-// accumulator epilogue's add_planes_v4 waits for memory once per 16 bytes it stores: 16 dependent
-// round trips per thread and batch of planes; here VECS / V per P planes.)
-template <int BM, int BN, int THREADS>
+// A split-K fold's band of rows (kernels/gemm.py: a sum of partials only, no K of its own, so no
+// product to add them to): rows [row0, row0 + rows) and columns [col0, +BN) bounded by n :=
+// planes 1..adds of ``addend`` ([P, m, n], plane_elems apart) summed in fp32, rounded once, into
+// ``out`` (its first row is row0, ldc elements per row). Threads tid < THREADS each take one
+// column of 8 elements (16 bytes; a warp covers 512 contiguous bytes of a row) in every
+// THREADS / (BN / 8)-th row, V rows and P planes at a time: V * P 16-byte loads in flight per
+// thread before the first add. (The accumulator epilogue's add_planes_v4 waits for memory once per
+// 16 bytes it stores: 16 dependent round trips per thread and batch of planes; here rows / (STEP
+// * V) per P planes: one for a band of 16 rows and up to 8 planes.)
+template <int BN, int THREADS>
 __device__ __forceinline__ void fold_planes(__nv_bfloat16 *out, int ldc,
                                             unsigned long long addend, int adds,
-                                            long long plane_elems, int row0, int col0, int m,
+                                            long long plane_elems, int row0, int rows, int col0,
                                             int n, int tid) {
-    constexpr int PER_ROW = BN / 8, STEP = THREADS / PER_ROW, VECS = BM / STEP;
-    // V rows, P planes: 16 loads in flight, and no spill in the linked kernels (more rows, e.g.
-    // 8 x 2, spilled the split kernel's registers, capped at 168 by 288 threads)
-    constexpr int V = VECS < 4 ? VECS : 4, P = 4;
-    static_assert(THREADS % PER_ROW == 0 && BM % STEP == 0 && VECS % V == 0, "whole rows");
+    constexpr int PER_ROW = BN / 8, STEP = THREADS / PER_ROW;
+    // 16 loads in flight, as many as the split kernel's registers (capped at 168 by 288
+    // threads) held without a spill in the tile's fold before this one
+    constexpr int V = 2, P = 8;
+    static_assert(THREADS % PER_ROW == 0, "whole rows");
     const int col = col0 + 8 * (tid % PER_ROW);
     if (col >= n) return;  // n is a multiple of 8 (the op checks): 8 columns fit or none
-    const int row1 = row0 + tid / PER_ROW;  // then every STEP-th row
-    const __nv_bfloat16 *src =
-        (const __nv_bfloat16 *)addend + plane_elems + (long long)row1 * n + col;
-    __nv_bfloat16 *dst = out + (long long)row1 * ldc + col;
+    const __nv_bfloat16 *src = (const __nv_bfloat16 *)addend + plane_elems + col;
 #pragma unroll 1
-    for (int i0 = 0; i0 < VECS; i0 += V) {
+    for (int r = tid / PER_ROW; r < rows; r += STEP * V) {  // rows r, r + STEP, ... of the band
         float f[V][8];
 #pragma unroll
         for (int v = 0; v < V; ++v)
 #pragma unroll
             for (int i = 0; i < 8; ++i) f[v][i] = 0.f;
-        const int rows = m - (row1 + STEP * i0);  // rows v < this of the batch exist
 #pragma unroll 1
         for (int p = 0; p < adds; p += P) {
             uint4 x[P][V];
@@ -206,9 +203,9 @@ __device__ __forceinline__ void fold_planes(__nv_bfloat16 *out, int ldc,
             for (int q = 0; q < P; ++q)
 #pragma unroll
                 for (int v = 0; v < V; ++v)
-                    x[q][v] = STEP * v < rows && p + q < adds
+                    x[q][v] = r + STEP * v < rows && p + q < adds
                                   ? ld_global_cg_v4(src + (p + q) * plane_elems +
-                                                    (long long)STEP * (i0 + v) * n)
+                                                    (long long)(row0 + r + STEP * v) * n)
                                   : make_uint4(0, 0, 0, 0);
 #pragma unroll
             for (int q = 0; q < P; ++q)
@@ -217,8 +214,8 @@ __device__ __forceinline__ void fold_planes(__nv_bfloat16 *out, int ldc,
         }
 #pragma unroll
         for (int v = 0; v < V; ++v)
-            if (STEP * v < rows)
-                *(uint4 *)(dst + (long long)STEP * (i0 + v) * ldc) = pack_bf16x8(f[v]);
+            if (r + STEP * v < rows)
+                *(uint4 *)(out + (long long)(r + STEP * v) * ldc + col) = pack_bf16x8(f[v]);
     }
 }
 

@@ -101,12 +101,10 @@ __device__ __forceinline__ Ring ring_at(unsigned long long smem_generic) {
                 base + BAR_OFFSET + 16 * STAGES + 8};
 }
 
-#if !MK_PUBLISHER
 __device__ __forceinline__ void consumer_barrier() {
     // Named barrier 1 over the two consumer warpgroups (barrier 0 is __syncthreads).
     asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_THREADS) : "memory");
 }
-#endif
 
 }  // namespace
 
@@ -157,8 +155,8 @@ extern "C" __device__ int mk_gemm_sm90_reinit(unsigned long long smem, unsigned 
 // One 128 x 256 output tile; every thread of the block calls it for every tile.
 //   c, ldc: bf16 output (row-major, ldc elements per row) holding global rows from c_row0 on;
 //   m, n bound the stores. adds > 0: add planes 1..adds of ``addend`` ([P, m, n] bf16, plane
-//   stride m * n) at the same element before storing (add_planes); with k_iters 0 as well (a
-//   split-K fold) the tile is their sum alone, read with no accumulator (fold_planes).
+//   stride m * n) at the same element before storing (add_planes). (A split-K fold, which has
+//   no K of its own, is not a tile: mk_gemm_sm90_fold.)
 //   tile_m, tile_n: tile coordinates; k_iters = ceil(K / 64); seq: tiles this block already ran.
 // Returns 1 in exactly one thread (consumer thread 0, or the publisher's lane 0) once all of this
 // tile's stores are issued by every consumer thread: that thread publishes the tile's completion
@@ -195,81 +193,73 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
 
     __nv_bfloat16 *out = (__nv_bfloat16 *)c - (long long)c_row0 * ldc;  // indexed by global row
     const long long plane_elems = (long long)m * n;
-    if (k_iters == 0 && adds > 0) {
-        // ---- a split-K fold (kernels/gemm.py): no K of its own, the tile is the planes' sum,
-        // read straight from memory with many loads in flight (fold_planes), no accumulator
-        fold_planes<BM, BN, CONSUMER_THREADS>(out, ldc, addend, adds, plane_elems, tile_m * BM,
-                                              tile_n * BN, m, n, tid);
-    } else {
-        // ---- consumers: warpgroup wg multiplies its 64 rows of A against all 256 columns of B
-        const int wg = tid / 128;
-        float d[128];
+    // ---- consumers: warpgroup wg multiplies its 64 rows of A against all 256 columns of B
+    const int wg = tid / 128;
+    float d[128];
 #pragma unroll
-        for (int i = 0; i < 128; ++i) d[i] = 0.f;
-        fence_operands(d);
+    for (int i = 0; i < 128; ++i) d[i] = 0.f;
+    fence_operands(d);
 
-        for (int kk = 0; kk < k_iters; ++kk) {
-            const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
-            MK_FULL_WAIT(r.full + 8 * s, phase, seq, kk);
-            const unsigned a = r.a + s * A_BYTES + wg * 64 * 128, b = r.b + s * B_BYTES;
-            wgmma_fence();
-            // k16: 16 bf16 = 32 bytes along A's swizzled rows; with MK_B_KN 16 rows (2 KB) down
-            // every box of B
+    for (int kk = 0; kk < k_iters; ++kk) {
+        const unsigned g = g0 + kk, s = g % STAGES, phase = (g / STAGES) & 1;
+        MK_FULL_WAIT(r.full + 8 * s, phase, seq, kk);
+        const unsigned a = r.a + s * A_BYTES + wg * 64 * 128, b = r.b + s * B_BYTES;
+        wgmma_fence();
+        // k16: 16 bf16 = 32 bytes along A's swizzled rows; with MK_B_KN 16 rows (2 KB) down
+        // every box of B
 #pragma unroll
-            for (int k16 = 0; k16 < BK / 16; ++k16)
+        for (int k16 = 0; k16 < BK / 16; ++k16)
 #if MK_B_KN
-                wgmma_m64n256k16<1>(d, smem_desc(a + 32 * k16),
-                                    smem_desc_mn(b + 16 * 128 * k16, B_BOX_BYTES));
+            wgmma_m64n256k16<1>(d, smem_desc(a + 32 * k16),
+                                smem_desc_mn(b + 16 * 128 * k16, B_BOX_BYTES));
 #else
-                wgmma_m64n256k16(d, smem_desc(a + 32 * k16), smem_desc(b + 32 * k16));
+            wgmma_m64n256k16(d, smem_desc(a + 32 * k16), smem_desc(b + 32 * k16));
 #endif
-            wgmma_commit();
-            // Keep one k-step of MMAs in flight; the previous step's slot can be refilled now.
-            wgmma_wait<1>();
-            fence_operands(d);
-            if (kk > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g - 1) % STAGES));
-        }
-        wgmma_wait<0>();
+        wgmma_commit();
+        // Keep one k-step of MMAs in flight; the previous step's slot can be refilled now.
+        wgmma_wait<1>();
         fence_operands(d);
-        MK_STAMP(main_done, seq, 0);
-        if (k_iters > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g0 + k_iters - 1) % STAGES));
+        if (kk > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g - 1) % STAGES));
+    }
+    wgmma_wait<0>();
+    fence_operands(d);
+    MK_STAMP(main_done, seq, 0);
+    if (k_iters > 0 && tid % 128 == 0) mbar_arrive(r.empty + 8 * ((g0 + k_iters - 1) % STAGES));
 
-        // ---- epilogue: fp32 -> bf16. Thread layout of m64nNk16: warp w of the warpgroup holds
-        // rows 16w + lane/4 (+8), and d[4j..4j+3] are columns 8j + 2*(lane%4) (+1) of those two
-        // rows.
-        const int lane = tid % 32, warp = (tid % 128) / 32;
+    // ---- epilogue: fp32 -> bf16. Thread layout of m64nNk16: warp w of the warpgroup holds
+    // rows 16w + lane/4 (+8), and d[4j..4j+3] are columns 8j + 2*(lane%4) (+1) of those two
+    // rows.
+    const int lane = tid % 32, warp = (tid % 128) / 32;
 #if MK_TMA_STORE
-        // the warp's 16 rows, 64 columns at a time through its two buffers and tensor stores
-        // (the header); adds is 0 (whole tiles only)
-        const unsigned stage = r.staging + (tid / 32) * 2 * WARP_STAGING;
-        const int row0 = tile_m * BM + wg * 64 + warp * 16, col0 = tile_n * BN;
-        const int chunks = row0 < m ? min(BN / 64, (n - col0 + 63) / 64) : 0;
+    // the warp's 16 rows, 64 columns at a time through its two buffers and tensor stores
+    // (the header); adds is 0 (whole tiles only)
+    const unsigned stage = r.staging + (tid / 32) * 2 * WARP_STAGING;
+    const int row0 = tile_m * BM + wg * 64 + warp * 16, col0 = tile_n * BN;
+    const int chunks = row0 < m ? min(BN / 64, (n - col0 + 63) / 64) : 0;
 #pragma unroll
-        for (int cc = 0; cc < BN / 64; ++cc) {
-            if (cc < chunks) {
-                const unsigned buf = stage + (cc % 2) * WARP_STAGING;
-                if (lane == 0) bulk_wait_read<1>();  // this buffer's last store has read it
-                __syncwarp();
-                stmatrix_chunk(d, cc, buf, lane / 8, lane % 8);
-                fence_proxy_async_shared();  // this lane's stmatrix before the store's reads
-                __syncwarp();
-                if (lane == 0) {
-                    tma_store_2d(tmaps + 256, buf, col0 + 64 * cc, row0 - c_row0);
-                    bulk_commit();
-                }
+    for (int cc = 0; cc < BN / 64; ++cc) {
+        if (cc < chunks) {
+            const unsigned buf = stage + (cc % 2) * WARP_STAGING;
+            if (lane == 0) bulk_wait_read<1>();  // this buffer's last store has read it
+            __syncwarp();
+            stmatrix_chunk(d, cc, buf, lane / 8, lane % 8);
+            fence_proxy_async_shared();  // this lane's stmatrix before the store's reads
+            __syncwarp();
+            if (lane == 0) {
+                tma_store_2d(tmaps + 256, buf, col0 + 64 * cc, row0 - c_row0);
+                bulk_commit();
             }
         }
-        if (chunks < BN / 64 && lane == 0) bulk_wait_read<0>();
-#else
-        // the warp's 16 rows, 64 columns at a time through its 2 KB of staging (gemm_common.cuh)
-        store_warp_rows(d, r.staging + (tid / 32) * WARP_STAGING, lane, out, ldc,
-                        tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n, addend, adds,
-                        plane_elems);
-#endif
     }
+    if (chunks < BN / 64 && lane == 0) bulk_wait_read<0>();
+#else
+    // the warp's 16 rows, 64 columns at a time through its 2 KB of staging (gemm_common.cuh)
+    store_warp_rows(d, r.staging + (tid / 32) * WARP_STAGING, lane, out, ldc,
+                    tile_m * BM + wg * 64 + warp * 16, tile_n * BN, m, n, addend, adds,
+                    plane_elems);
+#endif
     MK_STAMP(stored, seq, 0);
 #if MK_PUBLISHER
-    const int lane = tid % 32;
     // Hand the tile to the publisher and go on. Waiting first until tile seq - 1 was published
     // keeps the two barriers' phases from running more than one tile apart.
     if (seq > 0) mbar_wait(r.published, (seq - 1) & 1);
@@ -285,6 +275,26 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
     MK_STAMP(done, seq, 0);
     return tid == 0;
 #endif
+}
+
+// A split-K fold's unit (kernels/gemm.py), every thread of the block: rows [c_row0, c_row0 + rows)
+// of tile column tile_n (its BN columns, bounded by m and n) := the sum of planes 1..adds of
+// ``addend`` ([P, m, n] bf16), rounded once, into ``c`` (whose first row is c_row0, ldc elements
+// per row). It reads no K and touches no ring slot or barrier of the ring: the consumers read
+// the planes straight from memory with many loads in flight (fold_planes), the other warps
+// return 0 at once. Returns 1 in consumer thread 0 once every consumer's stores are issued (the
+// consumers' barrier), as the tile does without MK_PUBLISHER or MK_TMA_STORE.
+extern "C" __device__ int mk_gemm_sm90_fold(unsigned long long c, int ldc, int c_row0, int rows,
+                                            unsigned long long addend, int adds, int m, int n,
+                                            int tile_n) {
+    const int tid = threadIdx.x;
+    if (tid >= CONSUMER_THREADS) return 0;
+    MK_STAMP(fold_enter, 0, 0);  // (no seq here: a probe's stamps count the block's items)
+    fold_planes<BN, CONSUMER_THREADS>((__nv_bfloat16 *)c, ldc, addend, adds, (long long)m * n,
+                                      c_row0, min(rows, m - c_row0), tile_n * BN, n, tid);
+    consumer_barrier();
+    MK_STAMP(fold_done, 0, 0);
+    return tid == 0;
 }
 
 #if MK_TMA_STORE
