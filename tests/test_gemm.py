@@ -713,7 +713,8 @@ def test_tms_build_keeps_the_ring_and_is_whole_tiles_only(monkeypatch):
     per consumer warp (32 KB), barriers and 1 KB of alignment within an H200 block's 227 KB
     (232448 B, with the 16 bytes of static shared memory the kernel declares); C's tensor map
     only without split-K. Outside the simulator: the build's shape, threads, drain and C map,
-    the fused ops refuse it and mk.Gemm refuses split_k for it before compiling anything."""
+    no split-K fold (so mk.Gemm's rule never splits it), the fused ops refuse it and mk.Gemm
+    refuses split_k for it before compiling anything."""
     from mknumba._compat import SIMULATOR
     from mknumba.kernels import gemm as G
     from mknumba.kernels.gemm_inputs import TensorMaps
@@ -728,10 +729,12 @@ def test_tms_build_keeps_the_ring_and_is_whole_tiles_only(monkeypatch):
     base, tms = compute.tile_build("sm90"), compute.tile_build("sm90:tms")
     assert (tms.shape, tms.threads, tms.smem_bytes, tms.tma) == \
         (base.shape, base.threads, smem, True)
-    assert tms.gemm_only and tms.c_map and tms.drain is not None
+    assert tms.gemm_only and tms.c_map and tms.drain is not None and tms.fold is None
     assert base.drain is None and not base.c_map and not base.gemm_only
+    assert base.fold is not None          # split-K folds: the default tile's builds only
     kn = compute.tile_build("sm90:tms:kn")
     assert kn.b_kn and kn.c_map and kn.drain is not None and kn.smem_bytes == smem
+    assert kn.fold is None and compute.tile_build("sm90:kn").fold is not None
     monkeypatch.setattr(G, "kind_for", lambda tile, op="": tile)     # no GPU asked here
     for tile in ("sm90:tms", "sm90:tms:kn"):
         with pytest.raises(MkValueError, match="mknumba.Gemm only"):

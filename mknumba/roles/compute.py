@@ -213,7 +213,8 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
     with ``MK_PUBLISHER=publisher``, ``MK_B_KN=b_kn`` and ``MK_TMA_STORE=tms`` (see the
     helper's header; b_kn: B is [k, n], not [n, k]; drain: None, or with ``tms`` the block's
     end; reinit: the ring started afresh, of the library's own gemm_tile.cu only, else None;
-    fold: a split-K fold, None for the ping-pong tile; :class:`TileBuild`), or with
+    fold: a split-K fold, None for the whole-tile builds, ping-pong and ``tms``;
+    :class:`TileBuild`), or with
     ``pingpong`` (True, or a shape: :func:`pp_shape`) around
     ``cuda/gemm_pingpong.cu`` (no publisher; the same calling sequence; no reinit; with
     ``desc_iter`` its descriptor variant: :data:`SM90_PP_VARIANTS`).
@@ -278,8 +279,8 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
                 reinit_fn(data_ptr(smem), data_ptr(tmaps))
         else:
             reinit = None
-        if pingpong:
-            fold = None       # whole tiles only: no split-K
+        if pingpong or tms:
+            fold = None       # whole tiles only (TileBuild.gemm_only): no split-K
         else:
             fold_fn = cuda.declare_device(f"{prefix}_fold",
                                           i32(u64, i32, i32, i32, u64, i32, i32, i32, i32),
