@@ -24,9 +24,10 @@ how many slices ran (``slices``); ``--shapes``: only these shapes (e.g. to sweep
 restricted to these; ``128x128``: the rule without the smaller tiles); each record names the
 tile shape its plan ran (``tile_shape``). ``--group-m``: one op per value, ``Gemm(group_m=G)``
 (the tile order's band height, ``sched.tiles.grouped_order``; "auto": the op's rule), timed
-in turn beside cuBLAS at every shape, each record naming its ``group_m``. ``--fold-parts P``:
-a split tile's fold in at most P units (``kernels.gemm.FOLD_MAX_PARTS``; 1: one unit a
-tile), each record saying how many ran (``fold_parts``).
+in turn beside cuBLAS at every shape, each record naming its ``group_m``; ``--tile`` in
+``--grid`` takes several builds the same way (each record names its ``tile``).
+``--fold-parts P``: a split tile's fold in at most P units (``kernels.gemm.FOLD_MAX_PARTS``;
+1: one unit a tile), each record saying how many ran (``fold_parts``).
 """
 import argparse
 import datetime
@@ -129,9 +130,8 @@ def sass_report(op, sass_dir):
 
 def grid(args, gpu, sms):
     """Issue 23's grid: records with b_layout "nk" and "kn" per shape, all SMs."""
-    ops = {g: Gemm(tile=args.tile, split_k=args.split_k,
-                   group_m=None if g == "auto" else int(g))
-           for g in args.group_m.split(",")}
+    ops = {(t, g): Gemm(tile=t, split_k=args.split_k, group_m=None if g == "auto" else int(g))
+           for t in args.tile.split(",") for g in args.group_m.split(",")}
     records, cmd = [], " ".join([os.path.basename(sys.executable)] + sys.argv)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     shapes = ([tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -145,10 +145,9 @@ def grid(args, gpu, sms):
         flops, iters = 2.0 * m * n * k, iters_for(2.0 * m * n * k)
         base = dict(kernel="gemm", shape=dict(m=m, n=n, k=k), dtype="bfloat16", world=1,
                     topology="1x1", transport="none", baseline="cublas", gpu=gpu,
-                    date=date, command=cmd, sms=sms, sms_reserved=0, tile=args.tile,
-                    split_k=args.split_k)
-        for (layout, b_arg), (g, op) in itertools.product((("nk", b_nk.T), ("kn", b_kn)),
-                                                          ops.items()):
+                    date=date, command=cmd, sms=sms, sms_reserved=0, split_k=args.split_k)
+        for (layout, b_arg), ((tile, g), op) in itertools.product(
+                (("nk", b_nk.T), ("kn", b_kn)), ops.items()):
             c.fill_(float("nan"))
             op(a, b_arg, out=c)
             torch.cuda.synchronize()
@@ -158,7 +157,7 @@ def grid(args, gpu, sms):
             plan = next(p for key, p in op._plans.items()
                         if key[:3] == (m, n, k) and (key[3] == "kn") == (layout == "kn"))
             slices = plan.slices
-            records.append(dict(base, b_layout=layout, ours_ms=t, baseline_ms=tb,
+            records.append(dict(base, tile=tile, b_layout=layout, ours_ms=t, baseline_ms=tb,
                                 slices=slices, fold_parts=plan.parts,
                                 tile_shape=list(plan.tile_shape), group_m=g,
                                 pp_shapes=args.pp_shapes,
@@ -167,7 +166,7 @@ def grid(args, gpu, sms):
             print(f"{m}x{n}x{k} {layout}: ours {t:.4f} ms cublas {tb:.4f} ms "
                   f"ratio {tb / t:.3f} err {err:.1e} slices {slices} "
                   f"parts {plan.parts} tile {plan.tile_shape[0]}x{plan.tile_shape[1]} "
-                  f"group_m {g}", flush=True)
+                  f"group_m {g} {tile}", flush=True)
     return records
 
 
@@ -178,7 +177,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="only 8192^3, all reserve values")
     p.add_argument("--grid", action="store_true", help="issue 23's grid of 144 shapes")
     p.add_argument("--tile", default=None,
-                   help="the Gemm build (default: auto with --grid, else sm90)")
+                   help="the Gemm build (default: auto with --grid, else sm90); --grid: one "
+                        "op per build, e.g. auto,sm90:ppr:64x128")
     p.add_argument("--split-k", type=int, default=None,
                    help="Gemm(split_k=S) (--grid; 1: no split; default: the op's rule)")
     p.add_argument("--shapes", default=None, help="--grid: only these, e.g. 512x1024x14336,...")
@@ -192,6 +192,8 @@ def main():
                         "(default: every shape of kernels.gemm.PP_TILE_COST)")
     args = p.parse_args()
     args.tile = args.tile or ("auto" if args.grid else "sm90")
+    if "," in args.tile and not args.grid:
+        p.error("--tile: one build outside --grid")
     if args.pp_shapes:
         keep = {tuple(int(x) for x in s.split("x")) for s in args.pp_shapes.split(",")}
         unknown = keep - set(G.PP_TILE_COST)

@@ -22,7 +22,14 @@ def shape(r):
 
 def summary(records):
     """The grid's verdict per layout of B (issue 23: geometric mean >= 1.0, no point < 0.9,
-    relative error <= 1e-2 everywhere)."""
+    relative error <= 1e-2 everywhere); one verdict per op where the records are of several
+    (``bench_gemm.py --grid --tile A,B --group-m G,H``)."""
+    ops = sorted({(r.get("tile"), str(r.get("group_m"))) for r in records}, key=str)
+    if len(ops) > 1:
+        for tile, g in ops:
+            print(f"\n== tile {tile}, group_m {g}")
+            summary([r for r in records if (r.get("tile"), str(r.get("group_m"))) == (tile, g)])
+        return
     for layout in sorted({r["b_layout"] for r in records}):
         recs = [r for r in records if r["b_layout"] == layout]
         ratios = [r["speedup"] for r in recs]

@@ -839,6 +839,27 @@ def test_gemm_split_k_matches_fp32_reference(m, n, k, split_k, layout):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("layout", ["nk", "kn"])
+def test_tms_tile_runs_whole_tiles_where_auto_splits(layout):
+    """``Gemm(tile="sm90:tms")`` at 512 x 1024 x 8192, where "auto" cuts K into slices: the
+    tensor-store build has no fold, so its plan computes whole tiles (16 of 128 x 256, one
+    slice), correct in 20 calls (:func:`_twenty_calls`), every tile flag at the last epoch;
+    "auto" on the same GPU does split that shape (the split-K rule is what the tile opts out
+    of)."""
+    from mknumba.kernels.gemm import Gemm
+    op, auto = Gemm(tile="sm90:tms"), Gemm()
+    worst = _twenty_calls(op, 512, 1024, 8192, layout)
+    plan = next(iter(op._plans.values()))
+    assert (plan.slices, plan.tail, plan.tile_shape) == (1, 0, (128, 256)), plan.slices
+    assert plan.kind == "sm90:tms" + (":kn" if layout == "kn" else ""), plan.kind
+    assert op.calls() == (20, 20) and (plan.tile_flags.copy_to_host() == 20).all()
+    _twenty_calls(auto, 512, 1024, 8192, layout)
+    assert next(iter(auto._plans.values())).slices > 1
+    print(f"512x1024x8192 {layout}: sm90:tms whole tiles, worst rel err {worst:.1e}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("layout", ["nk", "kn"])
 @pytest.mark.parametrize("m,n,k,reserved,tail", [
     # issue 23's wave-quantized shapes on an H200 (132 SMs): 448 tiles = 3 rounds + 52;
     # 512 tiles on 124 and 116 blocks (4 + 16, 4 + 48); ragged m, n and K (65 k-steps:

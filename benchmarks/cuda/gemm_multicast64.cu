@@ -21,6 +21,7 @@
 // twenty-eighth session).
 //
 //   nvcc -O3 -std=c++17 [-DMODE=1|2|3|4] [-DRING_SLOTS=n] [-DTMAP=1|2] [-DINTERLEAVE=1] \
+//        [-DRASTER=1|2|3|4] \
 //        -gencode=arch=compute_90a,code=sm_90a \
 //        -I mknumba/roles/cuda benchmarks/cuda/gemm_multicast64.cu -lcuda -lcublas \
 //        -o gemm_multicast64
@@ -31,6 +32,8 @@
 // Per shape: ours and cuBLAS (cublasGemmEx, bf16 in and out, fp32 compute) on the same random
 // inputs (gemm_probe.cuh: each a CUDA graph of 20 launches replayed in alternating rounds,
 // the median per call, and the relative error of ours against cuBLAS's output).
+#include <algorithm>
+
 #include "gemm_common.cuh"
 #include "gemm_probe.cuh"
 
@@ -79,6 +82,42 @@ constexpr int CONSUMERS = MODE == 2 || MODE == 3 ? 256 : 128, THREADS = CONSUMER
 constexpr unsigned A_BYTES = BM * BK * 2, B_BYTES = BN * BK * 2;
 constexpr unsigned RING_BYTES = STAGES * (A_BYTES + B_BYTES);
 constexpr unsigned SMEM_BYTES = RING_BYTES + 16 * STAGES + 1024;
+
+// RASTER >= 2: an SM's rank among the GPU's %smid values (rank_sms), 0 .. SMs - 1
+constexpr int MAX_SMID = 1024;
+__device__ int sm_rank[MAX_SMID];
+
+// each CTA's %smid; launched one CTA an SM (as much shared memory as the GEMM)
+__global__ void record_smids(int *out) {
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    if (threadIdx.x == 0) out[blockIdx.x] = smid;
+}
+
+// fills sm_rank and prints the %smid values in order (a JSON line)
+void rank_sms(int sms) {
+    int *d_ids, *ids = new int[sms], rank[MAX_SMID];
+    CHECK(cudaMalloc(&d_ids, sms * sizeof(int)));
+    CHECK(cudaFuncSetAttribute(record_smids, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               SMEM_BYTES));
+    record_smids<<<sms, 32, SMEM_BYTES>>>(d_ids);
+    CHECK(cudaMemcpy(ids, d_ids, sms * sizeof(int), cudaMemcpyDeviceToHost));
+    std::sort(ids, ids + sms);
+    for (int i = 0; i < MAX_SMID; ++i) rank[i] = MAX_SMID;  // not an SM: no tile
+    printf("{\"kernel\": \"smids\", \"smids\": [");
+    for (int i = 0; i < sms; ++i) {
+        if (ids[i] < 0 || ids[i] >= MAX_SMID || (i && ids[i] == ids[i - 1])) {
+            fprintf(stderr, "%%smid %d twice or out of range: not one CTA an SM\n", ids[i]);
+            exit(3);
+        }
+        rank[ids[i]] = i;
+        printf("%s%d", i ? ", " : "", ids[i]);
+    }
+    printf("]}\n");
+    CHECK(cudaMemcpyToSymbol(sm_rank, rank, sizeof(rank)));
+    CHECK(cudaFree(d_ids));
+    delete[] ids;
+}
 
 // one arrival on the mbarrier at this CTA's shared address ``bar`` in cluster CTA ``cta``
 // (default semantics: release at CTA scope, no GPU-scope fence)
@@ -131,11 +170,26 @@ __global__ void __launch_bounds__(THREADS, 1)
     const int tid = threadIdx.x;
     const unsigned r = CS > 1 ? probe::cluster_rank() : 0;
     const int rm = r % CM, rn = r / CM;
-    const int cl = blockIdx.x / CS;
-    // RASTER 0: consecutive clusters down a tile column (sharing B), 1: along a tile row
-    const int clusters_n = gridDim.x / CS / clusters_m;
-    const int cm_ = RASTER ? cl / clusters_n : cl % clusters_m;
-    const int cn_ = RASTER ? cl % clusters_n : cl / clusters_m;
+    // RASTER 0: consecutive clusters down a tile column (sharing B), 1: along a tile row;
+    // 2-4 (1 x 1 only): the tile by the SM the CTA runs on (%smid, one CTA an SM: the grid is
+    // every SM and CTAs of SMs past the last tile leave): 2 consecutive SMs along a tile row,
+    // 3 down a tile column, 4 each 16 consecutive SMs a 4 x 4 patch of tiles (if SMs of one
+    // GPC are numbered together, its requests for one box come from up to 4 of them at once)
+    const int clusters_n = n / BN / CN;
+    int cl = blockIdx.x / CS;
+    if (RASTER >= 2) {
+        unsigned smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        cl = sm_rank[smid];  // %smid may skip numbers: its rank among the GPU's SMs'
+        if (cl >= clusters_m * clusters_n) return;
+    }
+    const int patch = cl / 16, in_patch = cl % 16;
+    const int cm_ = RASTER == 1 || RASTER == 2 ? cl / clusters_n
+                    : RASTER == 4 ? 4 * (patch % (clusters_m / 4)) + in_patch / 4
+                                  : cl % clusters_m;
+    const int cn_ = RASTER == 1 || RASTER == 2 ? cl % clusters_n
+                    : RASTER == 4 ? 4 * (patch / (clusters_m / 4)) + in_patch % 4
+                                  : cl / clusters_m;
     const int tile_m = cm_ * CM + rm, tile_n = cn_ * CN + rn;
 
     if (tid == 0) {
@@ -269,7 +323,10 @@ template <int CM, int CN>
 void launch(const unsigned long long tmaps, const CUtensorMap *maps, __nv_bfloat16 *c, int m,
             int n, int k, cudaStream_t stream) {
     const int tiles_m = m / BM, tiles_n = n / BN;
-    probe::ClusterLaunch l(tiles_m * tiles_n, THREADS, SMEM_BYTES, CM * CN, stream);
+    int sms = 0;
+    CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    probe::ClusterLaunch l(RASTER >= 2 ? sms : tiles_m * tiles_n, THREADS, SMEM_BYTES, CM * CN,
+                           stream);
     CHECK(cudaLaunchKernelEx(&l.cfg, mc_gemm<CM, CN>, tmaps, c, m, n, k / BK, tiles_m / CM,
                                maps[0], maps[1]));
 }
@@ -299,11 +356,17 @@ int main(int argc, char **argv) {
     allow_smem<4, 1>();
     cublasHandle_t handle;
     CHECK(cublasCreate(&handle));
+    if (RASTER >= 2) {
+        int sms = 0;
+        CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+        rank_sms(sms);
+    }
     for (const auto &run : runs) {
         const int m = run.v[0], n = run.v[1], k = run.v[2], cm = run.v[3], cn = run.v[4];
-        if (m % (BM * cm) || n % (BN * cn) || k % BK) {
-            fprintf(stderr, "skip %dx%dx%d %dx%d: whole clusters of tiles only\n", m, n, k, cm,
-                    cn);
+        if (m % (BM * cm) || n % (BN * cn) || k % BK ||
+            (RASTER >= 2 && (cm * cn != 1 || (RASTER == 4 && (m / BM % 4 || n / BN % 4))))) {
+            fprintf(stderr, "skip %dx%dx%d %dx%d: whole clusters of tiles only (RASTER >= 2: "
+                    "1 x 1; 4: 4 x 4 patches)\n", m, n, k, cm, cn);
             continue;
         }
         probe::Operands x(m, n, k, run.first);

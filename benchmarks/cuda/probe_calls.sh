@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call's worth of the standalone probes (issue 23), results under $OUT:
-#   OUT=dir bash benchmarks/cuda/probe_calls.sh [runs|traffic|lrc|order]
+#   OUT=dir bash benchmarks/cuda/probe_calls.sh [runs|traffic|lrc|order|smid]
 # runs (default): builds gemm_multicast64.cu in the variants below, runs each beside cuBLAS
 # (under `timeout`: some are new), then Nsight Compute's L2 sector counts for the tensor-map
 # placements. traffic: Nsight Compute's L2 and crossbar counters of cuBLAS's kernel beside
@@ -8,6 +8,8 @@
 # the L2 request coalescer's counters, and the builds that might change them (raster order, the
 # tensor maps' L2 promotion), timed. order: the two tile orders at more K and M, and the
 # coalescer's counters of a launch inside the timing's graphs (the 31st: the steady state).
+# smid: the tiles placed by the SM each CTA runs on (RASTER 2-4) against the blockIdx orders,
+# with MMAs and loads only.
 set -u
 cd "$(dirname "$0")"
 PART=${1:-runs}
@@ -35,13 +37,19 @@ table() {  # every run's build, shape and times
   cat "$OUT/probe.log"
   python3 - "$OUT/probe.jsonl" <<'P'
 import json, sys
+smids = None
 for line in open(sys.argv[1]):
     r = json.loads(line)
+    if "smids" in r:     # each RASTER >= 2 run's; printed when they first differ
+        if r["smids"] != smids:
+            smids = r["smids"]
+            print(f"%smid values ({len(smids)}): {smids}")
+        continue
     s = r["shape"]
     print(f"{s['m']}x{s['n']}x{s['k']} mode {r['mode']} tmap {r['tmap']} il {r['interleave']} "
           f"raster {r['raster']} promo {r['promo']} cluster {r['cluster']}: ours "
           f"{r['ours_us']:7.2f} us ({r['ns_per_kstep']:.0f} ns a k-step), "
-          f"cuBLAS {r['cublas_us']:.2f}")
+          f"cuBLAS {r['cublas_us']:.2f}, rel err {r['rel_err']:.1e}")
 P
 }
 BOTH='-k regex:mc_gemm|nvjet --launch-count 2'   # our kernel's first launch, then cuBLAS's
@@ -82,6 +90,15 @@ order)
       --metrics $M -- $b $S 1 1
   done
   cat "$OUT/order.txt"; table ;;
+smid)
+  build mc_0 -DMODE=0 & build mc_0r -DMODE=0 -DRASTER=1 & build mc_0s2 -DMODE=0 -DRASTER=2 &
+  build mc_0s3 -DMODE=0 -DRASTER=3 & build mc_0s4 -DMODE=0 -DRASTER=4 &
+  build mc_4 -DMODE=4 & build mc_4s2 -DMODE=4 -DRASTER=2 & build mc_4s4 -DMODE=4 -DRASTER=4 &
+  wait
+  for b in mc_0 mc_0r mc_0s2 mc_0s3 mc_0s4 mc_4 mc_4s2 mc_4s4; do
+    run $b 512 1024 512 1 1 512 1024 2048 1 1 $S 1 1 256 1024 8192 1 1
+  done
+  table ;;
 runs)
   build mc_0 -DMODE=0 & build mc_0p -DMODE=0 -DTMAP=1 & build mc_0c -DMODE=0 -DTMAP=2 &
   build mc_4 -DMODE=4 & build mc_4p -DMODE=4 -DTMAP=1 & build mc_2p -DMODE=2 -DTMAP=1 &
@@ -99,5 +116,5 @@ runs)
     done
   done
   cat "$OUT/ncu.txt"; table ;;
-*) echo "usage: OUT=dir bash $0 [runs|traffic|lrc|order]" >&2; exit 2 ;;
+*) echo "usage: OUT=dir bash $0 [runs|traffic|lrc|order|smid]" >&2; exit 2 ;;
 esac
