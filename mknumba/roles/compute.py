@@ -214,14 +214,12 @@ def sm90_tile_functions(publisher=False, b_kn=False, pingpong=False, helper=None
     helper's header; b_kn: B is [k, n], not [n, k]; drain: None, or with ``tms`` the block's
     end; reinit: the ring started afresh, of the library's own gemm_tile.cu only, else None;
     fold: a split-K fold, None for the whole-tile builds, ping-pong and ``tms``;
-    :class:`TileBuild`), or with
-    ``pingpong`` (True, or a shape: :func:`pp_shape`) around
+    :class:`TileBuild`), or with ``pingpong`` (True, or a shape: :func:`pp_shape`) around
     ``cuda/gemm_pingpong.cu`` (no publisher; the same calling sequence; no reinit; with
-    ``desc_iter`` its descriptor variant: :data:`SM90_PP_VARIANTS`).
-    ``helper``: another source with gemm_tile.cu's
-    entry points (a probe's variant, e.g. ``benchmarks/cuda/gemm_epilogues.cu``, which may
-    include the library's files by name: :func:`linked_source`; no reinit), ``defines``
-    prepended to it. Launch with
+    ``desc_iter`` its descriptor variant: :data:`SM90_PP_VARIANTS`). ``helper``: another
+    source with gemm_tile.cu's entry points (a probe's variant, e.g.
+    ``benchmarks/cuda/gemm_epilogues.cu``, which may include the library's files by name:
+    :func:`linked_source`; no reinit), ``defines`` prepended to it. Launch with
     ``sm90_smem_bytes(pingpong, tms)`` and ``sm90_threads(publisher)``."""
     if pingpong and (publisher or tms):
         raise MkValueError("the ping-pong tile is built without a publisher warp or tensor "
