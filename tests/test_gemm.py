@@ -839,6 +839,28 @@ def test_gemm_split_k_matches_fp32_reference(m, n, k, split_k, layout):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("layout", ["nk", "kn"])
+@pytest.mark.parametrize("m,n,k,split_k", [(2048, 1024, 8192, 4), (389, 1032, 8264, 2)])
+def test_publisher_tile_split_matches_fp32_reference(m, n, k, split_k, layout):
+    """The fused ops' build (``roles.compute.SM90_FUSED_TILE``: a warp of its own publishes
+    the tile flags) forced to split K: its folds run the plain build's fold
+    (``mk_gemm_sm90_fold``), whose flag consumer thread 0 releases while the publisher warp
+    leaves. 20 calls (:func:`_twenty_calls`); every slice's and tile's flag at the last
+    epoch."""
+    from mknumba.kernels.gemm import Gemm
+    from mknumba.roles.compute import SM90_FUSED_TILE
+    op = Gemm(tile=SM90_FUSED_TILE, split_k=split_k)
+    worst = _twenty_calls(op, m, n, k, layout)
+    plan = next(iter(op._plans.values()))
+    assert plan.slices == split_k and plan.kind.startswith(SM90_FUSED_TILE), plan.kind
+    assert op.calls() == (20, 20)
+    assert (plan.flags.copy_to_host() == 20).all()
+    print(f"{m}x{n}x{k} {layout}: {plan.kind} in {plan.slices} slices, folds in {plan.parts} "
+          f"units a tile, worst rel err {worst:.1e}")
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("layout", ["nk", "kn"])
 def test_tms_tile_runs_whole_tiles_where_auto_splits(layout):
     """``Gemm(tile="sm90:tms")`` at 512 x 1024 x 8192, where "auto" cuts K into slices: the
     tensor-store build has no fold, so its plan computes whole tiles (16 of 128 x 256, one
