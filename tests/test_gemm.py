@@ -812,50 +812,34 @@ def _twenty_calls(op, m, n, k, layout):
 @pytest.mark.gpu
 @requires_gpu
 @pytest.mark.parametrize("layout", ["nk", "kn"])
-@pytest.mark.parametrize("m,n,k,split_k", [
+@pytest.mark.parametrize("m,n,k,split_k,tile", [
     # issue 23's grid where 128 x 256 tiles leave most SMs idle and K is long (shorter K:
     # "auto" takes the ping-pong tile, pp_for): the op's rule splits
-    (512, 1024, 14336, None), (1024, 1024, 10240, None), (2048, 1024, 14336, None),
-    (512, 4096, 9216, None),
+    (512, 1024, 14336, None, "auto"), (1024, 1024, 10240, None, "auto"),
+    (2048, 1024, 14336, None, "auto"), (512, 4096, 9216, None, "auto"),
     # ragged m and n, K not a multiple of the slices' 64-deep steps
-    (389, 1032, 8264, None), (1000, 776, 9000, None),
+    (389, 1032, 8264, None, "auto"), (1000, 776, 9000, None, "auto"),
     # forced: several slices per block before the folds (64 tiles, 4 slices: 320 units), and
     # more tiles than blocks (512 tiles: folds after folds)
-    (2048, 1024, 8192, 4), (4096, 4096, 2048, 2)])
-def test_gemm_split_k_matches_fp32_reference(m, n, k, split_k, layout):
-    """Split-K on the GPU: 20 calls (:func:`_twenty_calls`); every flag at the last call's
-    epoch."""
+    (2048, 1024, 8192, 4, "auto"), (4096, 4096, 2048, 2, "auto"),
+    # the fused ops' build (a warp of its own publishes the tile flags) forced to split: its
+    # folds run the plain build's fold (mk_gemm_sm90_fold), whose flag consumer thread 0
+    # releases while the publisher warp leaves; also ragged
+    (2048, 1024, 8192, 4, "sm90:e2p1"), (389, 1032, 8264, 2, "sm90:e2p1")])
+def test_gemm_split_k_matches_fp32_reference(m, n, k, split_k, tile, layout):
+    """Split-K on the GPU: 20 calls (:func:`_twenty_calls`); a forced split cuts exactly
+    ``split_k`` slices, in the tile build asked for; every flag at the last call's epoch."""
     from mknumba.kernels.gemm import Gemm
-    op = Gemm(split_k=split_k)
+    op = Gemm(tile=tile, split_k=split_k)
     worst = _twenty_calls(op, m, n, k, layout)
     plan = next(iter(op._plans.values()))
     assert plan.slices > 1, "the rule did not split"
+    assert split_k is None or plan.slices == split_k, plan.slices
+    assert tile == "auto" or plan.kind.startswith(tile), plan.kind
     assert op.calls() == (20, 20)
     assert (plan.flags.copy_to_host() == 20).all()
-    print(f"{m}x{n}x{k} {layout}: {plan.slices} slices of {plan.kc}, folds in {plan.parts} "
-          f"units a tile, worst rel err {worst:.1e}")
-
-
-@pytest.mark.gpu
-@requires_gpu
-@pytest.mark.parametrize("layout", ["nk", "kn"])
-@pytest.mark.parametrize("m,n,k,split_k", [(2048, 1024, 8192, 4), (389, 1032, 8264, 2)])
-def test_publisher_tile_split_matches_fp32_reference(m, n, k, split_k, layout):
-    """The fused ops' build (``roles.compute.SM90_FUSED_TILE``: a warp of its own publishes
-    the tile flags) forced to split K: its folds run the plain build's fold
-    (``mk_gemm_sm90_fold``), whose flag consumer thread 0 releases while the publisher warp
-    leaves. 20 calls (:func:`_twenty_calls`); every slice's and tile's flag at the last
-    epoch."""
-    from mknumba.kernels.gemm import Gemm
-    from mknumba.roles.compute import SM90_FUSED_TILE
-    op = Gemm(tile=SM90_FUSED_TILE, split_k=split_k)
-    worst = _twenty_calls(op, m, n, k, layout)
-    plan = next(iter(op._plans.values()))
-    assert plan.slices == split_k and plan.kind.startswith(SM90_FUSED_TILE), plan.kind
-    assert op.calls() == (20, 20)
-    assert (plan.flags.copy_to_host() == 20).all()
-    print(f"{m}x{n}x{k} {layout}: {plan.kind} in {plan.slices} slices, folds in {plan.parts} "
-          f"units a tile, worst rel err {worst:.1e}")
+    print(f"{m}x{n}x{k} {layout} {plan.kind}: {plan.slices} slices of {plan.kc}, folds in "
+          f"{plan.parts} units a tile, worst rel err {worst:.1e}")
 
 
 @pytest.mark.gpu
