@@ -21,11 +21,15 @@ def main(paths):
 
 
 def render(records):
-    """Print records (an iterable of dicts) as a table."""
+    """Print records (an iterable of dicts) as a table; records without ``kernel`` and ``shape``
+    (a probe's own fields: stamps, kernel names) are counted, not shown."""
     cols = ["kernel", "shape", "topo", "transport", "ours_ms", "base", "base_ms", "speedup",
             "tflops", "base_tflops", "floor_ms", "of_floor"]
-    table = []
+    table, probes = [], 0
     for r in records:
+        if not isinstance(r, dict) or "kernel" not in r or "shape" not in r:
+            probes += 1
+            continue
         of_floor = r["floor_ms"] / r["ours_ms"] if r.get("floor_ms") and r.get("ours_ms") else None
         extra = f" sms_reserved={r['sms_reserved']}" if r.get("sms_reserved") else ""
         if r["kernel"] == "host_cost":
@@ -40,6 +44,8 @@ def render(records):
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+    if probes:
+        print(f"({probes} records without kernel and shape left out: probes' own fields)")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     python benchmarks/split_table.py [benchmarks/results/fused.json]
 
-Prints ``RECORDED = {...}``: per (kernel, topology), rows ``(m, k_local, comm_sms, deliver)``
+Prints ``RECORDED = {...}``: per (kernel, topology), rows ``(m, k_local, comm_sms, deliver, fold)``
 of the fastest entry of each point's sweep, wrapped at 100 columns. Paste it into split.py;
 ``tests/test_fused.py`` checks that the two agree.
 """

@@ -3,7 +3,7 @@
 A kernel declares its parameters once, in its own signature, with numba types as annotations:
 
     @cuda.jit
-    def gemm_kernel(a: Bits2D, bt: Bits2D, c: Bits2D, ..., frame: Words64, ...):
+    def gemm_kernel(a: Bits2D, b: Bits2D, c: Bits2D, ..., frame: Words64, ...):
 
 Everything else derives from that declaration: :func:`signature` (the types the op compiles for
 at plan time, and the types the tests compile for without a GPU), the positions of the arguments

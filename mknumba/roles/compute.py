@@ -44,19 +44,20 @@ Implementations:
   4-stage mbarrier ring, two consumer warpgroups issue wgmma m64n256k16; 128 x 256 x 64 tiles,
   288 threads per block, ``SM90_SMEM_BYTES`` of dynamic shared memory. B [k, n] is read as it is
   (TMA boxes of 64 N-columns, a transposed wgmma operand): built with ``MK_B_KN=1``.
-- ``SM90_PINGPONG_TILE`` (opt-in, mk.Gemm only): ``cuda/gemm_pingpong.cu``, the same ring and
-  calling sequence with 128 x 128 tiles, each computed whole by one consumer warpgroup; the two
-  warpgroups take alternate tiles (``seq`` odd or even) and turns in the main loop, so one's
-  epilogue runs while the other's MMAs do. A 6-stage ring; 288 threads. Also built with
-  128 x 64, 64 x 128 and 64 x 64 tiles (``"sm90:pp:<BM>x<BN>"``, :func:`pp_name`), each ring
-  as deep as fits (:func:`pp_stages`: 8, 8 and 13 stages). Variants named by letters after
-  ``sm90:pp``: :data:`SM90_PP_VARIANTS` (``"sm90:ppd:64x64"``, ``"sm90:ppdr:128x64"``, ...);
-  "auto" takes the ones measured faster (``kernels.gemm.PP_AUTO_VARIANT``).
-- ``SM90_TMS_TILE`` (opt-in, mk.Gemm without split-K only): ``cuda/gemm_tile.cu`` with
-  ``MK_TMA_STORE=1``: the same ring and tile; each consumer warp's 16 x 64 chunks leave by TMA
-  tensor stores through C's tensor map (``TileBuild.c_map``) from two 2 KB buffers, and no
-  consumer waits for them, nor meets the others, between tiles; the tile flags go out at the
-  block's end (``TileBuild.drain``).
+- ``SM90_PINGPONG_TILE`` (mk.Gemm only; "auto" takes it by shape, ``kernels.gemm.pp_for``):
+  ``cuda/gemm_pingpong.cu``, the same ring and calling sequence with 128 x 128 tiles, each computed
+  whole by one consumer warpgroup; the two warpgroups take alternate tiles (``seq`` odd or even) and
+  turns in the main loop, so one's epilogue runs while the other's MMAs do. A 6-stage ring; 288
+  threads. Also built with 128 x 64, 64 x 128 and 64 x 64 tiles (``"sm90:pp:<BM>x<BN>"``,
+  :func:`pp_name`), each ring as deep as fits (:func:`pp_stages`: 8, 8 and 13 stages). Variants
+  named by letters after ``sm90:pp``: :data:`SM90_PP_VARIANTS` (``"sm90:ppd:64x64"``,
+  ``"sm90:ppdr:128x64"``, ...); "auto" takes the ones measured faster
+  (``kernels.gemm.PP_AUTO_VARIANT``).
+- ``SM90_TMS_TILE`` (mk.Gemm without split-K only; "auto" takes it for whole tiles at K <=
+  ``kernels.gemm.TMS_MAX_K``): ``cuda/gemm_tile.cu`` with ``MK_TMA_STORE=1``: the same ring and
+  tile; each consumer warp's 16 x 64 chunks leave by TMA tensor stores through C's tensor map
+  (``TileBuild.c_map``) from two 2 KB buffers, and no consumer waits for them, nor meets the others,
+  between tiles; the tile flags go out at the block's end (``TileBuild.drain``).
 - ``gemm_tile_simt``: the generic twin (simulator, GPUs without sm_90a): plain loads, one fp32 dot
   product per output element, ``SIMT_TILE`` tiles, any block size.
 """
@@ -111,7 +112,7 @@ SM90_PINGPONG_MAX_STAGES = 16
 SM90_PP_VARIANTS = {"d": "desc_iter", "r": "early"}
 #: the tensor-store tile (``cuda/gemm_tile.cu`` with MK_TMA_STORE): the sm90 tile whose
 #: epilogue's chunks leave by TMA stores nobody waits for, two buffers per consumer warp (twice
-#: the staging); opt-in, mk.Gemm without split-K only (its flags go out at each block's end).
+#: the staging); mk.Gemm without split-K only (its flags go out at each block's end).
 SM90_TMS_TILE = "sm90:tms"
 #: threads of consumer warp 0 that publish a tensor-store block's flags after its last tile
 #: (gemm_tile.cu mk_gemm_sm90_drain returns 0..31 there)
