@@ -12,6 +12,7 @@ bfloat16 comes in four spellings, all read as the same 16 bits: PyTorch's ``torc
 ``int16``. :func:`bf16_array` and :func:`to_float32` move NumPy data in and out;
 :func:`to_bf16_bits` and :func:`from_bf16_bits` do the same on the raw bits.
 """
+import math
 import sys
 
 import numpy as np
@@ -20,8 +21,9 @@ from numba import cuda
 from ._compat import SIMULATOR
 from .errors import MkValueError
 
-__all__ = ["Operand", "operand", "check_device", "new_output", "BF16", "to_bf16_bits", "from_bf16_bits",
-           "bf16_array", "to_float32", "is_torch", "torch_ptr"]
+__all__ = ["Operand", "operand", "check_device", "refuse_overlap", "shared_bytes", "unshared",
+           "new_output", "BF16", "to_bf16_bits", "from_bf16_bits", "bf16_array", "to_float32",
+           "is_torch", "torch_ptr"]
 
 #: the dtype names read as bf16 bits
 BF16 = ("bfloat16", "uint16", "int16")
@@ -102,6 +104,11 @@ class Operand:
         if self._strides is None:                 # a PyTorch tensor's, read when needed
             self._strides = tuple(self.source.stride())
         return self._strides
+
+    @property
+    def nbytes(self):
+        """The bytes from ``ptr`` on that the array covers (it is dense: row- or column-major)."""
+        return math.prod(self.shape) * self.itemsize
 
     @property
     def col_major(self):
@@ -198,6 +205,55 @@ def operand(x, op, name, *, dtypes=BF16, shape=None, ndim=None, device_id=None,
         raise MkValueError(f"{op}: {name} starts at {o.ptr:#x}, not {align}-byte aligned "
                            "(a view at an odd offset?)")
     return o
+
+
+def refuse_overlap(op, outputs, inputs):
+    """MkValueError if one of ``outputs`` shares memory with one of ``inputs`` or with another
+    output (Operands; None left out): an op reads its inputs while it writes its outputs, so
+    an output laid over an input would be computed from values the op itself overwrote."""
+    outputs = [o for o in outputs if o is not None]
+    inputs = [x for x in inputs if x is not None]
+    hit = shared_bytes([(o.ptr, o.nbytes) for o in outputs], [(x.ptr, x.nbytes) for x in inputs])
+    if hit is not None:
+        o, x = outputs[hit[0]], (inputs + outputs)[hit[1]]
+        raise MkValueError(f"{op}: {o.name} shares memory with {x.name}, which the op "
+                           f"{'reads' if hit[1] < len(inputs) else 'writes'} while it writes "
+                           f"{o.name}; pass an {o.name} of its own")
+
+
+def shared_bytes(outputs, inputs):
+    """``(i, j)`` for the first output ``outputs[i]`` that shares bytes with ``(inputs +
+    outputs)[j]``, another output counted; None when every output has its bytes to itself.
+    Spans are ``(address, bytes)`` pairs: the test under :func:`refuse_overlap` and
+    :func:`unshared`."""
+    for i, (p, n) in enumerate(outputs):
+        end = p + n
+        for j, (q, m) in enumerate(inputs):
+            if q < end and p < q + m:
+                return i, j
+        for j in range(i + 1, len(outputs)):
+            q, m = outputs[j]
+            if q < end and p < q + m:
+                return i, len(inputs) + j
+    return None
+
+
+def unshared(seen, ptrs, sizes, outputs):
+    """The hot paths' check: True when none of the first ``outputs`` arrays at addresses
+    ``ptrs`` (None: no array) shares a byte with another of them (:func:`shared_bytes`).
+    ``sizes``: their bytes, fixed by the op's plan, so the answer depends on ``ptrs`` alone
+    and is remembered in the set ``seen``: a call on the arrays of an earlier call pays one
+    lookup. False sends the call to the checked path, whose :func:`refuse_overlap` names the
+    arrays."""
+    if ptrs in seen:
+        return True
+    spans = [(p, n) for p, n in zip(ptrs, sizes) if p]
+    if shared_bytes(spans[:outputs], spans[outputs:]) is not None:
+        return False
+    if len(seen) >= 64:       # a bounded memory of address sets
+        seen.clear()
+    seen.add(ptrs)
+    return True
 
 
 def new_output(like, torch, shape, dtype="bfloat16"):

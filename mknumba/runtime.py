@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 import traceback
+import weakref
 
 import numpy as np
 from numba import cuda
@@ -48,7 +49,9 @@ class Comm:
     Attributes: ``rank``/``size`` (world), ``node``/``nodes``, ``local_rank``/``local_size``
     (within the node; ``local_size`` is GPUs per node), ``rail_peers`` (world ranks with this
     local rank on the other nodes), ``device_id``, ``mpi`` (world communicator), ``node_comm``,
-    ``rail_comm``, ``timeout_ns``, ``simulator``, ``proxy`` (None on a single node).
+    ``rail_comm``, ``timeout_ns``, ``simulator``, ``proxy`` (None on a single node),
+    ``closed`` (finalized: every op planned on it is then freed, and planning or calling one
+    raises MkError).
     """
 
     def __init__(self, mpi_comm=None, gpus_per_node=None, timeout_s=None, transport=None):
@@ -81,6 +84,7 @@ class Comm:
             c.allreduce(0)
         self.device_id = 0 if SIMULATOR else self._bind_gpu()
         self._buffers = []
+        self._ops = weakref.WeakSet()      # the ops planned on this Comm (adopt)
         self._closed = False
         self.proxy = None
         self._held_frees = None
@@ -158,6 +162,7 @@ class Comm:
         """Collective over ``scope``: every rank must pass the same ``fields`` (a dict of what
         the op was planned with, in the caller's terms); else MkValueError names the ranks and
         the fields that differ, on every rank."""
+        self._check_open()
         group, _ = self._group(scope)
         everyone = group.allgather(dict(fields))
         me = group.Get_rank()
@@ -236,12 +241,26 @@ class Comm:
 
     def barrier(self):
         """Synchronise this rank's GPU (default stream), then all ranks."""
+        self._check_open()
         self.synchronize()
         self.mpi.Barrier()
 
+    @property
+    def closed(self):
+        """True once :meth:`finalize` ran."""
+        return self._closed
+
     def _check_open(self):
         if self._closed:
-            raise MkError("this Comm was finalized")
+            raise MkError("this Comm was finalized (comm.finalize(), or the end of its "
+                          "`with mk.init()` block): init a new one")
+
+    def adopt(self, op):
+        """An op planned on this Comm (``kernels.launch.OpLifetime``): :meth:`finalize`, which
+        frees every symmetric buffer, frees the op too, so that a later call raises MkError
+        rather than launching on freed memory."""
+        self._check_open()
+        self._ops.add(op)
 
     def finalize(self):
         """Collective: stop the proxy, free every symmetric buffer, release the communicators."""
@@ -254,6 +273,9 @@ class Comm:
             proxy.stop()     # never raises, so every rank reaches the collective frees below
         if self._held_frees:
             self._release_frees()
+        for op in list(self._ops):
+            op.freed, op.finalized = True, True
+        self._ops.clear()
         for buf in reversed(self._buffers):
             buf.free()
         self._buffers.clear()

@@ -13,7 +13,8 @@ import pytest
 from mpi_util import SharedLaunch, run_mpi
 
 SIM_SHAPE = ("m=64", "n=32", "k=8", "gm=32", "gn=32", "gk=8", "ag=24")
-SIM_CHECKS = ("inplace", "wrap", "alternate", "free", "capture", "disagree", "dtypes")
+SIM_CHECKS = ("inplace", "wrap", "alternate", "free", "capture", "disagree", "dtypes", "overlap",
+              "finalized", "refused")
 
 
 def _passes(out, check, n):
@@ -33,7 +34,8 @@ def test_sim_1x2_frame_checks(request):
     """Every simulator check on one node of two GPUs, in one launch: fused ops with a and b
     updated in place between calls (b row-major and as a column-major view), the wrap of the
     call counter and epoch after ``_start_at(2**32 - 3)``, ops called in turn, free, calls that
-    would allocate inside a capture, ranks that disagree, the bf16 spellings."""
+    would allocate inside a capture, ranks that disagree, the bf16 spellings, outputs over
+    inputs refused, ops of a finalized Comm, a call one rank refuses and the others launch."""
     out = TWO.output(request)
     for check in SIM_CHECKS:
         _passes(out, check, 2)

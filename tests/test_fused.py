@@ -391,7 +391,7 @@ def test_ranks_must_plan_the_same_exchange():
     def fake_comm(theirs):
         group = SimpleNamespace(Get_rank=lambda: 0,
                                 allgather=lambda mine: [mine, theirs(mine)])
-        comm = SimpleNamespace(_group=lambda scope: (group, (0, 1)))
+        comm = SimpleNamespace(_group=lambda scope: (group, (0, 1)), _check_open=lambda: None)
         comm.agree = lambda *a, **kw: Comm.agree(comm, *a, **kw)
         return comm
     GemmReduceScatter._check_agreement(op, fake_comm(lambda mine: mine))

@@ -75,7 +75,8 @@ ONE_GPU = textwrap.dedent("""
         lerr = np.abs(lse.copy_to_host() - rl).max()
         assert err < 1e-2 and lerr < 1e-3, (causal, err, lerr)
         print("ok", causal, err, lerr)
-    for bad, words in [(lambda: mk.attention(f[0], f[1], f[2]), ("RingAttention", "float32")),
+    for bad, words in [(lambda: mk.attention(f[0], f[1], f[2]),
+                        ("mknumba.attention", "float32")),
                        (lambda: mk.RingAttention(None, 1, 8, 4, 3, 8), ("kv_heads",)),
                        (lambda: mk.RingAttention(None, 1, 8, 4, 2, 12), ("head_dim",)),
                        (lambda: mk.RingAttention(None, 1, 7, 4, 2, 8, layout="zigzag"),
@@ -94,7 +95,7 @@ ONE_GPU = textwrap.dedent("""
     print("refused")
     from frame_checks import capturing     # every stream reads as being captured
     with capturing():
-        for kw, words in [({}, ("RingAttention", "capture", "out= and lse=")),
+        for kw, words in [({}, ("mknumba.attention", "capture", "out= and lse=")),
                           (dict(out=out), ("without lse=",)),
                           (dict(out=out, lse=lse, scale=0.5), ("attention", "first call"))]:
             try:

@@ -40,12 +40,12 @@ from numba import cuda, types
 
 from .. import primitives as prim
 from .._compat import SIMULATOR
-from ..arrays import is_torch, operand, torch_ptr
+from ..arrays import is_torch, operand, refuse_overlap, torch_ptr, unshared
 from ..errors import ERR_SET, ROLE_RECV, MkError, MkValueError
 from ..roles.blocks import begin, copy_tile, publish, wait
 from ..roles.send import enqueue_rail
-from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kernel,
-                     outputs_in_capture, stream_handle)
+from .launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, array_type,
+                     compile_kernel, outputs_in_capture, stream_handle)
 
 Flags, Ptrs, Record = array_type(np.uint32, 1), array_type(np.uint64, 1), array_type(np.int64, 1)
 Ints = array_type(np.int32, 1)
@@ -144,7 +144,7 @@ def make_kernel(word):
     return allgather_kernel
 
 
-class AllGather:
+class AllGather(OpLifetime):
     """Plan once, call many times: ``out = op(x)`` gathers ``x`` from every member.
 
     comm: a :class:`mknumba.Comm`. shape/dtype: of each rank's ``x`` (every member must pass
@@ -163,6 +163,7 @@ class AllGather:
 
     def __init__(self, comm, shape, dtype, *, scope="node", send_blocks=None, recv_blocks=None,
                  forward_blocks=None, tile=None, threads=None):
+        self._plan_on(comm)
         self.shape = tuple(int(s) for s in np.atleast_1d(shape))
         group, ranks = comm._group(scope)
         # first, before any check that could fail on some ranks only and leave the others
@@ -174,7 +175,6 @@ class AllGather:
         self.dtype = np.dtype(dtype)
         if self.dtype.kind not in "iuf" and self.dtype.name != "bfloat16":
             raise MkValueError(f"AllGather: dtype must be an integer or float type, got {dtype}")
-        self.comm = comm
         self.members, self.me = group.Get_size(), group.Get_rank()
         # between nodes: the proxy to the rail peers, a forward role inside each node
         self.remote = scope == "world" and comm.nodes > 1
@@ -211,6 +211,10 @@ class AllGather:
         self.stage = comm.alloc_symmetric((2 * self.members * self.words,), self.word,
                                           buf_scope)
         self.flags = comm.alloc_flags(self.members * tiles, buf_scope)
+        self._buffers, self._epoch_flags = [self.stage, self.flags], [self.flags.local]
+        nbytes = self.words * self.word.itemsize
+        self._hot_sizes = (self.members * nbytes, nbytes)     # out, x: arrays.unshared
+        self._unshared = set()
         z32 = np.zeros(1, np.uint32)
         if self.remote:
             wins = (comm.proxy.register(self.stage), comm.proxy.register(self.flags))
@@ -242,8 +246,9 @@ class AllGather:
             rank=comm.rank), grid, self.threads, 0)
 
     def __call__(self, x, out=None, stream=None):
-        """x: [*shape] on this rank's GPU -> out: [members, *shape] (same kind and dtype)."""
-        if (out is not None and stream is None and self.stage is not None and is_torch(x)
+        """x: [*shape] on this rank's GPU -> out: [members, *shape] (same kind and dtype).
+        ``x`` may be ``out[me]`` (in place); no other part of ``out``."""
+        if (out is not None and stream is None and not self.freed and is_torch(x)
                 and not self.remote and not self.err[ERR_SET]):    # the hot path: tensors
             dev = self.comm.device_id
             if self._torch_dtype is None:     # False: no such torch dtype, no hot path
@@ -253,14 +258,18 @@ class AllGather:
                                                  align=w)
             po = px and torch_ptr(out, (self.members,) + self.shape, dev,
                                   dtype=self._torch_dtype, align=w)
-            if po:
+            if po and (px == po + self.me * self.words * w or
+                       unshared(self._unshared, (po, px), self._hot_sizes, 1)):
                 s = stream_handle(None, dev)
                 with self.launch.lock:
                     self.streams.enter(s)
                     self.launch.binder("shard", "out")(s, px, po)
                 return out
-        if self.stage is None:
-            raise MkError("AllGather: called after free()")
+        return self._checked_call(self._call, x, out, stream)
+
+    def _call(self, x, out, stream):
+        """A call with every check."""
+        self._check_live()
         self.comm.check(self.err, "AllGather (an earlier call)")
         dt = (self.dtype.name,)
         X = operand(x, self.name, "x", dtypes=dt, shape=self.shape,
@@ -276,29 +285,10 @@ class AllGather:
                 out = cuda.device_array(full, self.dtype)
         O = operand(out, self.name, "out", dtypes=dt, shape=full,
                     device_id=self.comm.device_id, align=self.word.itemsize)
+        if X.ptr != O.ptr + self.me * X.nbytes:        # x = out[me] gathers in place
+            refuse_overlap(self.name, (O,), (X,))
         with self.launch.lock:
             self.streams.enter(s)
             self.launch.binder("shard", "out")(s, X.as_param(self.word, (self.words,)),
                                                O.as_param(self.word, (self.members * self.words,)))
         return out
-
-    def synchronize(self, stream=None):
-        """Wait for this rank's calls (on ``stream``, default the stream of the last call);
-        raise MkTimeoutError if a wait expired."""
-        self.comm.synchronize(stream if stream is not None else (self.streams.last or 0))
-        self.comm.check(self.err, "AllGather")
-
-    def _start_at(self, calls):
-        """Tests: set this rank's state as if ``calls`` calls had run (the call counter and
-        every flag), e.g. just short of 2**32. Every rank, between calls, after a sync."""
-        self.comm.synchronize(self.streams.last or 0)
-        self.frame.start_at(calls, [self.flags.local], self.comm)
-
-    def free(self):
-        """Collective: release the op's symmetric buffers."""
-        if self.stage is None:
-            raise MkError("AllGather already freed")
-        self.comm.synchronize(self.streams.last or 0)
-        self.comm.free(self.stage)
-        self.comm.free(self.flags)
-        self.stage = self.flags = None

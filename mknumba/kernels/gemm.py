@@ -67,7 +67,8 @@ import numpy as np
 from .. import _compat  # noqa: F401  (numpy alias before numba compiles anything)
 from .. import primitives as prim
 from .._compat import SIMULATOR
-from ..arrays import check_device, is_torch, new_output, operand, torch_ptr
+from ..arrays import (check_device, is_torch, new_output, operand, refuse_overlap, torch_ptr,
+                      unshared)
 from ..errors import ERR_SET, ERR_WORDS, ROLE_COMPUTE, MkError, MkValueError, raise_if_timed_out
 from ..roles import compute
 from ..roles.blocks import begin
@@ -631,7 +632,8 @@ class Gemm:
             pa = torch_ptr(a, (plan.m, plan.k), dev) if is_torch(a) else None
             pb = pa and torch_ptr(b, b_shape, dev, b_strides)
             pc = pb and torch_ptr(out, (plan.m, plan.n), dev)
-            if pc and current_device() == dev and not (plan.slices > 1 and plan.err[ERR_SET]):
+            if (pc and unshared(plan.unshared, (pc, pa, pb), plan.sizes, 1)
+                    and current_device() == dev and not (plan.slices > 1 and plan.err[ERR_SET])):
                 s = stream_handle(None, dev)
                 with plan.launch.lock:
                     self.streams.enter(s)
@@ -668,6 +670,7 @@ class Gemm:
         if A.torch != C.torch:
             raise MkValueError(f"{self.name}: out must be a PyTorch tensor exactly when the "
                                "inputs are")
+        refuse_overlap(self.name, (C,), (A, B))
         key = (m, n, k, mode, A.device)
         plan = self._plans.get(key)
         if plan is None:
@@ -827,6 +830,8 @@ class _Plan:
                               f"the GEMM's grid has {bps}; pass split_k=1")
         _, frame, self.err = op._counter(device, grid.grid)
         self.m, self.n, self.k, self.mode, self.tile_shape = m, n, k, mode, build.shape
+        self.sizes = (2 * m * n, 2 * m * k, 2 * k * n)      # c, a, b (bf16): arrays.unshared
+        self.unshared = set()
         self.kind = kind          # the tile build's name
         # flags start at the last call's epoch, which no later call's reaches (a fresh 0 would
         # read as reached past 2**31 calls: primitives.epoch_reached)

@@ -435,7 +435,7 @@ class Frame:
         must be theirs. Only between calls; the op's flags must agree (``_start_at``)."""
         if epoch is not None and epoch != epoch_of_host(calls):
             raise MkValueError(f"call {calls} has epoch {epoch_of_host(calls)}, not {epoch}")
-        self.words.copy_to_device(np.array([calls * self.grid], np.uint64))
+        counter_at(self.words, [self.grid], calls)
 
     def start_at(self, calls, flags=(), comm=None):
         """Set the op's state as if ``calls`` calls had run: the counter (:meth:`set`) and
@@ -448,6 +448,34 @@ class Frame:
             f.copy_to_device(np.full(f.shape, epoch, np.uint32))
         if comm is not None:
             comm.flags_set(flags, epoch)
+
+
+# ---- ticket counters ----------------------------------------------------------------------------
+def counter_at(counter, per_call, calls):
+    """Set a ticket counter (a device array: the frame's words, a work queue, chunk counts) to
+    what ``calls`` calls leave in it, each call drawing ``per_call`` tickets from its entries
+    (an entry per index; missing ones draw none), modulo the counter's width."""
+    t = np.zeros(counter.shape, np.uint64)
+    t[:len(per_call)] = np.asarray(per_call, np.uint64) * np.uint64(calls)
+    counter.copy_to_device(t.astype(counter.dtype))
+
+
+def advance(counter, per_call, stream):
+    """Add one call's ``per_call`` tickets to a counter (:func:`counter_at`) on the GPU, after
+    every launch queued on ``stream`` before it (a raw handle; 0 the legacy stream): a call
+    that is counted but never launched."""
+    t = np.zeros(counter.shape, counter.dtype)
+    t[:len(per_call)] = per_call
+    s = 0 if SIMULATOR or not stream else cuda.external_stream(stream)
+    _advance[1, max(1, min(counter.shape[0], 1024)), s](counter, cuda.to_device(t, stream=s))
+
+
+@cuda.jit
+def _advance(counter, per_call):
+    i = cuda.threadIdx.x
+    while i < counter.shape[0]:
+        counter[i] += per_call[i]          # wraps at the counter's width
+        i += cuda.blockDim.x
 
 
 # ---- streams ------------------------------------------------------------------------------------
@@ -551,11 +579,53 @@ class StreamOrder:
 
 
 class OpLifetime:
-    """What an op on a Comm does between and after calls (a mixin): :meth:`synchronize`,
-    :meth:`free`, :meth:`_start_at`. The op sets ``name``, ``comm``, ``streams`` (a
+    """What an op on a Comm does around its calls (a mixin): :meth:`_plan_on` first at plan
+    time; each call through :meth:`_checked_call`, which starts with :meth:`_check_live`;
+    :meth:`synchronize`, :meth:`free`, :meth:`_start_at`. The op sets ``name``, ``streams`` (a
     :class:`StreamOrder`), ``err`` (its error record), ``frame`` (its :class:`Frame`),
-    ``_buffers`` (its symmetric buffers), ``freed``, and ``_epoch_flags`` (its epoch flag
-    arrays on this GPU)."""
+    ``_buffers`` (its symmetric buffers) and ``_epoch_flags`` (its epoch flag arrays on this
+    GPU)."""
+
+    def _plan_on(self, comm):
+        """Plan time, first: the op lives on ``comm`` (None: a one-GPU op) until :meth:`free`
+        or ``comm.finalize()``, which frees it too (``Comm.adopt``)."""
+        self.comm, self.freed, self.finalized = comm, False, False
+        if comm is not None:
+            comm.adopt(self)
+
+    def _check_live(self):
+        """MkError if the op's buffers are gone: after :meth:`free` or its Comm's finalize."""
+        if self.freed:
+            raise MkError(f"{self.name}: called after "
+                          + ("its Comm was finalized" if self.finalized else "free()"))
+
+    def _checked_call(self, call, *args):
+        """``call(*args)``: a call with every check, which may refuse its arguments
+        (MkValueError, raised before anything is launched). A refused call still takes its
+        number on every ticket counter (:meth:`_counters`, :func:`advance` on the op's last
+        stream): the ranks number their calls alike whether or not they launched them, so
+        where the others launched a call this rank refused, this rank's next call waits for
+        their next one (or times out) and never pairs with the one it refused, whose data it
+        would otherwise take for this call's. (Not in a CUDA graph capture, whose replays
+        would count it again; not for an op of one GPU, or of one rank, which has no
+        ``frame``: nothing to pair its calls with.)"""
+        try:
+            return call(*args)
+        except MkValueError:
+            stream = self.streams.last or 0
+            if (self.comm is not None and self.frame is not None and not self.freed
+                    and not is_capturing(stream)):
+                self.streams.last = stream     # the next call on another stream waits for it
+                for counter, per_call in self._counters():
+                    advance(counter, per_call, stream)
+            raise
+
+    def _counters(self):
+        """``[(device array, tickets one call draws from each entry)]``: the ticket counters
+        every call advances alike (:func:`counter_at`), the frame's and any the op adds (work
+        queues, chunk counts). :meth:`_start_at` sets them to ``calls`` calls' worth, and a
+        refused call (:meth:`_checked_call`) adds one call's worth."""
+        return [(self.frame.words, [self.frame.grid])]
 
     def synchronize(self, stream=None):
         """Wait for this rank's calls (on ``stream``, default the stream of the last call);
@@ -574,9 +644,11 @@ class OpLifetime:
         self.freed = True
 
     def _start_at(self, calls):
-        """Tests: set this rank's state as if ``calls`` calls had run (the call counter and
-        every epoch flag), e.g. just short of 2**32, to run the next calls across the wrap.
-        Collective in effect: every rank must do it with the same ``calls`` between calls,
-        after synchronising."""
-        self.comm.synchronize(self.streams.last or 0)
+        """Tests: set this rank's state as if ``calls`` calls had run (every epoch flag, and
+        the ticket counters of :meth:`_counters`), e.g. just short of 2**32, to run the next
+        calls across the wrap. Collective in effect: every rank must do it with the same
+        ``calls`` between calls, after synchronising."""
+        self.synchronize()
         self.frame.start_at(calls, self._epoch_flags, self.comm)
+        for counter, per_call in self._counters():
+            counter_at(counter, per_call, calls)

@@ -25,7 +25,7 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
   alternate  a GemmReduceScatter, a GemmAllReduce and an AllGather on one comm, called in
              turn for 4 rounds back to back, each round in another graph launch mode (off,
              stable, always, stable: ``kernels.launch.set_graph_launch``), every result checked.
-  free       a call after ``free()`` raises MkError; a second ``free()`` does what each op says
+  free       a call after ``free()`` raises MkError; a second ``free()`` returns quietly
              (AllGatherGemm too; its other frame checks are in ``allgather_gemm_checks.py``).
   capture    inside a CUDA graph capture (every stream reads as captured: ``capturing``), a call
              of mk.Gemm, either fused op or AllGather that leaves out ``out=`` is refused
@@ -35,6 +35,15 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
   dtypes     every spelling of bf16 (ml_dtypes.bfloat16, uint16 and int16 bits; torch.bfloat16)
              into mknumba.gemm; float32 refused by gemm, the fused ops and AllGather, naming
              the op.
+  overlap    an output laid over an input or another output is refused (gemm, both fused ops,
+             AllGatherGemm, AllGather with x in another rank's row of out), naming both;
+             AllGather with x = out[me] gathers in place; the fused ops, refused on every
+             rank, stay in step (a checked call follows).
+  finalized  ops planned on a second Comm, which is then finalized: every call refuses
+             (MkError), free() is quiet, planning on it and its barrier refuse.
+  refused    (2+ ranks) rank 0 refuses a call the others launch: they time out, and rank 0's
+             next call times out too instead of returning their data of the refused call
+             (AllGather, GemmReduceScatter; waits bounded at 2 s).
 GPU only (arrays=torch unless said):
   graph      torch.cuda.graph capture of mk.Gemm (every rank) and, with 2 or more ranks, of
              both fused ops: one capture, ``calls`` replays (default 100), each after fresh data
@@ -48,6 +57,7 @@ GPU only (arrays=torch unless said):
   wrongdev   (2 GPUs) an array on another GPU than the op's is refused with MkValueError.
 """
 import contextlib
+import math
 import sys
 import time
 import warnings
@@ -556,12 +566,7 @@ def check_free(comm, opts, A):
         assert "free" in str(e) and "AllGather" in str(e), str(e)
     else:
         raise AssertionError("AllGather: a call after free() did not raise")
-    try:                # a second free() of an AllGather is refused (AllGather.free)
-        ag.free()
-    except mk.MkError as e:
-        assert "freed" in str(e), str(e)
-    else:
-        raise AssertionError("AllGather: a second free() did not raise")
+    ag.free()           # a second free() returns quietly, as every op's (OpLifetime.free)
     agg = mk.AllGatherGemm(comm, opts["m"], opts["n"], opts["k"])
     agg.free()
     try:
@@ -670,6 +675,120 @@ def check_dtypes(comm, opts, A):
                               else np.zeros(opts["ag"], np.float64))), ["AllGather", "x"])
     ag.free()
     say("dtypes", comm, " ".join(spellings) + " float32-refused")
+
+
+# ---- overlap ----------------------------------------------------------------------------------
+def _shared_views(A, opts, key, *views):
+    """Row-major bf16 views ``(offset, shape)`` (in elements) into one device buffer of fresh
+    random bits: they share memory where their spans meet."""
+    size = max(off + math.prod(shape) for off, shape in views)
+    big = A.dev(rand_bits(opts, (size,), *key))
+    return [big[off:off + math.prod(shape)].view(*shape) if A.kind == "torch" else
+            big[off:off + math.prod(shape)].reshape(shape) for off, shape in views]
+
+
+def check_overlap(comm, opts, A):
+    """An output laid over an input (or another output) is refused on every rank, naming
+    both; AllGather's x may be out[me]. Every rank refuses the same calls, so the ops stay in
+    step: a checked call of each fused op follows."""
+    gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    key = (comm.rank, 9)
+    a, out = _shared_views(A, opts, key, (0, (gm, gk)), (gm * gk // 2, (gm, gn)))
+    _refused(lambda: mk.gemm(a, A.dev(rand_bits(opts, (gk, gn), *key, 1)), out=out),
+             ["mknumba.gemm", "out shares memory with a"])
+    b, out = _shared_views(A, opts, key, (0, (gk, gn)), (8, (gm, gn)))
+    _refused(lambda: mk.gemm(A.dev(rand_bits(opts, (gm, gk), *key, 2)), b, out=out),
+             ["mknumba.gemm", "out shares memory with b"])
+    for op in fused_ops(comm, opts):
+        a, out = _shared_views(A, opts, key, (0, (m, k)), (16, op.out_shape()))
+        b = A.dev(rand_bits(opts, (k, n), *key, 3))
+        _refused(lambda: op(a, b, out=out), [op.name, "out shares memory with a"])
+        a_bits, b_bits = fused_inputs(comm, opts, (10,))       # in step: a checked call
+        got = A.host(op(A.dev(a_bits), A.dev(b_bits)))
+        check_close(got, fused_ref(comm, opts, op, (10,)), f"{op.name} after a refused call")
+        op.free()
+    agg = mk.AllGatherGemm(comm, m, n, k)
+    b, out = _shared_views(A, opts, key, (0, (k, n)), (k * n - 8, (m, n)))
+    _refused(lambda: agg(A.dev(rand_bits(opts, (m // comm.size, k), *key, 4)), b, out=out),
+             ["AllGatherGemm", "out shares memory with b"])
+    agg.free()
+    ag = mk.AllGather(comm, (opts["ag"],), "float32")
+    out = ag_out(comm, opts, A)
+    if comm.local_size > 1:
+        other = out[(comm.local_rank + 1) % comm.local_size]
+        _refused(lambda: ag(other, out=out), ["AllGather", "out shares memory with x"])
+    x = out[comm.local_rank]                  # in place
+    A.put(x, rand_f32(opts, (opts["ag"],), comm.rank, 11))
+    ag(x, out=out)
+    same_bits(A.host(out), ag_ref(comm, opts, 11), "AllGather in place")
+    ag.free()
+    comm.barrier()
+    say("overlap", comm, "gemm fused AllGatherGemm AllGather(in place)")
+
+
+# ---- finalized --------------------------------------------------------------------------------
+def check_finalized(comm, opts, A):
+    """Every op of a Comm that was finalized refuses its calls (MkError, nothing launched on
+    the freed buffers), its free() is quiet, and planning on that Comm or its barrier
+    refuses too."""
+    c2 = mk.init()
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    ops = [(op, 2) for op in fused_ops(c2, opts)] + [   # (op, arguments of a call)
+        (mk.AllGather(c2, (opts["ag"],), "float32"), 1), (mk.AllGatherGemm(c2, m, n, k), 2),
+        (mk.RingAttention(c2, 1, 8, 2, 1, 16), 3),
+        (mk.MoeDispatchGemm(c2, 32, 32, 2 * c2.size, 2, 4), 3)]
+    c2.finalize()
+    for op, args in ops:
+        _refused(lambda: op(*[None] * args), [op.name, "after its Comm was finalized"],
+                 mk.MkError)
+        op.free()
+    _refused(lambda: mk.AllGather(c2, (8,), "float32"), ["Comm was finalized"], mk.MkError)
+    _refused(c2.barrier, ["Comm was finalized"], mk.MkError)
+    comm.barrier()
+    say("finalized", comm, " ".join(op.name for op, _ in ops))
+
+
+# ---- refused ----------------------------------------------------------------------------------
+def check_refused(comm, opts, A, bound_s=2.0):
+    """Rank 0 refuses a call (bad dtype) that the other ranks launch: theirs times out, and
+    rank 0's next call, made by every rank with fresh inputs, times out too rather than pair
+    with the others' launch of the refused call (whose data it would take for its own): a
+    refused call still counts (``OpLifetime._checked_call``). AllGather, and
+    GemmReduceScatter, whose work queues count tickets per call."""
+    if comm.size < 2:
+        say("refused", comm, "one rank: nothing to pair")
+        return
+    saved, comm.timeout_ns = comm.timeout_ns, int(bound_s * 1e9)
+    try:
+        ops = [mk.AllGather(comm, (opts["ag"],), "float32")] + fused_ops(comm, opts, ("rs",))
+    finally:
+        comm.timeout_ns = saved
+    for op in ops:
+        def good(key):
+            if isinstance(op, mk.AllGather):
+                return (A.dev(rand_f32(opts, (opts["ag"],), comm.rank, key)),)
+            return tuple(A.dev(x) for x in fused_inputs(comm, opts, (key,)))
+        bad = good(12)
+        bad = ((A.dev(np.zeros(opts["ag"], np.float64)),) if isinstance(op, mk.AllGather) else
+               (A.dev(from_bf16_bits(fused_inputs(comm, opts, (12,))[0])), bad[1]))
+        if comm.rank == 0:
+            _refused(lambda: op(*bad), [op.name])
+        else:
+            op(*good(12))
+            _refused(op.synchronize, [op.name, "timed out"], mk.MkTimeoutError)
+        comm.barrier()
+        try:
+            op(*good(13))
+            op.synchronize()
+        except mk.MkTimeoutError:
+            pass
+        else:
+            raise AssertionError(f"{op.name}: rank {comm.rank}'s call after a call that rank 0 "
+                                 "refused and the others launched returned without error")
+        comm.barrier()
+        op.free()
+    say("refused", comm, " ".join(op.name for op in ops))
 
 
 def _refused(fn, words, error=mk.MkValueError):
@@ -888,8 +1007,10 @@ def check_wrongdev(comm, opts, A):
 
 
 CHECKS = dict(inplace=check_inplace, wrap=check_wrap, alternate=check_alternate,
-              free=check_free, capture=check_capture, disagree=check_disagree, dtypes=check_dtypes, graph=check_graph,
-              cugraph=check_cugraph, streams=check_streams, wrongdev=check_wrongdev)
+              free=check_free, capture=check_capture, disagree=check_disagree,
+              dtypes=check_dtypes, overlap=check_overlap, finalized=check_finalized,
+              refused=check_refused, graph=check_graph, cugraph=check_cugraph,
+              streams=check_streams, wrongdev=check_wrongdev)
 GPU_ONLY = ("graph", "cugraph", "streams", "wrongdev")
 
 

@@ -27,7 +27,8 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
             pattern: w [E/W, hidden, ffn] (read as [k, n]) for uniform, zipf and one, on
             an op started at ``_start_at(2**32 - 3)`` so its calls cross the epoch's wrap; w
             [E/W, ffn, hidden] (w_layout="efh") for silent and cold; w fresh per call,
-            topk_weights on every other call, out and the layout poisoned. After one
+            topk_weights on every other call (on 2+ ranks, in turn: one rank with, the
+            next without), out and the layout poisoned. After one
             synchronisation, per call: counts and offsets, every row's (source, token, slot)
             as a set per expert in source-rank order, the weights, and out against a float64
             reference of x[token] @ w[expert] (rows past the received ones untouched); the
@@ -131,7 +132,9 @@ def poisoned(op, A):
 
 def verify(comm, opts, A, op, key, pattern, out, lay, w_bits, weighted, what):
     """Check one call's out and layout on this rank; returns the relative error (0 if no
-    rows)."""
+    rows). weighted: whether every rank's call passed topk_weights, or per rank a list; a row
+    from a rank whose call passed none weighs 1."""
+    weighted_by = (lambda r: weighted[r]) if isinstance(weighted, list) else (lambda r: weighted)
     W, me, El = comm.size, comm.rank, op.local_experts
     every = [inputs(opts, W, r, key, pattern) for r in range(W)]
     counts, offsets = A.host(lay.counts), A.host(lay.offsets)
@@ -148,8 +151,8 @@ def verify(comm, opts, A, op, key, pattern, out, lay, w_bits, weighted, what):
             f"{what}: expert {e}: rows not in source-rank order: {have}"
         assert sorted(have) == sorted(want), f"{what}: expert {e}: rows {have}, want {want}"
         for i, (r, t, j) in enumerate(have):
-            if weighted:
-                assert wts[R + i] == every[r][2][t, j], f"{what}: weight of row {R + i}"
+            want_w = every[r][2][t, j] if weighted_by(r) else np.float32(1)
+            assert wts[R + i] == want_w, f"{what}: weight of row {R + i} (from rank {r})"
             ref.append(bits_f64(every[r][0][t]) @ bits_f64(w_bits[e]))
         R += len(want)
     assert offsets[El] == R, f"{what}: offsets[-1] = {offsets[El]}, {R} rows"
@@ -183,9 +186,9 @@ def check_calls(comm, opts, A, start=2 ** 32 - 3):
             key = (1, rnd, i)
             x, idx, wts = inputs(opts, comm.size, comm.rank, key, pattern)
             w_bits = weights_of(opts, comm.size, comm.rank, key)
-            weighted = i % 2 == 1
+            weighted = [(i + r) % 2 == 1 for r in range(comm.size)]    # ranks differ
             w = w_bits if layout == "ehf" else np.ascontiguousarray(w_bits.swapaxes(1, 2))
-            args = (A.dev(x), A.dev(idx), A.dev(w), A.dev(wts) if weighted else None)
+            args = (A.dev(x), A.dev(idx), A.dev(w), A.dev(wts) if weighted[comm.rank] else None)
             out, lay = poisoned(op, A)
             res, res_lay = op(*args, out=out, layout=lay)
             assert res is out and res_lay is lay
@@ -261,22 +264,27 @@ def check_bad(comm, opts, A):
     x, idx, wts = x[:T], idx[:T], wts[:T]
     dx, di, dw = A.dev(x), A.dev(idx), A.dev(weights_of(opts, comm.size, comm.rank, (3,)))
     name = "MoeDispatchGemm"
-    _refused(lambda: op(A.dev(rand_bits(opts, (T, H + 8), 3)), di, dw), [name, "x", "shape"])
-    _refused(lambda: op(A.dev(bits_f64(x).astype(np.float32)), di, dw), [name, "x", "float32"])
     big = opts["max_tokens"] + 1
-    _refused(lambda: op(A.dev(rand_bits(opts, (big, H), 3)),
-                        A.dev(np.zeros((big, K), np.int32)), dw), [name, "max_tokens", str(big)])
-    _refused(lambda: op(dx, A.dev(idx.astype(np.int64)), dw), [name, "topk_idx", "int64"])
-    _refused(lambda: op(dx, A.dev(np.zeros((T, K + 1), np.int32)), dw),
-             [name, "topk_idx", "shape"])
-    _refused(lambda: op(dx, di, A.dev(rand_bits(opts, (El, F, H), 3))) if F != H else
-             op(dx, di, A.dev(rand_bits(opts, (El + 1, H, F), 3))), [name, "w", "shape"])
-    _refused(lambda: op(dx, di, A.dev(np.zeros((El, H, F), np.float32))),
-             [name, "w", "float32"])
-    _refused(lambda: op(dx, di, dw, out=A.poisoned((4, F))), [name, "out", "shape"])
-    _refused(lambda: op(dx, di, dw, topk_weights=A.dev(wts.astype(np.float64))),
-             [name, "topk_weights", "float64"])
-    assert op.frame.read()[0] == 0, "a refused call launched"
+    cases = [
+        (lambda: op(A.dev(rand_bits(opts, (T, H + 8), 3)), di, dw), [name, "x", "shape"]),
+        (lambda: op(A.dev(bits_f64(x).astype(np.float32)), di, dw), [name, "x", "float32"]),
+        (lambda: op(A.dev(rand_bits(opts, (big, H), 3)), A.dev(np.zeros((big, K), np.int32)),
+                    dw), [name, "max_tokens", str(big)]),
+        (lambda: op(dx, A.dev(idx.astype(np.int64)), dw), [name, "topk_idx", "int64"]),
+        (lambda: op(dx, A.dev(np.zeros((T, K + 1), np.int32)), dw),
+         [name, "topk_idx", "shape"]),
+        (lambda: op(dx, di, A.dev(rand_bits(opts, (El, F, H), 3))) if F != H else
+         op(dx, di, A.dev(rand_bits(opts, (El + 1, H, F), 3))), [name, "w", "shape"]),
+        (lambda: op(dx, di, A.dev(np.zeros((El, H, F), np.float32))), [name, "w", "float32"]),
+        (lambda: op(dx, di, dw, out=A.poisoned((4, F))), [name, "out", "shape"]),
+        (lambda: op(dx, di, dw, topk_weights=A.dev(wts.astype(np.float64))),
+         [name, "topk_weights", "float64"])]
+    for call, words in cases:
+        _refused(call, words)
+    # each refused call is counted (OpLifetime._checked_call), none launched: no flag moved
+    assert op.frame.read()[0] == len(cases), (op.frame.read(), len(cases))
+    for flags in op._epoch_flags:
+        assert not np.asarray(flags.copy_to_host()).any(), "a refused call launched"
     op.free()
     if comm.size > 1:
         _refused(lambda: mk.MoeDispatchGemm(comm, H, F, comm.size + 1, 1, 4),

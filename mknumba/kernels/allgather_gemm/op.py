@@ -4,7 +4,7 @@ import numpy as np
 from numba import cuda
 
 from ..._compat import SIMULATOR
-from ...arrays import is_torch, new_output, operand, torch_ptr
+from ...arrays import is_torch, new_output, operand, refuse_overlap, torch_ptr, unshared
 from ...errors import ERR_SET, MkError, MkValueError
 from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
 from ...roles.controller import CTL_LOG, CTL_WORDS
@@ -54,10 +54,12 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
 
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, gathered=False, comm_sms=None,
                  collect_sms=None, part_rows=None, tile="auto", group_m=None, trace=False):
+        self._plan_on(comm)
         self._plan(comm, m, n, k, dtype, gathered, comm_sms, collect_sms, part_rows, tile,
                    group_m, trace)
         self.streams = StreamOrder(self.name)
-        self.freed = False
+        self._hot_sizes = (2 * self.m * self.n, 2 * self.shard * self.k, 2 * self.k * self.n)
+        self._unshared = set()        # the hot path's address sets seen apart (arrays.unshared)
         self._collected = False
         self._buffers = []
         self.err = comm.new_error_record()
@@ -152,15 +154,15 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
             if pa and not pb:
                 pb, mode = torch_ptr(b, (k, n), dev), "kn"
             pc = pb and torch_ptr(out, (m, n), dev)
-            if pc and not self.err[ERR_SET]:
+            if (pc and unshared(self._unshared, (pc, pa, pb), self._hot_sizes, 1)
+                    and not self.err[ERR_SET]):
                 self._run(pa, pb, mode, pc, None, stream_handle(None, dev))
                 return out
-        return self._call(a, b, out, gathered, stream)
+        return self._checked_call(self._call, a, b, out, gathered, stream)
 
     def _call(self, a, b, out, gathered, stream):
         """A call with every check."""
-        if self.freed:
-            raise MkError(f"{self.name}: called after free()")
+        self._check_live()
         self.comm.check(self.err, f"{self.name} (an earlier call)")
         dev = self.comm.device_id
         m, n, k = self.m, self.n, self.k
@@ -177,7 +179,7 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         if O.torch != A.torch:
             raise MkValueError(f"{self.name}: out must be a PyTorch tensor exactly when the "
                                "inputs are")
-        g = None
+        g = Gd = None
         if gathered is not None:
             if not self.gathered:
                 raise MkValueError(f"{self.name}: gathered= needs the op planned with "
@@ -187,6 +189,7 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
                 raise MkValueError(f"{self.name}: gathered must be a PyTorch tensor exactly "
                                    "when the inputs are")
             g = Gd.as_param(np.uint64, (m * k // 4,))
+        refuse_overlap(self.name, (O, Gd), (A, B))
         mode = b_mode(B, "kn", n, k, self.name)
         self._run(A.as_param(np.uint64, (self.shard * k // 4,)),
                   B.as_param(np.uint16, b_shape(mode, n, k)), mode,
@@ -288,16 +291,15 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
             starts[role], at = at, at + self.role_blocks[role]
         return starts
 
-    def _start_at(self, calls):
-        """Tests: as ``OpLifetime._start_at`` (the call counter, every epoch flag), and with
-        the adaptive split the work queues' tickets, as if ``calls`` calls had run."""
-        OpLifetime._start_at(self, calls)
-        if self.adaptive:
-            flex = self.role_blocks["compute"]
-            q = np.zeros(QUEUES, np.uint64)
-            q[Q_COMPUTE] = calls * (len(self.order) + flex)
-            q[Q_COMM] = calls * (self.ncomm + flex)
-            self.queue.copy_to_device((q & 0xFFFFFFFF).astype(np.uint32))
+    def _counters(self):
+        """The frame's and, with the adaptive split, the work queues' tickets (each call draws
+        every item plus one ticket per flexible block: ``kernel``)."""
+        if not self.adaptive:
+            return OpLifetime._counters(self)
+        flex = self.role_blocks["compute"]
+        per_call = np.zeros(QUEUES, np.uint64)
+        per_call[Q_COMPUTE], per_call[Q_COMM] = len(self.order) + flex, self.ncomm + flex
+        return OpLifetime._counters(self) + [(self.queue, per_call)]
 
 
 def _address(arr):

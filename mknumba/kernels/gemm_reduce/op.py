@@ -4,7 +4,7 @@ import numpy as np
 from numba import cuda
 
 from ..._compat import SIMULATOR
-from ...arrays import is_torch, new_output, operand, torch_ptr
+from ...arrays import is_torch, new_output, operand, refuse_overlap, torch_ptr, unshared
 from ...errors import ERR_SET, MkError, MkValueError
 from ...sched.reduce import nonempty
 from ..gemm import Gemm
@@ -50,13 +50,16 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, comm_sms=None, chunk_bytes=None,
                  tile="auto", group_m=None, trace=False, join=None, deliver=None,
                  shared_out=False, fold=None):
+        self._plan_on(comm)
         self._plan(comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, join,
                    deliver, shared_out, fold)
         self.streams = StreamOrder(self.name)
         self._views = {}      # the shared output as the caller's array type
+        self._hot_sizes = (2 * self.out_rows * self.n, 2 * self.m * self.k, 2 * self.k * self.n)
+        self._unshared = set()        # the hot path's address sets seen apart (arrays.unshared)
         self._buffers = []
-        self.freed = False
         self.err = comm.new_error_record()
+        self.frame = None     # one rank: no call counter (nothing to pair calls with)
         if self.solo:         # one rank: the plain GEMM into ``out`` (plan.py)
             self._solo_gemm = Gemm(tile=tile, group_m=group_m)
             self.shared = (cuda.device_array(self.m * self.n // 4, np.uint64)
@@ -76,6 +79,7 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         self.final_flags = comm.alloc_flags(plan.tiles_m * plan.tiles_n
                                             if self.allreduce else 1)
         self._buffers = [self.part, self.tile_flags, self.final_flags]
+        self._epoch_flags = [self.tile_flags.local, self.final_flags.local]
         self.shared = None
         self._shared_ptr = None
         if self.shared_out:
@@ -103,6 +107,8 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
             self.chunk_ready = comm.alloc_flags(max(1, n_chunks))
             self._buffers += [self.stage, self.recv, self.arrive, self.red_flags,
                               self.chunk_count, self.chunk_ready]
+            self._epoch_flags += [self.arrive.local, self.red_flags.local,
+                                  self.chunk_ready.local]
             wins = (comm.proxy.register(self.stage), comm.proxy.register(self.recv),
                     comm.proxy.register(self.arrive))
             ring, head, tail = comm.proxy.device_args()
@@ -205,16 +211,16 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
             if pa and not pb:
                 pb, mode = torch_ptr(b, (k, n), dev), "kn"
             pc = pb and torch_ptr(out, (self.out_rows, n), dev)
-            if pc and not self.err[ERR_SET]:
+            if (pc and unshared(self._unshared, (pc, pa, pb), self._hot_sizes, 1)
+                    and not self.err[ERR_SET]):
                 self._run(pa, pb, mode, pc, pc, pc == self._shared_ptr,
                           stream_handle(None, dev))
                 return out
-        return self._call(a, b, out, stream)
+        return self._checked_call(self._call, a, b, out, stream)
 
     def _call(self, a, b, out, stream):
         """A call with every check."""
-        if self.freed:
-            raise MkError(f"{self.name}: called after free()")
+        self._check_live()
         self.comm.check(self.err, f"{self.name} (an earlier call)")
         dev = self.comm.device_id
         A = operand(a, self.name, "a", shape=(self.m, self.k), device_id=dev)
@@ -233,8 +239,9 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         if O.torch != A.torch:
             raise MkValueError(f"{self.name}: out must be a PyTorch tensor exactly when the "
                                "inputs are")
-        if self.solo:
+        if self.solo:         # (mk.Gemm refuses an out over a or b itself)
             return self._solo_gemm(a, b, out=out, stream=stream)
+        refuse_overlap(self.name, (O,), (A, B))
         m, n, k, rows = self.m, self.n, self.k, self.out_rows
         mode = b_mode(B, "kn", n, k, self.name)
         self._run(A.as_param(np.uint16, (m, k)), B.as_param(np.uint16, b_shape(mode, n, k)),
@@ -321,31 +328,21 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         self._views.clear()
         self.shared = None
 
-    def _start_at(self, calls):
-        """Tests: set this rank's state as if ``calls`` calls had run (the call counter, every
-        epoch flag, the work queues' and chunk counters' tickets), e.g. just short of 2**32,
-        to run the next calls across the wrap. Collective in effect: every rank must do it
-        with the same ``calls`` between calls, after synchronising."""
-        self.comm.synchronize(self.streams.last or 0)
-        flags = [self.tile_flags, self.final_flags] + ([self.arrive, self.red_flags,
-                                                        self.chunk_ready]
-                                                       if self.comm.nodes > 1 else [])
-        self.frame.start_at(calls, [f.local for f in flags], self.comm)
+    def _counters(self):
+        """The frame's, the work queues' (each call draws its items plus one ticket per
+        worker: ``roles.blocks.take``) and between nodes the chunk counters' tickets."""
         rb, p = self.role_blocks, self.plan
         reduce_end = rb["compute"] + rb["reduce"]
         recv_end = reduce_end + rb["send"] + rb["recv"]
         red_workers = reduce_end - (0 if self.join or self.adaptive else rb["compute"])
         pull_workers = (reduce_end if self.flex_pull else
                         self.grid - recv_end + (reduce_end if self.join else 0))
-        q = np.zeros(QUEUES, np.uint64)
-        q[Q_REDUCE] = calls * (len(p.red_tiles) + red_workers)
-        q[Q_PULL] = calls * (len(p.pull_tiles) + pull_workers)
-        q[Q_COMPUTE] = calls * (len(p.order) + reduce_end)      # adaptive: flexible blocks
-        self.queue.copy_to_device((q & 0xFFFFFFFF).astype(np.uint32))
-        if self.comm.nodes > 1:
-            c = np.zeros(self.chunk_count.local.shape, np.uint64)
-            c[:len(p.chunk_tiles)] = calls * p.chunk_tiles.astype(np.uint64)
-            self.chunk_count.local.copy_to_device((c & 0xFFFFFFFF).astype(np.uint32))
+        per_call = np.zeros(QUEUES, np.uint64)
+        per_call[Q_REDUCE] = len(p.red_tiles) + red_workers
+        per_call[Q_PULL] = len(p.pull_tiles) + pull_workers
+        per_call[Q_COMPUTE] = len(p.order) + reduce_end          # adaptive: flexible blocks
+        return OpLifetime._counters(self) + [(self.queue, per_call)] + (
+            [(self.chunk_count.local, p.chunk_tiles)] if self.comm.nodes > 1 else [])
 
 
 def _address(arr):

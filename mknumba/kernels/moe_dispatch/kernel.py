@@ -419,8 +419,7 @@ def pull_rows(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv,
                     rows_out[o, 0] = src
                     rows_out[o, 1] = t
                     rows_out[o, 2] = p - t * K
-                    if cfg[C_WEIGHTED]:
-                        weights_out[o] = their_w[at + 1]
+                    weights_out[o] = their_w[at + 1]    # the sender's: 1 if it passed none
     publish(lflags, done, epoch, False)
     return True
 

@@ -7,7 +7,7 @@ from collections import namedtuple
 import numpy as np
 from numba import cuda
 
-from ...arrays import is_torch, new_output, operand, torch_ptr
+from ...arrays import is_torch, new_output, operand, refuse_overlap, torch_ptr, unshared
 from ...errors import ERR_SET, MkError, MkValueError
 from ...roles.controller import CTL_WORDS, QUEUES
 from ...roles.compute import kn_kind
@@ -23,8 +23,8 @@ from .plan import MoeDispatchGemmPlan
 #: said): counts [experts / world] rows per local expert; offsets [experts / world + 1]: expert
 #: e's rows are out[offsets[e]:offsets[e + 1]], offsets[-1] the rows this call received;
 #: rows [capacity, 3]: per out row its source rank, token index (in that rank's x) and top-k
-#: slot; weights [capacity] fp32: its routing weight (written by calls with topk_weights; 1 for
-#: a row from a rank whose call passed none). Rows past offsets[-1] are not written.
+#: slot; weights [capacity] fp32: its routing weight, 1 for a row from a rank whose call passed
+#: no topk_weights (whatever this rank's call passed). Rows past offsets[-1] are not written.
 MoeLayout = namedtuple("MoeLayout", "counts offsets rows weights")
 
 
@@ -59,11 +59,12 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
 
     def __init__(self, comm, hidden, ffn, experts, top_k, max_tokens, dtype="bfloat16", *,
                  capacity=None, w_layout="ehf", comm_sms=None, tile="auto", unit_tokens=None):
+        self._plan_on(comm)
         self._plan(comm, hidden, ffn, experts, top_k, max_tokens, dtype, capacity, w_layout,
                    comm_sms, tile, unit_tokens)
         self.streams = StreamOrder(self.name)
-        self.freed = False
         self._buffers = []
+        self._unshared = {}           # T -> (address sets seen apart, sizes): arrays.unshared
         self._cfgs = {}               # tokens T -> (device cfg, its parameter)
         self.err = comm.new_error_record()
         self.frame = Frame(self.grid)
@@ -170,8 +171,11 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                 T, px, pi, pg, pw, po, lay = ptrs
                 self._run(T, px, pi, pg, pw, po, lay, stream_handle(None, self.comm.device_id))
                 return out, layout
-        if self.freed:
-            raise MkError(f"{self.name}: called after free()")
+        return self._checked_call(self._call, x, topk_idx, w, topk_weights, out, layout, stream)
+
+    def _call(self, x, topk_idx, w, topk_weights, out, layout, stream):
+        """A call with every check."""
+        self._check_live()
         self.comm.check(self.err, f"{self.name} (an earlier call)")
         dev = self.comm.device_id
         H, F, K, El = self.hidden, self.ffn, self.top_k, self.local_experts
@@ -202,10 +206,11 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         if layout is None:
             layout = self._new_layout(x, X.torch)
         L = self._layout_operands(layout, X.torch, dev)
+        refuse_overlap(self.name, (O, *L), (X, I, Wg, Wt))
         self._run(T, X.as_param(np.uint64, (T * H // 4,)), I.as_param(np.int32, (T * K,)),
                   Wg.as_param(np.float32, (T * K,)) if Wg is not None else None,
                   Wt.as_param(np.uint16, wshape), O.as_param(np.uint16, (self.capacity, F)),
-                  L, stream)
+                  [o.as_param(np.dtype(o.dtype), tuple(o.shape)) for o in L], stream)
         return out, layout
 
     def _hot_ptrs(self, x, topk_idx, w, topk_weights, out, layout):
@@ -234,7 +239,14 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         pf = pc and torch_ptr(layout.offsets, (El + 1,), dev, dtype=torch.int32, align=4)
         pr = pf and torch_ptr(layout.rows, (cap, 3), dev, dtype=torch.int32, align=4)
         pl = pr and torch_ptr(layout.weights, (cap,), dev, dtype=torch.float32, align=4)
-        return (T, px, pi, pg, pw, po, (pc, pf, pr, pl)) if pl else None
+        if not pl:
+            return None
+        seen, sizes = self._unshared.get(T) or self._unshared.setdefault(T, (set(), (
+            2 * cap * self.ffn, 4 * El, 4 * El + 4, 12 * cap, 4 * cap, 2 * T * self.hidden,
+            4 * T * K, 4 * T * K, 2 * El * self.hidden * self.ffn)))
+        if not unshared(seen, (po, pc, pf, pr, pl, px, pi, pg, pw), sizes, 5):
+            return None                   # the checked path names the overlap
+        return T, px, pi, pg, pw, po, (pc, pf, pr, pl)
 
     def _new_layout(self, like, torch):
         cap, El = self.capacity, self.local_experts
@@ -250,6 +262,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                          cuda.device_array(cap, np.float32))
 
     def _layout_operands(self, layout, torch, dev):
+        """The layout's four arrays, checked (Operands)."""
         if not isinstance(layout, MoeLayout):
             raise MkValueError(f"{self.name}: layout must be the MoeLayout of an earlier call")
         cap, El = self.capacity, self.local_experts
@@ -261,7 +274,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             if o.torch != torch:
                 raise MkValueError(f"{self.name}: layout.{field} must be a PyTorch tensor "
                                    "exactly when x is")
-            ops.append(o.as_param(np.dtype(dt), shape))
+            ops.append(o)
         return ops
 
     def _run(self, T, x, topk, weights, w, out, lay, stream):
@@ -286,16 +299,15 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             self._cfgs[key] = (dev, param(dev))
         return self._cfgs[key][1]
 
-    def _start_at(self, calls):
-        """Tests: as ``OpLifetime._start_at`` (the call counter, every epoch flag), and with
-        the adaptive split the work queues' tickets, as if ``calls`` calls had run (each call
-        draws its queue's most items plus one ticket per flexible block: ``kernel``)."""
-        OpLifetime._start_at(self, calls)
-        if self.adaptive:
-            q = np.zeros(QUEUES, np.uint64)
-            q[Q_COMPUTE], q[Q_COMM] = (calls * (n + self.role_blocks["compute"])
-                                       for n in self.queue_items())
-            self.queue.copy_to_device((q & 0xFFFFFFFF).astype(np.uint32))
+    def _counters(self):
+        """The frame's and, with the adaptive split, the work queues' tickets (each call draws
+        its queue's most items plus one ticket per flexible block: ``kernel``)."""
+        if not self.adaptive:
+            return OpLifetime._counters(self)
+        per_call = np.zeros(QUEUES, np.uint64)
+        per_call[Q_COMPUTE], per_call[Q_COMM] = (n + self.role_blocks["compute"]
+                                                 for n in self.queue_items())
+        return OpLifetime._counters(self) + [(self.queue, per_call)]
 
     def queue_items(self):
         """The adaptive split's items per call that its queues are planned for: (tiles,

@@ -7,20 +7,20 @@ import numpy as np
 from numba import cuda
 
 from ..._compat import SIMULATOR
-from ...arrays import is_torch, new_output, operand, torch_ptr
+from ...arrays import is_torch, new_output, operand, refuse_overlap, torch_ptr, unshared
 from ...errors import ERR_SET, ERR_WORDS, MkError, MkValueError, raise_if_timed_out
 from ...roles.attention import (HEAD_DIM_MAX, SM90_BUILDS, SM90_HEAD_DIMS, SM90_ROWS,
                                 SM90_SMEM_BYTES, SM90_THREADS)
 from ...sched.sequence import check_layout, runs
 from ...sched.tiles import arrival_order
-from ..launch import (Frame, Launch, Slot, StreamOrder, compile_kernel, is_capturing,
-                      outputs_in_capture, pack, param, stream_handle)
+from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
+                      is_capturing, outputs_in_capture, pack, param, stream_handle)
 from ...roles.controller import CTL_LOG, CTL_WORDS, Q_COMM, Q_COMPUTE, QUEUES
 from ...timeline import Timeline, Traced, decision_log, role_of, segments_from_log, spans
 from ..tensor_maps import MAP_WORDS, MapTable, tensor_map
 from .kernel import CFG_FIELDS, TRACE_EVENTS, TRACE_ROWS, make_kernel
 
-class RingAttention(Traced):
+class RingAttention(Traced, OpLifetime):
     """Plan once, call many times: attention over a sequence split across the ranks of a node.
 
     comm: the :class:`mknumba.Comm` (None: one GPU, see :func:`attention`); the ring is
@@ -52,6 +52,9 @@ class RingAttention(Traced):
     def __init__(self, comm, batch, seq_local, heads, kv_heads, head_dim, *, causal=False,
                  layout="contiguous", scale=None, tile="auto", send_blocks=None, threads=None,
                  compute_blocks=None, comm_sms=None, trace=False):
+        if comm is None:
+            self.name = "mknumba.attention"     # what one-GPU callers called
+        self._plan_on(comm)
         dims = dict(batch=batch, seq_local=seq_local, heads=heads, kv_heads=kv_heads,
                     head_dim=head_dim)
         for key, value in dims.items():
@@ -75,7 +78,11 @@ class RingAttention(Traced):
                                "(comm_sms='adaptive'); the static build has no stamps")
         self.causal, self.layout = bool(causal), layout
         self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.d)
-        self.comm = comm
+        b, s, h, hk, d = self.batch, self.seq, self.heads, self.kv_heads, self.d
+        # out, lse, q, k, v: bf16 but lse (fp32), for the hot path's arrays.unshared
+        self._hot_sizes = (2 * b * s * h * d, 4 * b * h * s, 2 * b * s * h * d,
+                           2 * b * s * hk * d, 2 * b * s * hk * d)
+        self._unshared = set()
         self.world = comm.size if comm is not None else 1
         self.me = comm.rank if comm is not None else 0
         self.nodes = comm.nodes if comm is not None else 1
@@ -151,7 +158,6 @@ class RingAttention(Traced):
             timeout_ns=self.timeout_ns, err=self.err, rank=self.me, queue=self.queue,
             ctl=self.ctl, trace=self._trace), grid,
             self.threads, smem)
-        self.freed = False
 
     def _tile_for(self, tile):
         """The tile to run for ``tile``: "auto", "simt", or an sm90 build ("sm90", or one a
@@ -216,19 +222,19 @@ class RingAttention(Traced):
             self._buffers = [kv, fl]
             args = dict(kv=kv.local.view(np.uint16).reshape(2, W, 2, b, s, hk, d),
                         kv_words=kv.local, kv_ptrs=kv.ptrs, flags=fl.local, flag_ptrs=fl.ptrs)
-            self._flag_arrays = [fl.local]
+            self._epoch_flags = [fl.local]
         else:                     # one GPU: no slots to fill, the kernel reads k and v
             args = dict(kv=cuda.to_device(np.zeros((1, 1, 1, 1, 1, 1, 4), np.uint16)),
                         kv_words=cuda.to_device(z64), kv_ptrs=cuda.to_device(z64),
                         flags=cuda.to_device(z32), flag_ptrs=cuda.to_device(z64))
-            self._flag_arrays = []
+            self._epoch_flags = []
         if self.nodes > 1:
             if comm.proxy is None:
                 raise MkError(f"{self.name}: {self.nodes} nodes need the proxy, which this "
                               "Comm did not start")
             arrive = comm.alloc_flags(W * 2 * self.parts)
             self._buffers.append(arrive)
-            self._flag_arrays.append(arrive.local)
+            self._epoch_flags.append(arrive.local)
             self._wins = (comm.proxy.register(kv), comm.proxy.register(arrive))
             ring, head, tail = comm.proxy.device_args()
             args.update(arrive=arrive.local, ring=ring, head=head, tail=tail,
@@ -261,11 +267,15 @@ class RingAttention(Traced):
             pv = pk and torch_ptr(v, (b, s, hk, d), dev, align=8)
             po = pv and torch_ptr(out, (b, s, h, d), dev, align=8)
             pl = po and torch_ptr(lse, (b, h, s), dev, dtype=sys.modules["torch"].float32, align=4)
-            if pl and not self.err[ERR_SET]:
+            if (pl and unshared(self._unshared, (po, pl, pq, pk, pv), self._hot_sizes, 2)
+                    and not self.err[ERR_SET]):
                 self._run(pq, pk, pv, pk, pv, po, pl, (pq, pk, pv), stream_handle(None, dev))
                 return out, lse
-        if self.freed:
-            raise MkError(f"{self.name}: called after free()")
+        return self._checked_call(self._call, q, k, v, out, lse, stream)
+
+    def _call(self, q, k, v, out, lse, stream):
+        """A call with every check."""
+        self._check_live()
         self._check_error(f"{self.name} (an earlier call)")
         b, s, h, hk, d, dev = self.batch, self.seq, self.heads, self.kv_heads, self.d, self.device
         Q = operand(q, self.name, "q", shape=(b, s, h, d), device_id=dev, align=8)
@@ -283,6 +293,7 @@ class RingAttention(Traced):
         O = operand(out, self.name, "out", shape=(b, s, h, d), device_id=dev, align=8)
         L_ = operand(lse, self.name, "lse", dtypes=("float32",), shape=(b, h, s),
                      device_id=dev, align=4)
+        refuse_overlap(self.name, (O, L_), (Q, K, V))
         u16 = np.uint16
         self._run(Q.as_param(u16, (b, s, h, d)), K.as_param(u16, (b, s, hk, d)),
                   V.as_param(u16, (b, s, hk, d)), K.as_param(np.uint64, (self.words,)),
@@ -319,16 +330,14 @@ class RingAttention(Traced):
             cuda.synchronize()
         self._check_error(self.name)
 
-    def _start_at(self, calls):
-        """Tests: set this rank's state as if ``calls`` calls had run (see GemmReduce): the
-        call counter, every epoch flag and, adaptive, the work queues' tickets."""
-        self.synchronize()
-        self.frame.start_at(calls, self._flag_arrays, self.comm)
-        if self.adaptive:
-            q = np.zeros(QUEUES, np.uint64)
-            q[Q_COMPUTE] = calls * (self.tiles + self.compute_blocks)
-            q[Q_COMM] = calls * (self.ncomm + self.compute_blocks)
-            self.queue.copy_to_device((q & 0xFFFFFFFF).astype(np.uint32))
+    def _counters(self):
+        """The frame's and, with the adaptive split, the work queues' tickets."""
+        if not self.adaptive:
+            return OpLifetime._counters(self)
+        per_call = np.zeros(QUEUES, np.uint64)
+        per_call[Q_COMPUTE] = self.tiles + self.compute_blocks
+        per_call[Q_COMM] = self.ncomm + self.compute_blocks
+        return OpLifetime._counters(self) + [(self.queue, per_call)]
 
     # -- traces (comm_sms="adaptive", trace=True) ---------------------------------------------
     def trace_events(self):
