@@ -499,6 +499,8 @@ def test_pingpong_variants_by_name():
             compute.pp_variant_name((64, 64), bad)
     with pytest.raises(MkValueError, match="no tile build"):
         G.check_tile_name("sm90:ppd")
+    with pytest.raises(MkValueError, match=r"^GemmReduceScatter: tile='foo': no tile build"):
+        G.kind_for("foo", "GemmReduceScatter")     # names the op and its option
     with pytest.raises(MkValueError, match="ping-pong tile's"):
         compute.sm90_tile_functions(desc_iter=True)
     with pytest.raises(MkValueError, match="early ramp"):

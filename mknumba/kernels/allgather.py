@@ -40,7 +40,7 @@ from numba import cuda, types
 
 from .. import primitives as prim
 from .._compat import SIMULATOR
-from ..arrays import is_torch, operand, refuse_overlap, torch_ptr, unshared
+from ..arrays import BF16, is_torch, operand, refuse_overlap, torch_ptr, unshared
 from ..errors import ERR_SET, ROLE_RECV, MkError, MkValueError
 from ..roles.blocks import begin, copy_tile, publish, wait
 from ..roles.send import enqueue_rail
@@ -164,14 +164,22 @@ class AllGather(OpLifetime):
     def __init__(self, comm, shape, dtype, *, scope="node", send_blocks=None, recv_blocks=None,
                  forward_blocks=None, tile=None, threads=None):
         self._plan_on(comm)
-        self.shape = tuple(int(s) for s in np.atleast_1d(shape))
+        given = tuple(np.atleast_1d(shape).tolist())
+        try:
+            dtype_name = str(np.dtype(dtype))
+        except TypeError:
+            dtype_name = None
         group, ranks = comm._group(scope)
         # first, before any check that could fail on some ranks only and leave the others
         # waiting in a collective: every member must ask for the same exchange
-        comm.agree(self.name, dict(shape=self.shape, dtype=str(np.dtype(dtype)), tile=tile),
+        comm.agree(self.name, dict(shape=given, dtype=dtype_name or repr(dtype), tile=tile),
                    scope)
-        if not self.shape or any(s <= 0 for s in self.shape):
-            raise MkValueError(f"AllGather: shape must have positive extents, got {shape}")
+        if dtype_name is None:
+            raise MkValueError(f"AllGather: dtype {dtype!r} is not a NumPy dtype")
+        if not given or any(not isinstance(s, int) or s <= 0 for s in given):
+            raise MkValueError(f"AllGather: shape must have positive integer extents, got "
+                               f"{shape}")
+        self.shape = given
         self.dtype = np.dtype(dtype)
         if self.dtype.kind not in "iuf" and self.dtype.name != "bfloat16":
             raise MkValueError(f"AllGather: dtype must be an integer or float type, got {dtype}")
@@ -271,7 +279,7 @@ class AllGather(OpLifetime):
         """A call with every check."""
         self._check_live()
         self.comm.check(self.err, "AllGather (an earlier call)")
-        dt = (self.dtype.name,)
+        dt = BF16 if self.dtype.name == "bfloat16" else (self.dtype.name,)   # bf16: or its bits
         X = operand(x, self.name, "x", dtypes=dt, shape=self.shape,
                     device_id=self.comm.device_id, align=self.word.itemsize)
         full = (self.members,) + self.shape

@@ -529,17 +529,20 @@ def fused_tile(tile, op):
     return kind, build
 
 
-def check_tile_name(tile):
-    """Refuse (MkValueError) a ``tile=`` option that names no tile build: "auto", the
-    library's builds (the sm_90a ones also in the simulator, which refuses them when they
-    would run: :func:`kind_for`) or a registered one."""
+def check_tile_name(tile, op="mknumba.gemm"):
+    """Refuse (MkValueError, naming ``op``) a ``tile=`` option that names no tile build:
+    "auto", the library's builds (the sm_90a ones also in the simulator, which refuses them
+    when they would run: :func:`kind_for`) or a registered one."""
     if tile != "auto" and not compute.is_sm90_name(tile):
-        compute.tile_build(tile)   # "simt", another build of the tile (probes), or MkValueError
+        try:
+            compute.tile_build(tile)   # "simt", another build of the tile (probes)
+        except MkValueError as e:
+            raise MkValueError(f"{op}: tile={tile!r}: {e}") from None
 
 
 def kind_for(tile, op="mknumba.gemm"):
     """The tile build a ``tile=`` option picks on this machine (see :class:`Gemm`)."""
-    check_tile_name(tile)
+    check_tile_name(tile, op)
     if SIMULATOR:
         if tile not in ("auto", "simt"):
             raise MkValueError(f"{op}: the {tile} tile needs a Hopper GPU; the simulator runs "

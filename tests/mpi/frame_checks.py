@@ -30,8 +30,10 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
   capture    inside a CUDA graph capture (every stream reads as captured: ``capturing``), a call
              of mk.Gemm, either fused op or AllGather that leaves out ``out=`` is refused
              (MkError naming the op, "capture" and "out="); nothing is launched.
-  disagree   AllGather planned with other dtypes / shapes on the ranks, AllGatherGemm with
-             another k: MkValueError on every rank, naming the field and both values.
+  disagree   AllGather planned with other dtypes / shapes on the ranks (2.5 against 2 too),
+             AllGatherGemm with another k, RingAttention with other send_blocks: MkValueError
+             on every rank, naming the field and both values; AllGather with shape (2.5,) or
+             dtype "bogus" on every rank: MkValueError.
   dtypes     every spelling of bf16 (ml_dtypes.bfloat16, uint16 and int16 bits; torch.bfloat16)
              into mknumba.gemm; float32 refused by gemm, the fused ops and AllGather, naming
              the op.
@@ -631,8 +633,17 @@ def check_disagree(comm, opts, A):
     else:
         op.free()
         raise AssertionError("AllGatherGemm with another k per rank was accepted")
+    # the caller's values, not what planning would make of them: 2.5 is not 2, and a dtype
+    # NumPy does not know is refused on every rank after they agree on it
+    _refused(lambda: mk.AllGather(comm, (2.5 if comm.rank == 0 else 2,), "float32"),
+             ["AllGather", "shape:", "2.5"])
+    _refused(lambda: mk.AllGather(comm, (2.5,), "float32"), ["AllGather", "integer", "2.5"])
+    _refused(lambda: mk.AllGather(comm, (8,), "bogus"), ["AllGather", "'bogus'", "dtype"])
+    _refused(lambda: mk.RingAttention(comm, 1, 8, 2, 1, 16, send_blocks=1 + (comm.rank > 0)),
+             ["RingAttention", "send_blocks:"])
     comm.barrier()      # every rank raised (nobody waits in a collective), and the comm works
-    say("disagree", comm, "dtype shape AllGatherGemm:k")
+    say("disagree", comm, "dtype shape AllGatherGemm:k AllGather:2.5,bogus "
+        "RingAttention:send_blocks")
 
 
 # ---- dtypes -----------------------------------------------------------------------------------
@@ -674,7 +685,13 @@ def check_dtypes(comm, opts, A):
     _refused(lambda: ag(A.dev(np.zeros(opts["ag"], np.int32) if A.kind != "torch"
                               else np.zeros(opts["ag"], np.float64))), ["AllGather", "x"])
     ag.free()
-    say("dtypes", comm, " ".join(spellings) + " float32-refused")
+    ag = mk.AllGather(comm, (opts["ag"],), ml_dtypes.bfloat16)     # x as bf16 or its bits
+    x = rand_bits(opts, (opts["ag"],), comm.rank, 14)
+    got = np.asarray(A.host(ag(A.dev(x)))).view(np.uint16)
+    want = np.stack([rand_bits(opts, (opts["ag"],), r, 14) for r in comm.topology.node_ranks])
+    assert np.array_equal(got, want), "AllGather of bf16 bits: gathered data differ"
+    ag.free()
+    say("dtypes", comm, " ".join(spellings) + " float32-refused AllGather:bf16-bits")
 
 
 # ---- overlap ----------------------------------------------------------------------------------

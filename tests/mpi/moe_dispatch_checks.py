@@ -290,6 +290,10 @@ def check_bad(comm, opts, A):
         _refused(lambda: mk.MoeDispatchGemm(comm, H, F, comm.size + 1, 1, 4),
                  [name, "divisible", "world"])
     _refused(lambda: mk.MoeDispatchGemm(comm, H, F, E, E + 1, 4), [name, "top_k"])
+    _refused(lambda: mk.MoeDispatchGemm(comm, H + 2, F, E, 1, 4),
+             [name, f"hidden={H + 2}", "multiples of 8"])
+    _refused(lambda: mk.MoeDispatchGemm(comm, H, F, E, 1, 4, unit_tokens=0),
+             [name, "unit_tokens=0"])
     comm.barrier()
     say("bad", comm, "x topk_idx w out topk_weights experts top_k (expert ids: badid)")
 

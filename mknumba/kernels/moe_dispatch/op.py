@@ -52,7 +52,9 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
     call, which is then not launched) raises any device-side error: MkTimeoutError;
     MkCapacityError when a call routed more rows to this rank than planned; MkValueError
     naming the first (token, slot) of a call whose topk_idx held an expert id out of range
-    (the call left those pairs out; the op takes the next call). A CUDA graph capture
+    (the call left those pairs out; the op takes the next call). After a timeout or a
+    capacity error the op refuses every later call on that rank with the same error (its
+    ranks no longer agree on what was sent): plan a new one. A CUDA graph capture
     replays correctly when every token count was met in an ordinary call first and the
     capture passes ``out=`` and ``layout=`` (a call that would allocate is refused there).
     """

@@ -13,7 +13,7 @@ from numba import cuda
 from ..._compat import SIMULATOR
 from ...errors import MkValueError
 from ...sched.tiles import cdiv
-from ..gemm import check_shapes, fused_tile
+from ..gemm import fused_tile
 from .kernel import CHUNK_ROWS
 
 #: Tokens of a rank's x behind one flag (the paper's 16-token units): receivers pull a row as
@@ -62,7 +62,9 @@ class MoeDispatchGemmPlan:
                                f"size {W} (each rank holds experts / world of them)")
         if top_k > experts:
             raise MkValueError(f"{self.name}: top_k={top_k} is more than experts={experts}")
-        check_shapes(1, ffn, hidden, self.name)
+        if hidden % 8 or ffn % 8:
+            raise MkValueError(f"{self.name}: hidden={hidden} and ffn={ffn} must be multiples "
+                               "of 8 (16-byte rows for the tensor copies); pad them")
         if w_layout not in W_LAYOUTS:
             raise MkValueError(f"{self.name}: w_layout must be one of {W_LAYOUTS}, got "
                                f"{w_layout!r}")
@@ -92,7 +94,7 @@ class MoeDispatchGemmPlan:
         unit = UNIT_TOKENS
         if self.nodes > 1:
             unit = max(unit, NETWORK_CHUNK_BYTES // (2 * hidden) // unit * unit)
-        self.unit = int(unit_tokens or min(unit, max_tokens))
+        self.unit = int(min(unit, max_tokens) if unit_tokens is None else unit_tokens)
         if self.unit < 1:
             raise MkValueError(f"{self.name}: unit_tokens={unit_tokens} must be >= 1")
         self.units = cdiv(max_tokens, self.unit)

@@ -90,7 +90,7 @@ class RingAttention(Traced, OpLifetime):
         self.g = comm.local_size if comm is not None else 1
         if comm is not None:
             comm.agree(self.name, dict(dims, causal=self.causal, layout=layout,
-                                       scale=self.scale))
+                                       scale=self.scale, send_blocks=send_blocks))
         self.device = comm.device_id if comm is not None else (
             None if SIMULATOR else cuda.get_current_device().id)
         self.tile = self._tile_for(tile)
