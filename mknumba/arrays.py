@@ -223,17 +223,18 @@ def refuse_overlap(op, outputs, inputs):
 
 def shared_bytes(outputs, inputs):
     """``(i, j)`` for the first output ``outputs[i]`` that shares bytes with ``(inputs +
-    outputs)[j]``, another output counted; None when every output has its bytes to itself.
+    outputs)[j]``, another output counted; None when every output has its bytes to itself
+    (an empty array shares none).
     Spans are ``(address, bytes)`` pairs: the test under :func:`refuse_overlap` and
     :func:`unshared`."""
     for i, (p, n) in enumerate(outputs):
         end = p + n
         for j, (q, m) in enumerate(inputs):
-            if q < end and p < q + m:
+            if q < end and p < q + m and m:
                 return i, j
         for j in range(i + 1, len(outputs)):
             q, m = outputs[j]
-            if q < end and p < q + m:
+            if q < end and p < q + m and m:
                 return i, len(inputs) + j
     return None
 

@@ -42,7 +42,8 @@ from numba import cuda, types
 from .. import _compat  # noqa: F401  (numpy alias before numba compiles anything)
 from .._compat import SIMULATOR
 from ..arrays import c_strides
-from ..errors import MkError, MkValueError
+from ..errors import (CLEARED_ONCE_RAISED, ERR_KIND, ERR_RANK, ERR_SET, KIND_REFUSED, MkError,
+                      MkValueError, raise_if_timed_out)
 from ..primitives import FRAME_WORDS, epoch_of_host
 
 __all__ = ["array_type", "params", "signature", "compile_kernel", "pack", "Slot", "param",
@@ -460,24 +461,6 @@ def counter_at(counter, per_call, calls):
     counter.copy_to_device(t.astype(counter.dtype))
 
 
-def advance(counter, per_call, stream):
-    """Add one call's ``per_call`` tickets to a counter (:func:`counter_at`) on the GPU, after
-    every launch queued on ``stream`` before it (a raw handle; 0 the legacy stream): a call
-    that is counted but never launched."""
-    t = np.zeros(counter.shape, counter.dtype)
-    t[:len(per_call)] = per_call
-    s = 0 if SIMULATOR or not stream else cuda.external_stream(stream)
-    _advance[1, max(1, min(counter.shape[0], 1024)), s](counter, cuda.to_device(t, stream=s))
-
-
-@cuda.jit
-def _advance(counter, per_call):
-    i = cuda.threadIdx.x
-    while i < counter.shape[0]:
-        counter[i] += per_call[i]          # wraps at the counter's width
-        i += cuda.blockDim.x
-
-
 # ---- streams ------------------------------------------------------------------------------------
 def stream_handle(stream, torch_device=None):
     """The raw handle (int) of ``stream``: None (with torch tensors, PyTorch's current stream on
@@ -580,11 +563,10 @@ class StreamOrder:
 
 class OpLifetime:
     """What an op on a Comm does around its calls (a mixin): :meth:`_plan_on` first at plan
-    time; each call through :meth:`_checked_call`, which starts with :meth:`_check_live`;
-    :meth:`synchronize`, :meth:`free`, :meth:`_start_at`. The op sets ``name``, ``streams`` (a
-    :class:`StreamOrder`), ``err`` (its error record), ``frame`` (its :class:`Frame`),
-    ``_buffers`` (its symmetric buffers) and ``_epoch_flags`` (its epoch flag arrays on this
-    GPU)."""
+    time; each call through :meth:`_checked_call`; :meth:`synchronize`, :meth:`free`,
+    :meth:`_start_at`. The op sets ``name``, ``streams`` (a :class:`StreamOrder`), ``err``
+    (its error record), ``frame`` (its :class:`Frame`), ``_buffers`` (its symmetric buffers)
+    and ``_epoch_flags`` (its epoch flag arrays on this GPU)."""
 
     def _plan_on(self, comm):
         """Plan time, first: the op lives on ``comm`` (None: a one-GPU op) until :meth:`free`
@@ -600,31 +582,45 @@ class OpLifetime:
                           + ("its Comm was finalized" if self.finalized else "free()"))
 
     def _checked_call(self, call, *args):
-        """``call(*args)``: a call with every check, which may refuse its arguments
-        (MkValueError, raised before anything is launched). A refused call still takes its
-        number on every ticket counter (:meth:`_counters`, :func:`advance` on the op's last
-        stream): the ranks number their calls alike whether or not they launched them, so
-        where the others launched a call this rank refused, this rank's next call waits for
-        their next one (or times out) and never pairs with the one it refused, whose data it
-        would otherwise take for this call's. (Not in a CUDA graph capture, whose replays
-        would count it again; not for an op of one GPU, or of one rank, which has no
-        ``frame``: nothing to pair its calls with.)"""
+        """``call(*args)``: a call with every check, after :meth:`_check_live` and
+        :meth:`_check_earlier`. ``call`` may refuse its arguments (MkValueError, raised before
+        anything is launched); in an op of several ranks the others may have launched that
+        call, so this rank then refuses every later one (:meth:`_refuse_later_calls`)."""
+        self._check_live()
+        self._check_earlier()
         try:
             return call(*args)
         except MkValueError:
-            stream = self.streams.last or 0
-            if (self.comm is not None and self.frame is not None and not self.freed
-                    and not is_capturing(stream)):
-                self.streams.last = stream     # the next call on another stream waits for it
-                for counter, per_call in self._counters():
-                    advance(counter, per_call, stream)
+            if self.comm is not None and self.comm.size > 1 and self.frame is not None:
+                self._refuse_later_calls()
             raise
+
+    def _check_earlier(self):
+        """Raise what an earlier call left that ends the op: a timeout, a capacity overflow,
+        a refused call (the error record's kinds but ``CLEARED_ONCE_RAISED``). An expert id
+        out of range (MoE), which its launch left out alike on every rank, waits for
+        :meth:`synchronize`: this call goes on, so the ranks' calls still pair up."""
+        if self.comm is not None and self.comm.proxy is not None:
+            self.comm.proxy.check()
+        if self.err[ERR_SET] and int(self.err[ERR_KIND]) not in CLEARED_ONCE_RAISED:
+            raise_if_timed_out(self.err, f"{self.name} (an earlier call)")
+
+    def _refuse_later_calls(self):
+        """This rank refused a call (nothing launched) that the other ranks may have launched,
+        so none of its later calls may pair with theirs: the error record takes
+        ``KIND_REFUSED`` (unless a kernel wrote it first), and every later call and
+        :meth:`synchronize` raise it, while the others' launch times out. (Counting the
+        refused call instead would not do: a quick retry would publish the next epoch, which
+        meets the others' waits for the refused one, and they would read stale data.)"""
+        rec = self.err
+        if rec[ERR_SET] == 0:
+            rec[ERR_RANK], rec[ERR_KIND] = self.comm.rank, KIND_REFUSED
+            rec[ERR_SET] = 1
 
     def _counters(self):
         """``[(device array, tickets one call draws from each entry)]``: the ticket counters
         every call advances alike (:func:`counter_at`), the frame's and any the op adds (work
-        queues, chunk counts). :meth:`_start_at` sets them to ``calls`` calls' worth, and a
-        refused call (:meth:`_checked_call`) adds one call's worth."""
+        queues, chunk counts), which :meth:`_start_at` sets to ``calls`` calls' worth."""
         return [(self.frame.words, [self.frame.grid])]
 
     def synchronize(self, stream=None):

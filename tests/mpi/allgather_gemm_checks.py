@@ -23,7 +23,8 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
             data between 2 calls, the first with out=, the second without: each result follows
             the update.
   bad       arguments refused with MkValueError before anything is launched, naming the op
-            and the argument: a's shape, a float32 a, b's shape, out's shape, a strided b,
+            and the argument, each on an op of its own (which then refuses every later call,
+            on 2+ ranks): a's shape, a float32 a, b's shape, out's shape, a strided b,
             gathered= on an op planned without it, gathered's shape; and at planning: m not
             divisible by the world, n not a multiple of 8. Inside a CUDA graph capture
             (``frame_checks.capturing``: every stream reads as captured), MkError for a call
@@ -237,18 +238,25 @@ def check_inplace(comm, opts, A):
 def check_bad(comm, opts, A):
     m, n, k = opts["m"], opts["n"], opts["k"]
     s = shard_rows(comm, opts)
-    op = make_op(comm, opts)
     a_bits, b_bits = inputs(comm, opts, comm.rank, 3)
     a, b = A.dev(a_bits), A.dev(b_bits)
     name = "AllGatherGemm"
-    _refused(lambda: op(A.dev(rand_bits(opts, (m, k), 3)), b), [name, "a", "shape"])
-    _refused(lambda: op(A.dev(bits_f64(a_bits).astype(np.float32)), b), [name, "a", "float32"])
-    _refused(lambda: op(a, A.dev(rand_bits(opts, (k + 8, n), 3))), [name, "b", "shape"])
-    _refused(lambda: op(a, b, out=A.poisoned((s, n))), [name, "out", "shape"])
     wide = A.dev(rand_bits(opts, (k, 2 * n), 3))
-    _refused(lambda: op(a, wide[:, :n]), [name, "b", "strides"])
-    _refused(lambda: op(a, b, gathered=A.poisoned((m, k))), [name, "gathered=True"])
-    with capturing():
+    cases = [
+        (lambda op: op(A.dev(rand_bits(opts, (m, k), 3)), b), [name, "a", "shape"]),
+        (lambda op: op(A.dev(bits_f64(a_bits).astype(np.float32)), b), [name, "a", "float32"]),
+        (lambda op: op(a, A.dev(rand_bits(opts, (k + 8, n), 3))), [name, "b", "shape"]),
+        (lambda op: op(a, b, out=A.poisoned((s, n))), [name, "out", "shape"]),
+        (lambda op: op(a, wide[:, :n]), [name, "b", "strides"]),
+        (lambda op: op(a, b, gathered=A.poisoned((m, k))), [name, "gathered=True"])]
+    for call, words in cases:        # each on an op of its own: a refusal ends the op
+        op = make_op(comm, opts)
+        _refused(lambda: call(op), words)
+        if comm.size > 1:            # the others may have launched it: no later call here
+            _refused(lambda: op(a, b), [name, "refused an earlier call"], mk.MkError)
+        op.free()
+    op = make_op(comm, opts)
+    with capturing():                # MkError: refused for the capture, the op goes on
         _refused(lambda: op(a, b), [name, "capture", "out="], mk.MkError)
         _refused(lambda: op(a, A.col_view(A.dev(np.ascontiguousarray(b_bits.T))),
                             out=A.poisoned((m, n))), [name, "capture", "first call with b"],

@@ -39,12 +39,12 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
              the op.
   overlap    an output laid over an input or another output is refused (gemm, both fused ops,
              AllGatherGemm, AllGather with x in another rank's row of out), naming both;
-             AllGather with x = out[me] gathers in place; the fused ops, refused on every
-             rank, stay in step (a checked call follows).
+             AllGather with x = out[me] gathers in place; a fused op that refused a call
+             refuses the next one (MkError).
   finalized  ops planned on a second Comm, which is then finalized: every call refuses
              (MkError), free() is quiet, planning on it and its barrier refuse.
-  refused    (2+ ranks) rank 0 refuses a call the others launch: they time out, and rank 0's
-             next call times out too instead of returning their data of the refused call
+  refused    (2+ ranks) rank 0 refuses a call the others launch and retries at once: the
+             retry is refused (MkError), the others time out instead of returning data
              (AllGather, GemmReduceScatter; waits bounded at 2 s).
 GPU only (arrays=torch unless said):
   graph      torch.cuda.graph capture of mk.Gemm (every rank) and, with 2 or more ranks, of
@@ -706,8 +706,8 @@ def _shared_views(A, opts, key, *views):
 
 def check_overlap(comm, opts, A):
     """An output laid over an input (or another output) is refused on every rank, naming
-    both; AllGather's x may be out[me]. Every rank refuses the same calls, so the ops stay in
-    step: a checked call of each fused op follows."""
+    both; AllGather's x may be out[me]. A multi-rank op that refused a call refuses every
+    later one (the others may have launched it)."""
     gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
     m, n, k = opts["m"], opts["n"], opts["k"]
     key = (comm.rank, 9)
@@ -721,9 +721,9 @@ def check_overlap(comm, opts, A):
         a, out = _shared_views(A, opts, key, (0, (m, k)), (16, op.out_shape()))
         b = A.dev(rand_bits(opts, (k, n), *key, 3))
         _refused(lambda: op(a, b, out=out), [op.name, "out shares memory with a"])
-        a_bits, b_bits = fused_inputs(comm, opts, (10,))       # in step: a checked call
-        got = A.host(op(A.dev(a_bits), A.dev(b_bits)))
-        check_close(got, fused_ref(comm, opts, op, (10,)), f"{op.name} after a refused call")
+        a_bits, b_bits = fused_inputs(comm, opts, (10,))
+        _refused(lambda: op(A.dev(a_bits), A.dev(b_bits)), [op.name, "refused an earlier call"],
+                 mk.MkError)
         op.free()
     agg = mk.AllGatherGemm(comm, m, n, k)
     b, out = _shared_views(A, opts, key, (0, (k, n)), (k * n - 8, (m, n)))
@@ -732,13 +732,13 @@ def check_overlap(comm, opts, A):
     agg.free()
     ag = mk.AllGather(comm, (opts["ag"],), "float32")
     out = ag_out(comm, opts, A)
-    if comm.local_size > 1:
-        other = out[(comm.local_rank + 1) % comm.local_size]
-        _refused(lambda: ag(other, out=out), ["AllGather", "out shares memory with x"])
     x = out[comm.local_rank]                  # in place
     A.put(x, rand_f32(opts, (opts["ag"],), comm.rank, 11))
     ag(x, out=out)
     same_bits(A.host(out), ag_ref(comm, opts, 11), "AllGather in place")
+    if comm.local_size > 1:
+        other = out[(comm.local_rank + 1) % comm.local_size]
+        _refused(lambda: ag(other, out=out), ["AllGather", "out shares memory with x"])
     ag.free()
     comm.barrier()
     say("overlap", comm, "gemm fused AllGatherGemm AllGather(in place)")
@@ -768,11 +768,11 @@ def check_finalized(comm, opts, A):
 
 # ---- refused ----------------------------------------------------------------------------------
 def check_refused(comm, opts, A, bound_s=2.0):
-    """Rank 0 refuses a call (bad dtype) that the other ranks launch: theirs times out, and
-    rank 0's next call, made by every rank with fresh inputs, times out too rather than pair
-    with the others' launch of the refused call (whose data it would take for its own): a
-    refused call still counts (``OpLifetime._checked_call``). AllGather, and
-    GemmReduceScatter, whose work queues count tickets per call."""
+    """Rank 0 refuses a call (bad dtype) that the other ranks launch, and retries at once
+    with good inputs: the retry is refused too (MkError: the op no longer takes calls on
+    rank 0), so it cannot pair with the others' launch of the refused call, which times out
+    instead of returning data. Every later call refuses on every rank. AllGather, and
+    GemmReduceScatter (work queues, double-buffered partials)."""
     if comm.size < 2:
         say("refused", comm, "one rank: nothing to pair")
         return
@@ -791,18 +791,11 @@ def check_refused(comm, opts, A, bound_s=2.0):
                (A.dev(from_bf16_bits(fused_inputs(comm, opts, (12,))[0])), bad[1]))
         if comm.rank == 0:
             _refused(lambda: op(*bad), [op.name])
+            _refused(lambda: op(*good(13)), [op.name, "refused an earlier call"], mk.MkError)
         else:
             op(*good(12))
             _refused(op.synchronize, [op.name, "timed out"], mk.MkTimeoutError)
-        comm.barrier()
-        try:
-            op(*good(13))
-            op.synchronize()
-        except mk.MkTimeoutError:
-            pass
-        else:
-            raise AssertionError(f"{op.name}: rank {comm.rank}'s call after a call that rank 0 "
-                                 "refused and the others launched returned without error")
+            _refused(lambda: op(*good(13)), [op.name, "timed out"], mk.MkTimeoutError)
         comm.barrier()
         op.free()
     say("refused", comm, " ".join(op.name for op in ops))

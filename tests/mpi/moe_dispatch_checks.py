@@ -42,14 +42,18 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
             reused (out and the layout's weights poisoned again): the second result follows
             the update (with tensors, the second call is the hot path's, weighted).
   bad       refused with MkValueError before anything is launched, naming the op and the
-            argument: x's hidden, a float32 x, T > max_tokens, int64 topk_idx, topk_idx's
-            shape, expert ids -1 and E, w's shape, a float32 w, out's shape, topk_weights'
-            dtype; at planning: experts not divisible by the world, top_k > experts.
+            argument, each on an op of its own (which then refuses every later call, on 2+
+            ranks): x's hidden, a float32 x, T > max_tokens, int64 topk_idx, topk_idx's
+            shape, w's shape, a float32 w, out's shape, topk_weights' dtype; at planning:
+            experts not divisible by the world, top_k > experts, hidden not a multiple of 8,
+            unit_tokens=0.
   badid     rank 0 routes two pairs to expert ids out of range (E at token 1 slot 1, -1 at its
             last token; every rank's call launches): rank 0's synchronize() raises
             MkValueError naming topk_idx[1, 1] = E, the other ranks' raises nothing; every
             rank's rows are right without those pairs; the next call (fresh routing) works
-            on every rank and raises nothing.
+            on every rank and raises nothing. Then a bad-id call and a good one back to back,
+            with no synchronize() between: both launch on every rank (the record waits for
+            synchronize()), both results right.
   graph     (GPU) a call inside a CUDA graph capture (torch.cuda.graph for arrays=torch,
             cuStreamBeginCapture on a numba stream for numba) that would allocate out or the
             layout is refused with MkError naming out= and layout=; then one capture with
@@ -259,33 +263,37 @@ def check_inplace(comm, opts, A, layout="ehf"):
 def check_bad(comm, opts, A):
     H, F, E, K, T = opts["hidden"], opts["ffn"], opts["experts"], opts["top_k"], 4
     El = E // comm.size
-    op = make_op(comm, opts)
     x, idx, wts = inputs(opts, comm.size, comm.rank, (3,), "uniform")
     x, idx, wts = x[:T], idx[:T], wts[:T]
     dx, di, dw = A.dev(x), A.dev(idx), A.dev(weights_of(opts, comm.size, comm.rank, (3,)))
     name = "MoeDispatchGemm"
     big = opts["max_tokens"] + 1
     cases = [
-        (lambda: op(A.dev(rand_bits(opts, (T, H + 8), 3)), di, dw), [name, "x", "shape"]),
-        (lambda: op(A.dev(bits_f64(x).astype(np.float32)), di, dw), [name, "x", "float32"]),
-        (lambda: op(A.dev(rand_bits(opts, (big, H), 3)), A.dev(np.zeros((big, K), np.int32)),
-                    dw), [name, "max_tokens", str(big)]),
-        (lambda: op(dx, A.dev(idx.astype(np.int64)), dw), [name, "topk_idx", "int64"]),
-        (lambda: op(dx, A.dev(np.zeros((T, K + 1), np.int32)), dw),
+        (lambda op: op(A.dev(rand_bits(opts, (T, H + 8), 3)), di, dw), [name, "x", "shape"]),
+        (lambda op: op(A.dev(bits_f64(x).astype(np.float32)), di, dw),
+         [name, "x", "float32"]),
+        (lambda op: op(A.dev(rand_bits(opts, (big, H), 3)),
+                       A.dev(np.zeros((big, K), np.int32)), dw), [name, "max_tokens", str(big)]),
+        (lambda op: op(dx, A.dev(idx.astype(np.int64)), dw), [name, "topk_idx", "int64"]),
+        (lambda op: op(dx, A.dev(np.zeros((T, K + 1), np.int32)), dw),
          [name, "topk_idx", "shape"]),
-        (lambda: op(dx, di, A.dev(rand_bits(opts, (El, F, H), 3))) if F != H else
+        (lambda op: op(dx, di, A.dev(rand_bits(opts, (El, F, H), 3))) if F != H else
          op(dx, di, A.dev(rand_bits(opts, (El + 1, H, F), 3))), [name, "w", "shape"]),
-        (lambda: op(dx, di, A.dev(np.zeros((El, H, F), np.float32))), [name, "w", "float32"]),
-        (lambda: op(dx, di, dw, out=A.poisoned((4, F))), [name, "out", "shape"]),
-        (lambda: op(dx, di, dw, topk_weights=A.dev(wts.astype(np.float64))),
+        (lambda op: op(dx, di, A.dev(np.zeros((El, H, F), np.float32))),
+         [name, "w", "float32"]),
+        (lambda op: op(dx, di, dw, out=A.poisoned((4, F))), [name, "out", "shape"]),
+        (lambda op: op(dx, di, dw, topk_weights=A.dev(wts.astype(np.float64))),
          [name, "topk_weights", "float64"])]
-    for call, words in cases:
-        _refused(call, words)
-    # each refused call is counted (OpLifetime._checked_call), none launched: no flag moved
-    assert op.frame.read()[0] == len(cases), (op.frame.read(), len(cases))
-    for flags in op._epoch_flags:
-        assert not np.asarray(flags.copy_to_host()).any(), "a refused call launched"
-    op.free()
+    for call, words in cases:        # each on an op of its own: a refusal ends the op
+        op = make_op(comm, opts)
+        _refused(lambda: call(op), words)
+        assert op.frame.read()[0] == 0, "a refused call launched"
+        for flags in op._epoch_flags:
+            assert not np.asarray(flags.copy_to_host()).any(), "a refused call launched"
+        if comm.size > 1:            # the others may have launched it: no later call here
+            _refused(lambda: op(dx, di, dw), [name, "refused an earlier call"], mk.MkError)
+            _refused(op.synchronize, [name, "refused an earlier call"], mk.MkError)
+        op.free()
     if comm.size > 1:
         _refused(lambda: mk.MoeDispatchGemm(comm, H, F, comm.size + 1, 1, 4),
                  [name, "divisible", "world"])
@@ -319,7 +327,26 @@ def check_badid(comm, opts, A):
             assert comm.rank != 0 or pattern != "badid", "an expert id out of range: no error"
         worst = max(worst, verify(comm, opts, A, op, key, pattern, out, lay, w_bits, True,
                                   f"{pattern} call"))
-    assert op.frame.read()[0] == 2, op.frame.read()
+    # the next call before any synchronize(): it launches on every rank (rank 0's record of
+    # the bad id waits for synchronize), so the ranks' calls still pair up
+    pending = []
+    for i, pattern in ((2, "badid"), (3, "uniform")):
+        key = (4, i)
+        x, idx, wts = inputs(opts, comm.size, comm.rank, key, pattern)
+        w_bits = weights_of(opts, comm.size, comm.rank, key)
+        out, lay = poisoned(op, A)
+        op(A.dev(x), A.dev(idx), A.dev(w_bits), A.dev(wts), out=out, layout=lay)
+        pending.append((key, pattern, out, lay, w_bits))
+    try:
+        op.synchronize()
+    except mk.MkValueError as e:
+        assert comm.rank == 0 and "expert id" in str(e), f"rank {comm.rank}: {e}"
+    else:
+        assert comm.rank != 0, "an expert id out of range, then a call: no error"
+    for key, pattern, out, lay, w_bits in pending:
+        worst = max(worst, verify(comm, opts, A, op, key, pattern, out, lay, w_bits, True,
+                                  f"{pattern} call, no synchronize() between"))
+    assert op.frame.read()[0] == 4, op.frame.read()
     comm.barrier()
     op.free()
     say("badid", comm, f"max_rel_err={worst:.2e}")

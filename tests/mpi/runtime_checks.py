@@ -165,16 +165,27 @@ def expect_value_error(fn, *words):
 
 
 def check_validation(comm):
-    """Every bad input fails before launch with a message that names what is wrong."""
-    op = mk.AllGather(comm, (16,), np.float32)
-    expect_value_error(lambda: op(device(np.ones(16, np.float64))), "dtype", "float64")
-    expect_value_error(lambda: op(device(np.ones(17, np.float32))), "shape", "(17,)")
-    expect_value_error(lambda: op(device(np.ones((16, 2), np.float32))[:, 0]), "contiguous")
-    expect_value_error(lambda: op(device(np.ones(16, np.float32)),
-                                  out=device(np.ones((3, 16), np.float32))), "out", "shape")
-    expect_value_error(lambda: op("not an array"), "x")
+    """Every bad input fails before launch with a message that names what is wrong; each bad
+    call on an op of its own (on 2+ ranks an op that refused a call refuses the next)."""
+    cases = [(lambda op: op(device(np.ones(16, np.float64))), ("dtype", "float64")),
+             (lambda op: op(device(np.ones(17, np.float32))), ("shape", "(17,)")),
+             (lambda op: op(device(np.ones((16, 2), np.float32))[:, 0]), ("contiguous",)),
+             (lambda op: op(device(np.ones(16, np.float32)),
+                            out=device(np.ones((3, 16), np.float32))), ("out", "shape")),
+             (lambda op: op("not an array"), ("x",))]
     if not SIMULATOR:
-        expect_value_error(lambda: op(np.ones(16, np.float32)), "host")
+        cases.append((lambda op: op(np.ones(16, np.float32)), ("host",)))
+    for call, words in cases:
+        op = mk.AllGather(comm, (16,), np.float32)
+        expect_value_error(lambda: call(op), *words)
+        if comm.size > 1:
+            try:
+                op(device(np.ones(16, np.float32)))
+            except mk.MkError as e:
+                assert "refused an earlier call" in str(e), str(e)
+            else:
+                raise AssertionError("a call after a refused one was taken")
+        op.free()
     expect_value_error(lambda: mk.AllGather(comm, (0,), np.float32), "positive")
     expect_value_error(lambda: mk.AllGather(comm, (4,), np.complex64), "dtype")
     expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, scope="galaxy"), "scope")
@@ -186,7 +197,6 @@ def check_validation(comm):
     if comm.size > 1:
         expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, scope="world",
                                                 tile=4 + comm.rank % 2), "differently", "tile")
-    op.free()
     comm.barrier()
 
 

@@ -180,8 +180,7 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         is an ordinary output, filled by the copy at the end."""
         if not self.shared_out:
             raise MkValueError(f"{self.name}: planned without shared_out=True")
-        if self.shared is None:
-            raise MkValueError(f"{self.name}: freed")
+        self._check_live()      # not after free() or the Comm's finalize: its memory is gone
         kind = "torch" if torch else "numba"
         if kind not in self._views:
             mem = self.shared if self.solo else self.shared.local
@@ -220,8 +219,6 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
 
     def _call(self, a, b, out, stream):
         """A call with every check."""
-        self._check_live()
-        self.comm.check(self.err, f"{self.name} (an earlier call)")
         dev = self.comm.device_id
         A = operand(a, self.name, "a", shape=(self.m, self.k), device_id=dev)
         B = operand(b, self.name, "b", shape=(self.k, self.n), layouts=("row", "col"),

@@ -48,13 +48,13 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
     512 KiB). Every rank must plan the same sizes (checked).
 
     Calls are asynchronous on the stream of the inputs (the current PyTorch stream for
-    tensors, else ``stream``), with no host round trip: :meth:`synchronize` (or the next
-    call, which is then not launched) raises any device-side error: MkTimeoutError;
-    MkCapacityError when a call routed more rows to this rank than planned; MkValueError
-    naming the first (token, slot) of a call whose topk_idx held an expert id out of range
-    (the call left those pairs out; the op takes the next call). After a timeout or a
-    capacity error the op refuses every later call on that rank with the same error (its
-    ranks no longer agree on what was sent): plan a new one. A CUDA graph capture
+    tensors, else ``stream``), with no host round trip: :meth:`synchronize` raises any
+    device-side error: MkTimeoutError; MkCapacityError when a call routed more rows to this
+    rank than planned; MkValueError naming the first (token, slot) of a call whose topk_idx
+    held an expert id out of range (the call left those pairs out, alike on every rank, and
+    the op goes on taking calls). After a timeout or a capacity error the op refuses every
+    later call on that rank with the same error (its ranks no longer agree on what was
+    sent): plan a new one. A CUDA graph capture
     replays correctly when every token count was met in an ordinary call first and the
     capture passes ``out=`` and ``layout=`` (a call that would allocate is refused there).
     """
@@ -177,8 +177,6 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
 
     def _call(self, x, topk_idx, w, topk_weights, out, layout, stream):
         """A call with every check."""
-        self._check_live()
-        self.comm.check(self.err, f"{self.name} (an earlier call)")
         dev = self.comm.device_id
         H, F, K, El = self.hidden, self.ffn, self.top_k, self.local_experts
         X = operand(x, self.name, "x", shape=(None, H), device_id=dev)
