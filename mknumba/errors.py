@@ -40,15 +40,15 @@ ERR_WORDS = 8
 #: KIND_CAPACITY: more rows arrived than planned (ERR_EXPECTED: the planned capacity, ERR_SEEN:
 #: the rows that came). KIND_EXPERT: an input routed a token to an expert id out of range, and
 #: the kernel left that pair out (ERR_FLAG: the token, ERR_BLOCK: its top-k slot, ERR_EXPECTED:
-#: the number of experts, ERR_SEEN: the id). KIND_REFUSED: the host wrote it: this rank refused
-#: a call of a multi-rank op that the other ranks may have launched (``kernels.launch.
-#: OpLifetime.refuse_later_calls``).
-KIND_TIMEOUT, KIND_CAPACITY, KIND_EXPERT, KIND_REFUSED = 0, 1, 2, 3
+#: the number of experts, ERR_SEEN: the id).
+KIND_TIMEOUT, KIND_CAPACITY, KIND_EXPERT = 0, 1, 2
 #: the exception each kind raises
 KIND_ERRORS = {KIND_TIMEOUT: MkTimeoutError, KIND_CAPACITY: MkCapacityError,
-               KIND_EXPERT: MkValueError, KIND_REFUSED: MkError}
+               KIND_EXPERT: MkValueError}
 #: kinds whose launch still ended consistently on every rank (a bad input was left out and
-#: reported): calls go on (only synchronize() raises it), and it is cleared once raised
+#: reported): the record is cleared once raised, so after synchronize() raised it the op
+#: takes the next call (raised by a call instead, that call is not launched on this rank:
+#: ``kernels.launch.OpLifetime._end_calls``)
 CLEARED_ONCE_RAISED = (KIND_EXPERT,)
 
 
@@ -77,10 +77,6 @@ def describe_error_record(rec, what=""):
                 f"{int(rec[ERR_BLOCK])}] = {int(rec[ERR_SEEN])} is not an expert id (0 .. "
                 f"{int(rec[ERR_EXPECTED]) - 1}); that call left it out (the first such pair; "
                 "any others too).")
-    if rec[ERR_KIND] == KIND_REFUSED:
-        return (f"{where}rank {int(rec[ERR_RANK])} refused an earlier call of this op (its "
-                "arguments), which the other ranks may have launched: the ranks' calls no "
-                "longer pair up. Plan a new op.")
     if rec[ERR_KIND] == KIND_CAPACITY:
         return (f"{where}rank {int(rec[ERR_RANK])}, {role} role (block "
                 f"{int(rec[ERR_BLOCK])}): {int(rec[ERR_SEEN])} rows were routed to this rank, "

@@ -42,8 +42,7 @@ from numba import cuda, types
 from .. import _compat  # noqa: F401  (numpy alias before numba compiles anything)
 from .._compat import SIMULATOR
 from ..arrays import c_strides
-from ..errors import (CLEARED_ONCE_RAISED, ERR_KIND, ERR_RANK, ERR_SET, KIND_REFUSED, MkError,
-                      MkValueError, raise_if_timed_out)
+from ..errors import MkError, MkValueError, raise_if_timed_out
 from ..primitives import FRAME_WORDS, epoch_of_host
 
 __all__ = ["array_type", "params", "signature", "compile_kernel", "pack", "Slot", "param",
@@ -570,52 +569,57 @@ class OpLifetime:
 
     def _plan_on(self, comm):
         """Plan time, first: the op lives on ``comm`` (None: a one-GPU op) until :meth:`free`
-        or ``comm.finalize()``, which frees it too (``Comm.adopt``)."""
-        self.comm, self.freed, self.finalized = comm, False, False
+        or ``comm.finalize()``, which frees it too (``Comm.adopt``). ``freed``: the op takes
+        no more calls (also after a call this rank could not launch: ``_ended``)."""
+        self.comm, self.freed, self.finalized, self._ended = comm, False, False, None
         if comm is not None:
             comm.adopt(self)
 
     def _check_live(self):
-        """MkError if the op's buffers are gone: after :meth:`free` or its Comm's finalize."""
+        """MkError if the op takes no more calls: after :meth:`free`, its Comm's finalize, or
+        a call this rank did not launch (:meth:`_end_calls`)."""
         if self.freed:
-            raise MkError(f"{self.name}: called after "
-                          + ("its Comm was finalized" if self.finalized else "free()"))
+            raise MkError(f"{self.name}: called after " + (
+                self._ended if self._ended else
+                "its Comm was finalized" if self.finalized else "free()"))
 
     def _checked_call(self, call, *args):
         """``call(*args)``: a call with every check, after :meth:`_check_live` and
-        :meth:`_check_earlier`. ``call`` may refuse its arguments (MkValueError, raised before
-        anything is launched); in an op of several ranks the others may have launched that
-        call, so this rank then refuses every later one (:meth:`_refuse_later_calls`)."""
+        :meth:`_check_earlier`. That may raise an earlier call's error, and ``call`` may
+        refuse its arguments (MkValueError), before anything is launched; in an op of several
+        ranks the others may have launched that call, so this rank then takes no later one
+        (:meth:`_end_calls`). (``call``'s other refusals, MkError inside a CUDA graph capture,
+        leave the op as it was: every rank captures alike.)"""
         self._check_live()
-        self._check_earlier()
+        try:
+            self._check_earlier()
+        except MkError as e:          # an earlier call's error, raised instead of this launch
+            self._end_calls(f"an error here ({e})")
+            raise
         try:
             return call(*args)
-        except MkValueError:
-            if self.comm is not None and self.comm.size > 1 and self.frame is not None:
-                self._refuse_later_calls()
+        except MkValueError as e:
+            self._end_calls(f"a call it refused here ({e})")
             raise
 
     def _check_earlier(self):
-        """Raise what an earlier call left that ends the op: a timeout, a capacity overflow,
-        a refused call (the error record's kinds but ``CLEARED_ONCE_RAISED``). An expert id
-        out of range (MoE), which its launch left out alike on every rank, waits for
-        :meth:`synchronize`: this call goes on, so the ranks' calls still pair up."""
+        """Raise what an earlier call left in the error record (a timeout, a capacity
+        overflow, an expert id out of range: MoE)."""
         if self.comm is not None and self.comm.proxy is not None:
             self.comm.proxy.check()
-        if self.err[ERR_SET] and int(self.err[ERR_KIND]) not in CLEARED_ONCE_RAISED:
-            raise_if_timed_out(self.err, f"{self.name} (an earlier call)")
+        raise_if_timed_out(self.err, f"{self.name} (an earlier call)")
 
-    def _refuse_later_calls(self):
-        """This rank refused a call (nothing launched) that the other ranks may have launched,
-        so none of its later calls may pair with theirs: the error record takes
-        ``KIND_REFUSED`` (unless a kernel wrote it first), and every later call and
-        :meth:`synchronize` raise it, while the others' launch times out. (Counting the
-        refused call instead would not do: a quick retry would publish the next epoch, which
-        meets the others' waits for the refused one, and they would read stale data.)"""
-        rec = self.err
-        if rec[ERR_SET] == 0:
-            rec[ERR_RANK], rec[ERR_KIND] = self.comm.rank, KIND_REFUSED
-            rec[ERR_SET] = 1
+    def _end_calls(self, why):
+        """This rank raised instead of launching a call that the other ranks may have
+        launched, so none of its later calls may pair with theirs (ops of 2+ members): it
+        takes no more calls (``freed``; :meth:`free` still releases the buffers), while the
+        others' launch times out. (Counting the call as made instead would not do: a quick
+        retry would publish the next epoch, which meets the others' waits for the refused
+        call, and they would read stale data.) Host state only: a kernel may still write the
+        error record."""
+        if (self.comm is not None and getattr(self, "members", self.comm.size) > 1
+                and self.frame is not None and not self.freed):
+            self.freed, self._ended = True, why
 
     def _counters(self):
         """``[(device array, tickets one call draws from each entry)]``: the ticket counters
@@ -631,13 +635,13 @@ class OpLifetime:
 
     def free(self):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
-        if self.freed:
+        if self.freed and (self.finalized or not self._buffers):
             return
         self.comm.synchronize(self.streams.last or 0)
         for buf in self._buffers:
             self.comm.free(buf)
         self._buffers = []
-        self.freed = True
+        self.freed, self._ended = True, None
 
     def _start_at(self, calls):
         """Tests: set this rank's state as if ``calls`` calls had run (every epoch flag, and

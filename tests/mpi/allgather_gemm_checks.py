@@ -253,7 +253,7 @@ def check_bad(comm, opts, A):
         op = make_op(comm, opts)
         _refused(lambda: call(op), words)
         if comm.size > 1:            # the others may have launched it: no later call here
-            _refused(lambda: op(a, b), [name, "refused an earlier call"], mk.MkError)
+            _refused(lambda: op(a, b), [name, "refused here"], mk.MkError)
         op.free()
     op = make_op(comm, opts)
     with capturing():                # MkError: refused for the capture, the op goes on

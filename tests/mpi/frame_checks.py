@@ -722,7 +722,7 @@ def check_overlap(comm, opts, A):
         b = A.dev(rand_bits(opts, (k, n), *key, 3))
         _refused(lambda: op(a, b, out=out), [op.name, "out shares memory with a"])
         a_bits, b_bits = fused_inputs(comm, opts, (10,))
-        _refused(lambda: op(A.dev(a_bits), A.dev(b_bits)), [op.name, "refused an earlier call"],
+        _refused(lambda: op(A.dev(a_bits), A.dev(b_bits)), [op.name, "refused here"],
                  mk.MkError)
         op.free()
     agg = mk.AllGatherGemm(comm, m, n, k)
@@ -791,7 +791,7 @@ def check_refused(comm, opts, A, bound_s=2.0):
                (A.dev(from_bf16_bits(fused_inputs(comm, opts, (12,))[0])), bad[1]))
         if comm.rank == 0:
             _refused(lambda: op(*bad), [op.name])
-            _refused(lambda: op(*good(13)), [op.name, "refused an earlier call"], mk.MkError)
+            _refused(lambda: op(*good(13)), [op.name, "refused here"], mk.MkError)
         else:
             op(*good(12))
             _refused(op.synchronize, [op.name, "timed out"], mk.MkTimeoutError)

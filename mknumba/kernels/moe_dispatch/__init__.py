@@ -71,8 +71,9 @@ peers' regions of the call are all here, as the forward role waits for every uni
 nobody overwrites a half another GPU still reads or the proxy still copies.
 
 Expert ids are checked on the device, so a call never waits for the GPU: the error reaches
-the host at the next synchronize() (``errors.CLEARED_ONCE_RAISED``: calls go on meanwhile,
-as on the other ranks, which left the same pairs out). Under a CUDA graph capture a call
+the host at the next synchronize() or call (``errors.CLEARED_ONCE_RAISED``: after
+synchronize() raised it the op takes calls again; a call that raises it is not launched, and
+this rank then takes no more calls, as the others launched it). Under a CUDA graph capture a call
 works as any other (the epoch lives on the GPU) once its token count, weight addresses and
 (w_layout "ehf") scratch were met in an ordinary call, and it passes ``out=`` and
 ``layout=``; else it is refused with the reason.

@@ -48,13 +48,14 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
     512 KiB). Every rank must plan the same sizes (checked).
 
     Calls are asynchronous on the stream of the inputs (the current PyTorch stream for
-    tensors, else ``stream``), with no host round trip: :meth:`synchronize` raises any
-    device-side error: MkTimeoutError; MkCapacityError when a call routed more rows to this
-    rank than planned; MkValueError naming the first (token, slot) of a call whose topk_idx
-    held an expert id out of range (the call left those pairs out, alike on every rank, and
-    the op goes on taking calls). After a timeout or a capacity error the op refuses every
-    later call on that rank with the same error (its ranks no longer agree on what was
-    sent): plan a new one. A CUDA graph capture
+    tensors, else ``stream``), with no host round trip: :meth:`synchronize` (or the next
+    call, which is then not launched, and after which this rank takes no more calls: the
+    others launched it) raises any device-side error: MkTimeoutError; MkCapacityError when a
+    call routed more rows to this rank than planned; MkValueError naming the first (token,
+    slot) of a call whose topk_idx held an expert id out of range (the call left those pairs
+    out, alike on every rank; raised by synchronize(), the op takes the next call). After a
+    timeout or a capacity error the op refuses every later call on that rank with the same
+    error (its ranks no longer agree on what was sent): plan a new one. A CUDA graph capture
     replays correctly when every token count was met in an ordinary call first and the
     capture passes ``out=`` and ``layout=`` (a call that would allocate is refused there).
     """

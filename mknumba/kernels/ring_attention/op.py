@@ -391,13 +391,13 @@ class RingAttention(Traced, OpLifetime):
 
     def free(self):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
-        if self.freed:
+        if self.freed and (self.finalized or not self._buffers):
             return
         self.synchronize()
         for buf in self._buffers:
             self.comm.free(buf)
         self._buffers = []
-        self.freed = True
+        self.freed, self._ended = True, None
 
 
 _SINGLE = {}    # one op per shape and GPU, kept (a captured graph may refer to it)
