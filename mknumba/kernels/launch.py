@@ -585,14 +585,14 @@ class OpLifetime:
 
     def _checked_call(self, call, *args):
         """``call(*args)``: a call with every check, after :meth:`_check_live` and
-        :meth:`_check_earlier`. That may raise an earlier call's error, and ``call`` may
+        :meth:`_check_error`. That may raise an earlier call's error, and ``call`` may
         refuse its arguments (MkValueError), before anything is launched; in an op of several
         ranks the others may have launched that call, so this rank then takes no later one
         (:meth:`_end_calls`). (``call``'s other refusals, MkError inside a CUDA graph capture,
         leave the op as it was: every rank captures alike.)"""
         self._check_live()
         try:
-            self._check_earlier()
+            self._check_error(f"{self.name} (an earlier call)")
         except MkError as e:          # an earlier call's error, raised instead of this launch
             self._end_calls(f"an error here ({e})")
             raise
@@ -602,12 +602,13 @@ class OpLifetime:
             self._end_calls(f"a call it refused here ({e})")
             raise
 
-    def _check_earlier(self):
-        """Raise what an earlier call left in the error record (a timeout, a capacity
-        overflow, an expert id out of range: MoE)."""
-        if self.comm is not None and self.comm.proxy is not None:
-            self.comm.proxy.check()
-        raise_if_timed_out(self.err, f"{self.name} (an earlier call)")
+    def _check_error(self, what):
+        """Raise what the op's calls left in its error record (a timeout, a capacity overflow,
+        an expert id out of range: MoE), or a failed proxy first (``Comm.check``)."""
+        if self.comm is not None:
+            self.comm.check(self.err, what)
+        else:
+            raise_if_timed_out(self.err, what)
 
     def _end_calls(self, why):
         """This rank raised instead of launching a call that the other ranks may have
@@ -623,15 +624,15 @@ class OpLifetime:
 
     def _counters(self):
         """``[(device array, tickets one call draws from each entry)]``: the ticket counters
-        every call advances alike (:func:`counter_at`), the frame's and any the op adds (work
-        queues, chunk counts), which :meth:`_start_at` sets to ``calls`` calls' worth."""
-        return [(self.frame.words, [self.frame.grid])]
+        besides the frame's that every call advances alike (:func:`counter_at`; work queues,
+        chunk counts), which :meth:`_start_at` sets to ``calls`` calls' worth. None here."""
+        return []
 
     def synchronize(self, stream=None):
         """Wait for this rank's calls (on ``stream``, default the stream of the last call);
         raise the error a device wait or check recorded (MkTimeoutError, ...)."""
         self.comm.synchronize(stream if stream is not None else (self.streams.last or 0))
-        self.comm.check(self.err, self.name)
+        self._check_error(self.name)
 
     def free(self):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
@@ -644,10 +645,10 @@ class OpLifetime:
         self.freed, self._ended = True, None
 
     def _start_at(self, calls):
-        """Tests: set this rank's state as if ``calls`` calls had run (every epoch flag, and
-        the ticket counters of :meth:`_counters`), e.g. just short of 2**32, to run the next
-        calls across the wrap. Collective in effect: every rank must do it with the same
-        ``calls`` between calls, after synchronising."""
+        """Tests: set this rank's state as if ``calls`` calls had run (the frame, every epoch
+        flag, and the ticket counters of :meth:`_counters`), e.g. just short of 2**32, to run
+        the next calls across the wrap. Collective in effect: every rank must do it with the
+        same ``calls`` between calls, after synchronising."""
         self.synchronize()
         self.frame.start_at(calls, self._epoch_flags, self.comm)
         for counter, per_call in self._counters():

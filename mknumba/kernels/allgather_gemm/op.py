@@ -290,14 +290,14 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         return starts
 
     def _counters(self):
-        """The frame's and, with the adaptive split, the work queues' tickets (each call draws
+        """With the adaptive split, the work queues' tickets (each call draws
         every item plus one ticket per flexible block: ``kernel``)."""
         if not self.adaptive:
-            return OpLifetime._counters(self)
+            return []
         flex = self.role_blocks["compute"]
         per_call = np.zeros(QUEUES, np.uint64)
         per_call[Q_COMPUTE], per_call[Q_COMM] = len(self.order) + flex, self.ncomm + flex
-        return OpLifetime._counters(self) + [(self.queue, per_call)]
+        return [(self.queue, per_call)]
 
 
 def _address(arr):

@@ -326,7 +326,7 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         self.shared = None
 
     def _counters(self):
-        """The frame's, the work queues' (each call draws its items plus one ticket per
+        """The work queues' (each call draws its items plus one ticket per
         worker: ``roles.blocks.take``) and between nodes the chunk counters' tickets."""
         rb, p = self.role_blocks, self.plan
         reduce_end = rb["compute"] + rb["reduce"]
@@ -338,7 +338,7 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         per_call[Q_REDUCE] = len(p.red_tiles) + red_workers
         per_call[Q_PULL] = len(p.pull_tiles) + pull_workers
         per_call[Q_COMPUTE] = len(p.order) + reduce_end          # adaptive: flexible blocks
-        return OpLifetime._counters(self) + [(self.queue, per_call)] + (
+        return [(self.queue, per_call)] + (
             [(self.chunk_count.local, p.chunk_tiles)] if self.comm.nodes > 1 else [])
 
 

@@ -54,8 +54,8 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
     call routed more rows to this rank than planned; MkValueError naming the first (token,
     slot) of a call whose topk_idx held an expert id out of range (the call left those pairs
     out, alike on every rank; raised by synchronize(), the op takes the next call). After a
-    timeout or a capacity error the op refuses every later call on that rank with the same
-    error (its ranks no longer agree on what was sent): plan a new one. A CUDA graph capture
+    timeout or a capacity error the op refuses every later call on that rank (its ranks no
+    longer agree on what was sent): plan a new one. A CUDA graph capture
     replays correctly when every token count was met in an ordinary call first and the
     capture passes ``out=`` and ``layout=`` (a call that would allocate is refused there).
     """
@@ -301,14 +301,14 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         return self._cfgs[key][1]
 
     def _counters(self):
-        """The frame's and, with the adaptive split, the work queues' tickets (each call draws
+        """With the adaptive split, the work queues' tickets (each call draws
         its queue's most items plus one ticket per flexible block: ``kernel``)."""
         if not self.adaptive:
-            return OpLifetime._counters(self)
+            return []
         per_call = np.zeros(QUEUES, np.uint64)
         per_call[Q_COMPUTE], per_call[Q_COMM] = (n + self.role_blocks["compute"]
                                                  for n in self.queue_items())
-        return OpLifetime._counters(self) + [(self.queue, per_call)]
+        return [(self.queue, per_call)]
 
     def queue_items(self):
         """The adaptive split's items per call that its queues are planned for: (tiles,

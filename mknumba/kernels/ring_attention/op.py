@@ -8,7 +8,7 @@ from numba import cuda
 
 from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand, refuse_overlap, torch_ptr, unshared
-from ...errors import ERR_SET, ERR_WORDS, MkError, MkValueError, raise_if_timed_out
+from ...errors import ERR_SET, ERR_WORDS, MkError, MkValueError
 from ...roles.attention import (HEAD_DIM_MAX, SM90_BUILDS, SM90_HEAD_DIMS, SM90_ROWS,
                                 SM90_SMEM_BYTES, SM90_THREADS)
 from ...sched.sequence import check_layout, runs
@@ -313,12 +313,6 @@ class RingAttention(Traced, OpLifetime):
                     stream, q, k, v, k_words, v_words, out, lse,
                     self.user_maps.row(qkv_ptrs, stream))
 
-    def _check_error(self, what):
-        if self.comm is not None:
-            self.comm.check(self.err, what)
-        else:
-            raise_if_timed_out(self.err, what)
-
     def synchronize(self, stream=None):
         """Wait for this rank's calls (on ``stream``, default the stream of the last call);
         raise MkTimeoutError if a device wait expired."""
@@ -329,13 +323,13 @@ class RingAttention(Traced, OpLifetime):
         self._check_error(self.name)
 
     def _counters(self):
-        """The frame's and, with the adaptive split, the work queues' tickets."""
+        """With the adaptive split, the work queues' tickets."""
         if not self.adaptive:
-            return OpLifetime._counters(self)
+            return []
         per_call = np.zeros(QUEUES, np.uint64)
         per_call[Q_COMPUTE] = self.tiles + self.compute_blocks
         per_call[Q_COMM] = self.ncomm + self.compute_blocks
-        return OpLifetime._counters(self) + [(self.queue, per_call)]
+        return [(self.queue, per_call)]
 
     # -- traces (comm_sms="adaptive", trace=True) ---------------------------------------------
     def trace_events(self):
