@@ -268,6 +268,8 @@ class Comm:
         if self._closed:
             return
         self.synchronize()
+        for op in list(self._ops):   # each waits for its calls (the proxy still runs), then a
+            op._close_frame()        # graph's replays launch nothing on the freed buffers
         proxy, self.proxy = self.proxy, None
         if proxy is not None:
             proxy.stop()     # never raises, so every rank reaches the collective frees below

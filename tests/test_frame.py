@@ -14,7 +14,7 @@ from mpi_util import SharedLaunch, run_mpi
 
 SIM_SHAPE = ("m=64", "n=32", "k=8", "gm=32", "gn=32", "gk=8", "ag=24")
 SIM_CHECKS = ("inplace", "wrap", "alternate", "free", "capture", "disagree", "dtypes", "overlap",
-              "finalized", "refused")
+              "finalized", "refused", "closed")
 
 
 def _passes(out, check, n):
@@ -110,6 +110,18 @@ def test_gpu_1x2_graph_fused():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("arrays", ["torch", "numba"])
+def test_gpu_1x2_graph_replay_after_the_op_ended(arrays):
+    """A CUDA graph captured before an op ended on a rank (a refused call, a call beside the
+    capture) replays as nothing there, so it cannot pair with the others' calls."""
+    out = run_mpi("frame_checks.py", 2, "replayed", *GPU_SHAPE, f"arrays={arrays}",
+                  simulator=False, env=GPU_ENV)
+    _passes(out, "replayed", 2)
+    beside = "AllGather-beside-capture" if arrays == "torch" else "GemmReduceScatter"
+    assert out.count(beside) >= 2, out[-4000:]
+
+
+@pytest.mark.gpu
 def test_gpu_1x2_two_streams():
     out = run_mpi("frame_checks.py", 2, "streams", *GPU_SHAPE, simulator=False, env=GPU_ENV)
     _passes(out, "streams", 2)
@@ -174,6 +186,57 @@ def test_set_graph_launch():
         assert launch.graph_launch() == "always"
     finally:
         launch.set_graph_launch(before)
+
+
+# ---- calls on two streams during a capture (CPU check of kernels.launch.StreamOrder) ---------
+def test_call_beside_a_capture_is_refused_and_ends_the_op(monkeypatch):
+    """A call on another stream while the op's calls are being captured is refused
+    (MkValueError naming both streams) before any driver call, and the refusal ends a fused
+    op on this rank like every refusal (``OpLifetime._end_calls``): the other ranks may have
+    launched that call: no later call, and its frame closed so that no replay of the graph
+    launches either. The hot paths refuse it in ``StreamOrder.enter``, outside
+    ``_checked_call``, so the op's stream order tells the op itself. Streams are stand-in
+    handles; whether a stream captures is stubbed, and so is the frame."""
+    from mknumba import MkError
+    from mknumba.errors import MkValueError
+    from mknumba.kernels import launch
+
+    capturing = {0x10}
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    monkeypatch.setattr(launch, "is_capturing", lambda stream: stream in capturing)
+
+    class Comm:
+        size = 2
+
+        def adopt(self, op):
+            pass
+
+    class Op(launch.OpLifetime):
+        name, members = "SomeOp", 2
+
+    class Frame:
+        def close(self, stream=None):
+            closed.append(stream)
+
+    closed = []
+    op = Op()
+    op._plan_on(Comm())
+    op.frame = Frame()
+    op.streams.enter(0x10)               # the capturing stream: the first call, taken
+    op.streams.enter(0x10)
+    with pytest.raises(MkValueError, match="SomeOp: called on stream 0x20 while a CUDA graph "
+                       "capture of its calls is in progress on stream 0x10"):
+        op.streams.enter(0x20)
+    assert op.streams.last == 0x10       # still ordered after the capture's calls
+    with pytest.raises(MkError, match="SomeOp: called after a call it refused here"):
+        op._check_live()
+    assert closed == [0x10]              # the frame closed (off the capturing stream)
+    op.streams.enter(0x10)               # the capture itself goes on
+
+    alone = launch.StreamOrder("Gemm")   # a one-GPU op's order: refused, nothing to end
+    alone.enter(0x10)
+    with pytest.raises(MkValueError, match="Gemm: called on stream 0x20"):
+        alone.enter(0x20)
 
 
 # ---- tensor-map rows and captures (CPU check of kernels.tensor_maps.MapTable's rule) ----------

@@ -44,7 +44,7 @@ from ..arrays import BF16, is_torch, operand, refuse_overlap, torch_ptr, unshare
 from ..errors import ERR_SET, ROLE_RECV, MkError, MkValueError
 from ..roles.blocks import begin, copy_tile, publish, wait
 from ..roles.send import enqueue_rail
-from .launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, array_type,
+from .launch import (Frame, Launch, OpLifetime, Slot, array_type,
                      compile_kernel, outputs_in_capture, stream_handle)
 
 Flags, Ptrs, Record = array_type(np.uint32, 1), array_type(np.uint64, 1), array_type(np.int64, 1)
@@ -91,6 +91,8 @@ def make_kernel(word):
         win_*: the proxy windows of stage and flags; wbytes: bytes per word; frame: the op's
         call counter; err: int64[8] error record."""
         epoch, call = begin(frame)
+        if call == 0:
+            return       # the op has ended on this rank: a graph replayed after it
         deadline = prim.globaltimer() + timeout_ns
         n = shard.size
         tiles = prim.udiv32(n + tile - 1, tile)
@@ -236,7 +238,6 @@ class AllGather(OpLifetime):
         self.err = comm.new_error_record()
         grid = self.send_blocks + self.forward_blocks + self.recv_blocks
         self.frame = Frame(grid)
-        self.streams = StreamOrder(self.name)
         self._torch_dtype = None
         if self.word not in _KERNELS:
             _KERNELS[self.word] = make_kernel(self.word)

@@ -34,6 +34,7 @@ call with a new epoch. The host never needs to know the epoch.
 import ctypes
 import os
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -43,7 +44,7 @@ from .. import _compat  # noqa: F401  (numpy alias before numba compiles anythin
 from .._compat import SIMULATOR
 from ..arrays import c_strides
 from ..errors import MkError, MkValueError, raise_if_timed_out
-from ..primitives import FRAME_WORDS, epoch_of_host
+from ..primitives import FRAME_CLOSED, FRAME_WORDS, epoch_of_host
 
 __all__ = ["array_type", "params", "signature", "compile_kernel", "pack", "Slot", "param",
            "Launch", "Frame", "stream_handle", "StreamOrder", "is_capturing", "outputs_in_capture",
@@ -427,8 +428,48 @@ class Frame:
 
     def read(self):
         """``(calls mod 2**32, epoch)`` of the last call that started (waits for the device)."""
-        calls = int(self.words.copy_to_host()[0]) // self.grid
+        calls = (int(self.words.copy_to_host()[0]) & ~int(FRAME_CLOSED)) // self.grid
         return calls & 0xFFFFFFFF, epoch_of_host(calls)
+
+    def closed(self):
+        """Whether :meth:`close` has taken effect (waits for the device)."""
+        return bool(int(self.words.copy_to_host()[0]) & int(FRAME_CLOSED))
+
+    def close(self, stream=None):
+        """The op has ended on this rank (``OpLifetime._end_calls``, ``free``): from now on a
+        launch of it does nothing (``roles.blocks.begin``), e.g. a CUDA graph captured before
+        and replayed after, which would otherwise pair with the other ranks' calls or touch
+        freed buffers. It sets the counter's top byte, so :meth:`read` still counts the calls.
+        ``stream``: the stream of the op's last call, behind which the close is queued, and
+        waited for (the earlier calls end or time out within the bound); None, or a stream
+        that is capturing a graph (which must not take it): a stream of its own. The wait is
+        allowed during another stream's capture (this thread's capture mode relaxed)."""
+        if SIMULATOR:
+            self.words.copy_to_device(self.words.copy_to_host() | FRAME_CLOSED)
+            return
+        from cuda.bindings import driver as drv
+        ok = drv.CUresult.CUDA_SUCCESS
+        err, mode = drv.cuThreadExchangeStreamCaptureMode(
+            drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED)
+        if err != ok:
+            raise MkError(f"could not close an op's call counter: {err}")
+        own = None
+        try:
+            if stream is None or is_capturing(stream):
+                err, own = drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
+                own = own if err == ok else None
+            h = own if own is not None else drv.CUstream(stream)
+            top = self.words.__cuda_array_interface__["data"][0] + 7     # the top byte, LE
+            if err == ok:
+                (err,) = drv.cuMemsetD8Async(top, int(FRAME_CLOSED) >> 56, 1, h)
+            if err == ok:
+                (err,) = drv.cuStreamSynchronize(h)
+        finally:
+            if own is not None:
+                drv.cuStreamDestroy(own)
+            drv.cuThreadExchangeStreamCaptureMode(mode)
+        if err != ok:
+            raise MkError(f"could not close an op's call counter: {err}")
 
     def set(self, calls, epoch=None):
         """Pretend ``calls`` calls have run (tests start near the wrap); ``epoch``, if given,
@@ -527,11 +568,11 @@ class StreamOrder:
     graph's replays run wherever they are replayed, ordered by the caller like any other work
     on that stream (``torch.cuda.graph`` synchronises the device before it captures). A call on
     another stream while a capture is in progress is refused: it could run during the capture's
-    own calls.
+    own calls. ``refused(why)``, if given, is told first (``OpLifetime._end_calls``).
     """
 
-    def __init__(self, name):
-        self.name, self.last = name, None
+    def __init__(self, name, refused=None):
+        self.name, self.last, self._refused = name, None, refused
         self._event = None
         self._lock = threading.Lock()
 
@@ -544,10 +585,13 @@ class StreamOrder:
                 return
             if is_capturing(last):
                 self.last = last
-                raise MkValueError(
+                e = MkValueError(
                     f"{self.name}: called on stream {stream:#x} while a CUDA graph capture of "
                     f"its calls is in progress on stream {last:#x}; call it on the capturing "
                     "stream, or after the capture ends")
+                if self._refused is not None:    # the hot paths refuse here, not in a check
+                    self._refused(f"a call it refused here ({e})")
+                raise e
             from cuda.bindings import driver as drv
             if self._event is None:
                 err, self._event = drv.cuEventCreate(
@@ -563,15 +607,18 @@ class StreamOrder:
 class OpLifetime:
     """What an op on a Comm does around its calls (a mixin): :meth:`_plan_on` first at plan
     time; each call through :meth:`_checked_call`; :meth:`synchronize`, :meth:`free`,
-    :meth:`_start_at`. The op sets ``name``, ``streams`` (a :class:`StreamOrder`), ``err``
-    (its error record), ``frame`` (its :class:`Frame`), ``_buffers`` (its symmetric buffers)
-    and ``_epoch_flags`` (its epoch flag arrays on this GPU)."""
+    :meth:`_start_at`. The op sets ``name`` (before :meth:`_plan_on`), ``err`` (its error
+    record), ``frame`` (its :class:`Frame`), ``_buffers`` (its symmetric buffers) and
+    ``_epoch_flags`` (its epoch flag arrays on this GPU)."""
 
     def _plan_on(self, comm):
         """Plan time, first: the op lives on ``comm`` (None: a one-GPU op) until :meth:`free`
         or ``comm.finalize()``, which frees it too (``Comm.adopt``). ``freed``: the op takes
-        no more calls (also after a call this rank could not launch: ``_ended``)."""
+        no more calls (also after a call this rank could not launch: ``_ended``). Its calls
+        keep one order across streams (``streams``)."""
         self.comm, self.freed, self.finalized, self._ended = comm, False, False, None
+        me = weakref.ref(self)           # (no cycle: a dropped op is freed at once)
+        self.streams = StreamOrder(self.name, refused=lambda why: me()._end_calls(why))
         if comm is not None:
             comm.adopt(self)
 
@@ -616,11 +663,37 @@ class OpLifetime:
         takes no more calls (``freed``; :meth:`free` still releases the buffers), while the
         others' launch times out. (Counting the call as made instead would not do: a quick
         retry would publish the next epoch, which meets the others' waits for the refused
-        call, and they would read stale data.) Host state only: a kernel may still write the
-        error record."""
-        if (self.comm is not None and getattr(self, "members", self.comm.size) > 1
-                and self.frame is not None and not self.freed):
+        call, and they would read stale data.) The end is host state, not the error record,
+        which a kernel may write first; and the frame is closed (:meth:`Frame.close`), so a CUDA
+        graph of the op's calls captured before replays as nothing here."""
+        if self._pairs() and not self.freed:
             self.freed, self._ended = True, why
+            self._close_frame()
+
+    def _pairs(self):
+        """Whether the op's calls pair with other ranks' (2+ members, a call counter)."""
+        return (self.comm is not None and getattr(self, "members", self.comm.size) > 1
+                and self.frame is not None)
+
+    def _close_frame(self):
+        """:meth:`Frame.close` behind the op's last call: its graphs' replays launch nothing
+        from now on. On the way to raising an error, so a failure to close warns rather than
+        replacing that error."""
+        if self.frame is None:
+            return
+        try:
+            self.frame.close(self.streams.last)
+        except Exception as e:      # noqa: BLE001 (the error being raised matters more)
+            warnings.warn(f"{self.name}: could not close its call counter ({e}); a CUDA graph "
+                          "of its calls captured earlier may still launch", RuntimeWarning)
+
+    def _wait(self, stream=None):
+        """Wait for this rank's calls on ``stream`` (default the stream of the last call)."""
+        stream = stream if stream is not None else (self.streams.last or 0)
+        if self.comm is not None:
+            self.comm.synchronize(stream)
+        elif not SIMULATOR:
+            cuda.synchronize()
 
     def _counters(self):
         """``[(device array, tickets one call draws from each entry)]``: the ticket counters
@@ -630,15 +703,32 @@ class OpLifetime:
 
     def synchronize(self, stream=None):
         """Wait for this rank's calls (on ``stream``, default the stream of the last call);
-        raise the error a device wait or check recorded (MkTimeoutError, ...)."""
-        self.comm.synchronize(stream if stream is not None else (self.streams.last or 0))
-        self._check_error(self.name)
+        raise the error a device wait or check recorded (MkTimeoutError, ...). Such an error
+        stays (the next call raises it, then the op takes no more), and from now on a CUDA
+        graph of the op's calls replays as nothing here (:meth:`Frame.close`); an expert id
+        out of range (MoE, MkValueError) is cleared once raised, and the op goes on. After the
+        op ended on this rank (:meth:`_end_calls`), MkError: a replay since wrote nothing."""
+        self._wait(stream)
+        try:
+            self._check_error(self.name)
+        except MkValueError:
+            raise
+        except MkError:
+            if self._pairs() and not self.freed:
+                self._close_frame()
+            raise
+        if self._ended:
+            raise MkError(f"{self.name}: ended on this rank by {self._ended}; a CUDA graph of "
+                          "its calls replayed since then launched nothing")
 
     def free(self):
-        """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
+        """Collective: release the op's symmetric buffers (waits for this rank's calls); a CUDA
+        graph of its calls replays as nothing after it (while the op object lives: the counter
+        that says so is the op's)."""
         if self.freed and (self.finalized or not self._buffers):
             return
-        self.comm.synchronize(self.streams.last or 0)
+        self._wait()
+        self._close_frame()      # a graph's replays must not touch the freed buffers
         for buf in self._buffers:
             self.comm.free(buf)
         self._buffers = []

@@ -19,12 +19,17 @@ def begin(frame):
     2, ...) holds tickets [(c - 1) * grid, c * grid) and ``call = ticket // grid + 1``. Nothing
     is reset, so a launch numbers itself on the GPU (a replayed CUDA graph gets a new epoch each
     time), and should two launches ever overlap, the calls after them are numbered right again.
-    ``epoch = primitives.epoch_of(call)``; ``call`` is int64.
+    ``epoch = primitives.epoch_of(call)``; ``call`` is int64. ``call == 0``: the op has ended
+    on this rank (``primitives.FRAME_CLOSED``; a graph replayed after it), and every block of
+    the launch returns at once, publishing nothing.
     """
     got = cuda.shared.array(1, np.int64)
     if cuda.threadIdx.x == 0:
         ticket = prim.atomic_add_relaxed(frame, 0, np.uint64(1))
-        got[0] = np.int64(prim.udiv64_small(ticket, cuda.gridDim.x)) + 1
+        if ticket >= prim.FRAME_CLOSED:
+            got[0] = 0
+        else:
+            got[0] = np.int64(prim.udiv64_small(ticket, cuda.gridDim.x)) + 1
     cuda.syncthreads()
     call = got[0]
     cuda.syncthreads()   # read by all before a later begin (a next call) could rewrite it
@@ -34,7 +39,8 @@ def begin(frame):
 @cuda.jit(device=True, inline=True)
 def launch_context(frame, timeout_ns, err, rank):
     """:func:`begin`, then the context every role of a fused kernel takes: ``(epoch, call,
-    deadline, err, rank)``, the deadline of every wait ``timeout_ns`` from now."""
+    deadline, err, rank)``, the deadline of every wait ``timeout_ns`` from now (``call == 0``:
+    the op has ended here, return)."""
     epoch, call = begin(frame)
     return (epoch, call, prim.globaltimer() + timeout_ns, err, rank)
 

@@ -41,11 +41,16 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
              AllGatherGemm, AllGather with x in another rank's row of out), naming both;
              AllGather with x = out[me] gathers in place; a fused op that refused a call
              refuses the next one (MkError).
+  closed     every fused op ended on every rank (``_end_calls``) and launched past the host's
+             guard, as a graph's replay is: its kernel returns at once (output poisoned, no
+             timeout), ``synchronize()`` says the op ended.
   finalized  ops planned on a second Comm, which is then finalized: every call refuses
              (MkError), free() is quiet, planning on it and its barrier refuse.
   refused    (2+ ranks) rank 0 refuses a call the others launch and retries at once: the
              retry is refused (MkError), the others time out instead of returning data
-             (AllGather, GemmReduceScatter; waits bounded at 2 s).
+             (AllGather, GemmReduceScatter; waits bounded at 2 s); a launch past the host's
+             guard (``op._call``, as a graph's replay is) then writes nothing on rank 0, and
+             every rank's frame ends closed.
 GPU only (arrays=torch unless said):
   graph      torch.cuda.graph capture of mk.Gemm (every rank) and, with 2 or more ranks, of
              both fused ops: one capture, ``calls`` replays (default 100), each after fresh data
@@ -57,6 +62,13 @@ GPU only (arrays=torch unless said):
              calls between them.
   streams    each op called alternately on two torch streams, back to back: right results.
   wrongdev   (2 GPUs) an array on another GPU than the op's is refused with MkValueError.
+  replayed   (2+ ranks; arrays=torch or numba) a CUDA graph of an AllGather's and a
+             GemmReduceScatter's call, captured on every rank and replayed once (checked);
+             then rank 0 refuses a call the others launch, and replays the graph: the replay
+             writes nothing, and the others' call times out instead of pairing with it
+             (waits bounded at 2 s). Torch: an AllGather called on another stream during its
+             capture is refused on every rank, which ends it there: the graph's replay writes
+             nothing.
 """
 import contextlib
 import math
@@ -556,6 +568,7 @@ def check_free(comm, opts, A):
             assert "free" in str(e) and op.name in str(e), str(e)
         else:
             raise AssertionError(f"{op.name}: a call after free() did not raise")
+        assert op.frame.closed(), f"{op.name}: free() left the frame open (a replay would run)"
         op.free()       # a second free() returns quietly (GemmReduce.free)
     shape = (opts["ag"],)
     ag = mk.AllGather(comm, shape, "float32")
@@ -568,6 +581,7 @@ def check_free(comm, opts, A):
         assert "free" in str(e) and "AllGather" in str(e), str(e)
     else:
         raise AssertionError("AllGather: a call after free() did not raise")
+    assert ag.frame.closed() and ag.frame.read()[0] == 1, ag.frame.read()   # a count kept
     ag.free()           # a second free() returns quietly, as every op's (OpLifetime.free)
     agg = mk.AllGatherGemm(comm, opts["m"], opts["n"], opts["k"])
     agg.free()
@@ -744,11 +758,54 @@ def check_overlap(comm, opts, A):
     say("overlap", comm, "gemm fused AllGatherGemm AllGather(in place)")
 
 
+# ---- closed -----------------------------------------------------------------------------------
+def check_closed(comm, opts, A):
+    """Every fused kernel returns at once on a closed call counter (``Frame.close``): on every
+    rank each op is ended (``_end_calls``), then launched past the host's guard (its inner
+    call, as a CUDA graph's replay launches): its output stays poisoned, no flag of the op
+    moves on any rank and no wait times out; ``synchronize()`` says the op ended."""
+    m, n, k, W = opts["m"], opts["n"], opts["k"], comm.size
+    a, b = (A.dev(x) for x in fused_inputs(comm, opts, (14,)))
+    cases = [(op, lambda op, out: op._call(a, b, out, None), op.out_shape())
+             for op in fused_ops(comm, opts)]
+    ag = mk.AllGather(comm, (opts["ag"],), "float32")
+    x = A.dev(rand_f32(opts, (opts["ag"],), comm.rank, 14))
+    cases.append((ag, lambda op, out: op._call(x, out, None), None))
+    agg = mk.AllGatherGemm(comm, m, n, k)
+    shard = A.dev(rand_bits(opts, (m // W, k), comm.rank, 14, 2))
+    cases.append((agg, lambda op, out: op._call(shard, b, out, None, None), (m, n)))
+    ring = mk.RingAttention(comm, 1, 8, 2, 1, 16)
+    q, kv = (A.dev(rand_bits(opts, shape, comm.rank, 14, i))
+             for i, shape in ((3, (1, 8, 2, 16)), (4, (1, 8, 1, 16))))
+    cases.append((ring, lambda op, out: op._call(q, kv, kv, out, None, None), (1, 8, 2, 16)))
+    moe = mk.MoeDispatchGemm(comm, 32, 32, 2 * W, 2, 4)
+    tokens = A.dev(rand_bits(opts, (4, 32), comm.rank, 14, 5))
+    topk = A.dev(np.array([[0, 1], [1, 2], [2, 3], [3, 0]], np.int32) % (2 * W))
+    w = A.dev(rand_bits(opts, (2, 32, 32), comm.rank, 14, 6))
+    cases.append((moe, lambda op, out: op._call(tokens, topk, w, None, out, None, None),
+                  (moe.capacity, moe.ffn)))
+    for op, launch, shape in cases:
+        op._end_calls("a check's end")
+        assert op.frame.closed(), f"{op.name}: not closed"
+        out = ag_out(comm, opts, A) if shape is None else A.poisoned(shape)
+        launch(op, out)
+        _refused(op.synchronize, [op.name, "ended on this rank", "launched nothing"],
+                 mk.MkError)
+        _all_nan(A, out, f"{op.name}: a launch on a closed frame wrote its output")
+        assert op.frame.read()[0] == 1, (op.name, op.frame.read())    # the ticket it drew
+        comm.barrier()                   # every rank's launch done: no flag was published
+        for flags in op._epoch_flags:
+            assert not np.asarray(flags.copy_to_host()).any(), \
+                f"{op.name}: a launch on a closed frame published a flag"
+        op.free()
+    say("closed", comm, " ".join(op.name for op, _, _ in cases))
+
+
 # ---- finalized --------------------------------------------------------------------------------
 def check_finalized(comm, opts, A):
     """Every op of a Comm that was finalized refuses its calls (MkError, nothing launched on
-    the freed buffers), its free() is quiet, and planning on that Comm or its barrier
-    refuses too."""
+    the freed buffers) and its frame is closed (a graph's replay launches nothing), its free()
+    is quiet, and planning on that Comm or its barrier refuses too."""
     c2 = mk.init()
     m, n, k = opts["m"], opts["n"], opts["k"]
     ops = [(op, 2) for op in fused_ops(c2, opts)] + [   # (op, arguments of a call)
@@ -759,6 +816,7 @@ def check_finalized(comm, opts, A):
     for op, args in ops:
         _refused(lambda: op(*[None] * args), [op.name, "after its Comm was finalized"],
                  mk.MkError)
+        assert op.frame.closed(), f"{op.name}: the frame is open after finalize (a replay runs)"
         op.free()
     _refused(lambda: mk.AllGather(c2, (8,), "float32"), ["Comm was finalized"], mk.MkError)
     _refused(c2.barrier, ["Comm was finalized"], mk.MkError)
@@ -771,34 +829,54 @@ def check_refused(comm, opts, A, bound_s=2.0):
     """Rank 0 refuses a call (bad dtype) that the other ranks launch, and retries at once
     with good inputs: the retry is refused too (MkError: the op no longer takes calls on
     rank 0), so it cannot pair with the others' launch of the refused call, which times out
-    instead of returning data. Every later call refuses on every rank. AllGather, and
-    GemmReduceScatter (work queues, double-buffered partials)."""
-    if comm.size < 2:
-        say("refused", comm, "one rank: nothing to pair")
-        return
-    saved, comm.timeout_ns = comm.timeout_ns, int(bound_s * 1e9)
-    try:
-        ops = [mk.AllGather(comm, (opts["ag"],), "float32")] + fused_ops(comm, opts, ("rs",))
-    finally:
-        comm.timeout_ns = saved
+    instead of returning data. Nor can a launch that skips the host's guard, as a CUDA graph
+    captured earlier does when replayed (here the op's inner call, ``_call``): the op's
+    frame is closed, and that launch writes nothing. Every later call refuses on every
+    rank, and every rank's frame ends closed. AllGather, and GemmReduceScatter (work queues,
+    double-buffered partials)."""
+    ops = _paired_ops(comm, opts, "refused", bound_s)
     for op in ops:
         def good(key):
-            if isinstance(op, mk.AllGather):
-                return (A.dev(rand_f32(opts, (opts["ag"],), comm.rank, key)),)
-            return tuple(A.dev(x) for x in fused_inputs(comm, opts, (key,)))
-        bad = good(12)
-        bad = ((A.dev(np.zeros(opts["ag"], np.float64)),) if isinstance(op, mk.AllGather) else
-               (A.dev(from_bf16_bits(fused_inputs(comm, opts, (12,))[0])), bad[1]))
+            return _paired_inputs(comm, opts, A, op, key)
         if comm.rank == 0:
-            _refused(lambda: op(*bad), [op.name])
+            _refused(lambda: op(*_paired_inputs(comm, opts, A, op, 12, bad=True)), [op.name])
             _refused(lambda: op(*good(13)), [op.name, "refused here"], mk.MkError)
+            out = (ag_out(comm, opts, A) if isinstance(op, mk.AllGather) else
+                   A.poisoned(op.out_shape()))
+            op._call(*good(13), out, None)       # launched past the guard, as a replay is
+            _refused(op.synchronize, [op.name, "ended on this rank"], mk.MkError)
+            _all_nan(A, out, f"{op.name}: a launch after the op ended wrote its output")
         else:
             op(*good(12))
             _refused(op.synchronize, [op.name, "timed out"], mk.MkTimeoutError)
             _refused(lambda: op(*good(13)), [op.name, "timed out"], mk.MkTimeoutError)
+        assert op.frame.closed(), f"{op.name}: rank {comm.rank}'s frame is open after the end"
         comm.barrier()
         op.free()
     say("refused", comm, " ".join(op.name for op in ops))
+
+
+def _paired_ops(comm, opts, check, bound_s):
+    """An AllGather and a GemmReduceScatter on 2+ ranks, every wait bounded at ``bound_s``
+    (one rank: none, said)."""
+    if comm.size < 2:
+        say(check, comm, "one rank: nothing to pair")
+        return []
+    saved, comm.timeout_ns = comm.timeout_ns, int(bound_s * 1e9)
+    try:
+        return [mk.AllGather(comm, (opts["ag"],), "float32")] + fused_ops(comm, opts, ("rs",))
+    finally:
+        comm.timeout_ns = saved
+
+
+def _paired_inputs(comm, opts, A, op, key, bad=False):
+    """The inputs of a call of one of :func:`_paired_ops` (``bad``: of a dtype it refuses)."""
+    if isinstance(op, mk.AllGather):
+        x = (np.zeros(opts["ag"], np.float64) if bad else
+             rand_f32(opts, (opts["ag"],), comm.rank, key))
+        return (A.dev(x),)
+    a, b = fused_inputs(comm, opts, (key,))
+    return A.dev(from_bf16_bits(a) if bad else a), A.dev(b)
 
 
 def _refused(fn, words, error=mk.MkValueError):
@@ -1016,12 +1094,85 @@ def check_wrongdev(comm, opts, A):
     say("wrongdev", comm, f"gpu={here} other={other}")
 
 
+def check_replayed(comm, opts, A, bound_s=2.0):
+    """See the module docstring: replays of a graph captured before the op ended here."""
+    ops = _paired_ops(comm, opts, "replayed", bound_s)
+    if not ops:
+        return
+    g = GraphCapture(A)
+    for op in ops:
+        gather = isinstance(op, mk.AllGather)
+        x = _paired_inputs(comm, opts, A, op, 20)
+        out = ag_out(comm, opts, A) if gather else A.poisoned(op.out_shape())
+        g.warm(lambda: op(*x, out=out, **g.kw))
+        replay = g.capture(lambda: op(*x, out=out, **g.kw))
+        A.poison(out)
+        replay()
+        _synchronize(A)
+        if gather:
+            assert np.array_equal(A.host(out), ag_ref(comm, opts, 20)), "AllGather replay"
+        else:
+            check_close(A.host(out), fused_ref(comm, opts, op, (20,)), f"{op.name} replay")
+        comm.barrier()
+        if comm.rank == 0:
+            bad = _paired_inputs(comm, opts, A, op, 21, bad=True)
+            _refused(lambda: op(*bad, **g.kw), [op.name])
+            A.poison(out)
+            replay()
+            _synchronize(A)
+            _all_nan(A, out, f"{op.name}: a graph replayed after the op ended wrote its output")
+            _refused(op.synchronize, [op.name, "ended on this rank"], mk.MkError)
+        else:
+            op(*_paired_inputs(comm, opts, A, op, 21), **g.kw)
+            _refused(op.synchronize, [op.name, "timed out"], mk.MkTimeoutError)
+        assert op.frame.closed(), f"{op.name}: rank {comm.rank}'s frame is open after the end"
+        comm.barrier()
+        op.free()
+    names = [op.name for op in ops]
+    if A.kind == "torch":                 # a call beside the capture, on every rank
+        torch = A.torch
+        ag = mk.AllGather(comm, (opts["ag"],), "float32")
+        x = A.dev(rand_f32(opts, (opts["ag"],), comm.rank, 22))
+        out, out2 = ag_out(comm, opts, A), ag_out(comm, opts, A)
+        g.warm(lambda: ag(x, out=out))
+        other = torch.cuda.Stream()
+
+        def beside():
+            ag(x, out=out)
+            with torch.cuda.stream(other):
+                _refused(lambda: ag(x, out=out2), ["AllGather", "capture of its calls"])
+        replay = g.capture(beside)
+        A.poison(out)
+        replay()
+        _synchronize(A)
+        _all_nan(A, out, "AllGather: a graph replayed after a call beside its capture wrote")
+        assert ag.frame.closed(), "AllGather's frame is open after a call beside its capture"
+        _refused(lambda: ag(x, out=out), ["AllGather", "refused here"], mk.MkError)
+        comm.barrier()
+        ag.free()
+        names.append("AllGather-beside-capture")
+    say("replayed", comm, " ".join(names))
+
+
+def _synchronize(A):
+    if A.kind == "torch":
+        A.torch.cuda.synchronize()
+    else:
+        cuda.synchronize()
+
+
+def _all_nan(A, out, what):
+    got = A.host(out)
+    assert np.isnan(from_bf16_bits(got) if got.dtype == np.uint16 else got).all(), what
+
+
 CHECKS = dict(inplace=check_inplace, wrap=check_wrap, alternate=check_alternate,
               free=check_free, capture=check_capture, disagree=check_disagree,
               dtypes=check_dtypes, overlap=check_overlap, finalized=check_finalized,
               refused=check_refused, graph=check_graph, cugraph=check_cugraph,
-              streams=check_streams, wrongdev=check_wrongdev)
-GPU_ONLY = ("graph", "cugraph", "streams", "wrongdev")
+              streams=check_streams, wrongdev=check_wrongdev, replayed=check_replayed,
+              closed=check_closed)
+GPU_ONLY = ("graph", "cugraph", "streams", "wrongdev", "replayed")
 
 
 def main():

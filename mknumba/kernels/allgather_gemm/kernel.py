@@ -361,6 +361,8 @@ def make_kernel(build, threads, adaptive=False):
         smem = cuda.shared.array(0, dtype=_BYTE)
         ctx = launch_context(frame, timeout_ns, err, rank)
         epoch, call, deadline = ctx[0], ctx[1], ctx[2]
+        if call == 0:
+            return       # the op has ended on this rank: a graph replayed after it
         blk = cuda.blockIdx.x
         tr = cfg[C_TRACE] != 0
         stamp(tr, trace, T_BLOCK_START, blk)

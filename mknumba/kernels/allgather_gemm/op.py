@@ -9,7 +9,7 @@ from ...errors import ERR_SET, MkError, MkValueError
 from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
 from ...roles.controller import CTL_LOG, CTL_WORDS
 from ...timeline import Timeline, Traced, decision_log, role_of, segments_from_log, spans
-from ..launch import (Frame, OpLifetime, Slot, StreamOrder, outputs_in_capture, pack, param,
+from ..launch import (Frame, OpLifetime, Slot, outputs_in_capture, pack, param,
                       stream_handle)
 from .kernel import CFG_FIELDS, Q_COMM, Q_COMPUTE, QUEUES, TRACE_EVENTS, TRACE_ROWS, build
 from .plan import AllGatherGemmPlan
@@ -57,7 +57,6 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         self._plan_on(comm)
         self._plan(comm, m, n, k, dtype, gathered, comm_sms, collect_sms, part_rows, tile,
                    group_m, trace)
-        self.streams = StreamOrder(self.name)
         self._hot_sizes = (2 * self.m * self.n, 2 * self.shard * self.k, 2 * self.k * self.n)
         self._unshared = set()        # the hot path's address sets seen apart (arrays.unshared)
         self._collected = False

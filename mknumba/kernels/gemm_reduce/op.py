@@ -12,7 +12,7 @@ from ...roles.controller import CTL_WORDS
 from ...timeline import (Timeline, Traced, decision_log, role_of, segments_from_log,
                          spans)
 from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
-from ..launch import (Frame, OpLifetime, Slot, StreamOrder, outputs_in_capture, pack, param,
+from ..launch import (Frame, OpLifetime, Slot, outputs_in_capture, pack, param,
                       stream_handle)
 from .kernel import (CFG_FIELDS, CTL_LOG, Q_COMPUTE, Q_PULL, Q_REDUCE, QUEUES, TRACE_EVENTS,
                      TRACE_ROWS, build)
@@ -53,7 +53,6 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         self._plan_on(comm)
         self._plan(comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, join,
                    deliver, shared_out, fold)
-        self.streams = StreamOrder(self.name)
         self._views = {}      # the shared output as the caller's array type
         self._hot_sizes = (2 * self.out_rows * self.n, 2 * self.m * self.k, 2 * self.k * self.n)
         self._unshared = set()        # the hot path's address sets seen apart (arrays.unshared)

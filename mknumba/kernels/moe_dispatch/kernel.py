@@ -609,6 +609,8 @@ def make_kernel(build, threads, adaptive=False):
         smem = cuda.shared.array(0, dtype=_BYTE)
         ctx = launch_context(frame, timeout_ns, err, rank)
         epoch, deadline = ctx[0], ctx[2]
+        if ctx[1] == 0:
+            return       # the op has ended on this rank: a graph replayed after it
         blk = cuda.blockIdx.x
         pack_end, forward_end = cfg[C_PACK_END], cfg[C_FORWARD_END]
         pull_end = cfg[C_PULL_END]

@@ -12,7 +12,7 @@ from ...errors import ERR_SET, MkError, MkValueError
 from ...roles.controller import CTL_WORDS, QUEUES
 from ...roles.compute import kn_kind
 from ..gemm_inputs import b_map
-from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
+from ..launch import (Frame, Launch, OpLifetime, Slot, compile_kernel,
                       is_capturing, outputs_in_capture, pack, param,
                       stream_handle)
 from ..tensor_maps import MapTable, tensor_map
@@ -65,7 +65,6 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         self._plan_on(comm)
         self._plan(comm, hidden, ffn, experts, top_k, max_tokens, dtype, capacity, w_layout,
                    comm_sms, tile, unit_tokens)
-        self.streams = StreamOrder(self.name)
         self._buffers = []
         self._unshared = {}           # T -> (address sets seen apart, sizes): arrays.unshared
         self._cfgs = {}               # tokens T -> (device cfg, its parameter)

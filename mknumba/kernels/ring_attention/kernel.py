@@ -563,6 +563,8 @@ def make_kernel(tile, adaptive=False):
         then compute (adaptive: the controller's flexible pool, which also pushes this rank's
         slice inside the node, so its send blocks exist only between nodes)."""
         epoch, call = begin(frame)
+        if call == 0:
+            return       # the op has ended on this rank: a graph replayed after it
         deadline = prim.globaltimer() + timeout_ns
         me, world, parts, nodes, n = cfg[C_ME], cfg[C_WORLD], cfg[C_PARTS], cfg[C_NODES], \
             cfg[C_WORDS]

@@ -13,7 +13,7 @@ from ...roles.attention import (HEAD_DIM_MAX, SM90_BUILDS, SM90_HEAD_DIMS, SM90_
                                 SM90_SMEM_BYTES, SM90_THREADS)
 from ...sched.sequence import check_layout, runs
 from ...sched.tiles import arrival_order
-from ..launch import (Frame, Launch, OpLifetime, Slot, StreamOrder, compile_kernel,
+from ..launch import (Frame, Launch, OpLifetime, Slot, compile_kernel,
                       is_capturing, outputs_in_capture, pack, param, stream_handle)
 from ...roles.controller import CTL_LOG, CTL_WORDS, Q_COMM, Q_COMPUTE, QUEUES
 from ...timeline import Timeline, Traced, decision_log, role_of, segments_from_log, spans
@@ -127,7 +127,6 @@ class RingAttention(Traced, OpLifetime):
                                 forward=self.parts if comm_blocks and self.nodes > 1 else 0,
                                 compute=self.compute_blocks)
         self._allocate()
-        self.streams = StreamOrder(self.name)
         kernel = make_kernel(self.tile, self.adaptive)
         compiled, bps = compile_kernel(kernel, self.threads, smem)
         grid = comm_blocks + self.compute_blocks
@@ -313,15 +312,6 @@ class RingAttention(Traced, OpLifetime):
                     stream, q, k, v, k_words, v_words, out, lse,
                     self.user_maps.row(qkv_ptrs, stream))
 
-    def synchronize(self, stream=None):
-        """Wait for this rank's calls (on ``stream``, default the stream of the last call);
-        raise MkTimeoutError if a device wait expired."""
-        if self.comm is not None:
-            self.comm.synchronize(stream if stream is not None else (self.streams.last or 0))
-        elif not SIMULATOR:
-            cuda.synchronize()
-        self._check_error(self.name)
-
     def _counters(self):
         """With the adaptive split, the work queues' tickets."""
         if not self.adaptive:
@@ -382,16 +372,6 @@ class RingAttention(Traced, OpLifetime):
                     controller_log_dropped=sum(max(0, int(ev["ctl_n"][b]) - CTL_LOG)
                                                for b in range(self.grid)))
         return Timeline(me, items, segments, decisions, meta)
-
-    def free(self):
-        """Collective: release the op's symmetric buffers (waits for this rank's calls)."""
-        if self.freed and (self.finalized or not self._buffers):
-            return
-        self.synchronize()
-        for buf in self._buffers:
-            self.comm.free(buf)
-        self._buffers = []
-        self.freed, self._ended = True, None
 
 
 _SINGLE = {}    # one op per shape and GPU, kept (a captured graph may refer to it)
