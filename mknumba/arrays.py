@@ -291,7 +291,7 @@ def _describe(o, x, op, name):
         o.host, o.ptr = x, x.__array_interface__["data"][0]
         o.shape, o.itemsize = tuple(x.shape), x.itemsize
         o._strides = tuple(st // x.itemsize for st in x.strides)
-        o.dtype = x.dtype.name
+        o.dtype = _native_name(x.dtype, op, name)
         return
     o.host = None
     if isinstance(x, np.ndarray):
@@ -312,7 +312,17 @@ def _describe(o, x, op, name):
     o.ptr, o.shape, o.itemsize = cai["data"][0], tuple(cai["shape"]), dt.itemsize
     o._strides = tuple(st // dt.itemsize for st in cai.get("strides") or
                        c_strides(o.shape, dt.itemsize))
-    o.dtype = dt.name
+    o.dtype = _native_name(dt, op, name)
+
+
+def _native_name(dt, op, name):
+    """The dtype's name, for an array in this machine's byte order (the kernels read the bytes
+    as they lie: ``'>f4'`` is named float32 too, and would be read swapped)."""
+    if not dt.isnative:
+        raise MkValueError(f"{op}: {name} has dtype {dt.str} (byte order {dt.byteorder!r}); "
+                           f"{op} reads native byte order: pass x.astype(x.dtype.newbyteorder("
+                           "'='))")
+    return dt.name
 
 
 def c_strides(shape, itemsize):

@@ -27,6 +27,24 @@ class MkPerformanceWarning(RuntimeWarning):
     """The run will work, but a setting will cost time (e.g. the proxy has no core of its own)."""
 
 
+def positive_ints(op, **values):
+    """``values`` (dimensions, block counts, band heights) as ints, each a positive integer; a
+    None passes as it is (an option left to its default). Else MkValueError naming ``op`` and
+    the field: a zero or negative count would otherwise plan a launch that skips its work."""
+    got = {}
+    for key, value in values.items():
+        if value is not None:
+            try:
+                ok = not isinstance(value, str) and int(value) == value and value >= 1
+            except (TypeError, ValueError, OverflowError):
+                ok = False
+            if not ok:
+                raise MkValueError(f"{op}: {key} must be a positive integer, got {value!r}")
+            value = int(value)
+        got[key] = value
+    return got
+
+
 # Role codes carried in error records; names appear in messages.
 ROLE_COMPUTE, ROLE_INTRA, ROLE_SEND, ROLE_RECV, ROLE_CONTROLLER, ROLE_PROXY, ROLE_TEST = range(1, 8)
 ROLE_NAMES = {ROLE_COMPUTE: "compute", ROLE_INTRA: "intra-node comm", ROLE_SEND: "inter-node send",

@@ -29,9 +29,24 @@ _DEFAULT_TIMEOUT_S = 120.0 if SIMULATOR else 30.0  # simulated peers are Python:
 _current = None
 
 
-def default_timeout_ns():
-    """The bound of every device-side wait: ``MKNUMBA_TIMEOUT_S`` or the default, in ns."""
-    return int(float(os.environ.get("MKNUMBA_TIMEOUT_S", _DEFAULT_TIMEOUT_S)) * 1e9)
+#: the longest bound a wait takes (about 115 days): a device deadline is the GPU's clock (ns
+#: since 1970) plus the bound, which must stay inside an int64
+_MAX_TIMEOUT_S = 1e7
+
+
+def default_timeout_ns(timeout_s=None):
+    """The bound of every device-side wait, in ns: ``timeout_s``, else ``MKNUMBA_TIMEOUT_S``,
+    else the default; a finite number of seconds, more than 0 and at most about 115 days."""
+    if timeout_s is None:
+        timeout_s = os.environ.get("MKNUMBA_TIMEOUT_S", _DEFAULT_TIMEOUT_S)
+    try:
+        seconds = float(timeout_s)
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0 < seconds <= _MAX_TIMEOUT_S:
+        raise MkValueError(f"timeout_s (MKNUMBA_TIMEOUT_S) must be a number of seconds in (0, "
+                           f"{_MAX_TIMEOUT_S:g}], got {timeout_s!r}")
+    return int(seconds * 1e9)
 
 
 def _mpi():
@@ -55,11 +70,7 @@ class Comm:
     """
 
     def __init__(self, mpi_comm=None, gpus_per_node=None, timeout_s=None, transport=None):
-        timeout_s = float(timeout_s if timeout_s is not None
-                          else os.environ.get("MKNUMBA_TIMEOUT_S", _DEFAULT_TIMEOUT_S))
-        if not timeout_s > 0:
-            raise MkValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.timeout_ns = int(timeout_s * 1e9)
+        self.timeout_ns = default_timeout_ns(timeout_s)
         MPI = _mpi()
         self.mpi = (mpi_comm or MPI.COMM_WORLD).Dup()
         self.simulator = SIMULATOR

@@ -49,3 +49,34 @@ SCRIPT = textwrap.dedent("""
 
 def test_bf16_helpers_round_trip():
     assert "bf16 helpers ok" in run_python(SCRIPT)
+
+
+def test_operand_refuses_the_other_byte_order():
+    """An array whose dtype is stored in the other byte order ('>u2', '>f4': NumPy names them
+    uint16 and float32 too) would be read with its bytes swapped: refused, naming the op, the
+    argument and the byte order. Checked on a stand-in CUDA array (no GPU needed)."""
+    import pytest
+    from mknumba.arrays import operand
+    from mknumba.errors import MkValueError
+
+    class Cai:
+        def __init__(self, typestr):
+            self.__cuda_array_interface__ = dict(shape=(4, 8), typestr=typestr, strides=None,
+                                                 data=(0x10000, False), version=3)
+    for typestr, dtypes in (("|u1", ("uint8",)), ("<u2", ("uint16",))):
+        assert operand(Cai(typestr), "Op", "x", dtypes=dtypes, align=0).dtype == dtypes[0]
+    for typestr, dtypes in ((">u2", ("uint16",)), (">f4", ("float32",))):
+        with pytest.raises(MkValueError, match=f"Op: x has dtype {typestr} .byte order '>'"):
+            operand(Cai(typestr), "Op", "x", dtypes=dtypes, align=0)
+
+
+def test_positive_ints():
+    """Counts and dimensions: positive integers as ints, None passed through; anything else
+    refused naming the op and the field."""
+    import numpy as np
+    import pytest
+    from mknumba.errors import MkValueError, positive_ints
+    assert positive_ints("Op", a=3, b=np.int64(2), c=4.0, d=None) == dict(a=3, b=2, c=4, d=None)
+    for bad in (0, -1, 1.5, "2", float("inf"), float("nan"), [1]):
+        with pytest.raises(MkValueError, match="Op: a must be a positive integer"):
+            positive_ints("Op", a=bad)

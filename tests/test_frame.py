@@ -14,7 +14,7 @@ from mpi_util import SharedLaunch, run_mpi
 
 SIM_SHAPE = ("m=64", "n=32", "k=8", "gm=32", "gn=32", "gk=8", "ag=24")
 SIM_CHECKS = ("inplace", "wrap", "alternate", "free", "capture", "disagree", "dtypes", "overlap",
-              "finalized", "refused", "closed")
+              "finalized", "refused", "closed", "options")
 
 
 def _passes(out, check, n):

@@ -181,6 +181,16 @@ def test_split_k_option_is_checked():
         assert Gemm(tile=tile, split_k=1).split_k == 1 and Gemm(tile=tile).split_k is None
 
 
+def test_group_m_option_is_checked():
+    """A band height that is not a positive integer is refused when the op is made (a negative
+    one scheduled tiles out of range and skipped others: wrong output, no error)."""
+    from mknumba.kernels.gemm import Gemm
+    for bad in (0, -1, 1.5, "2"):
+        with pytest.raises(MkValueError, match="mknumba.gemm: group_m must be a positive"):
+            Gemm(group_m=bad)
+    assert Gemm(group_m=np.int64(4)).group_m == 4 and Gemm().group_m is None
+
+
 def test_plans_of_one_op_share_its_grid():
     """shared_bps: a Gemm's plans may run kernels that fit different blocks per SM ("auto":
     the tensor-store build or the default one by shape; B's two layouts), but its call

@@ -124,3 +124,20 @@ def test_shared_launch_fails_every_run_when_the_job_fails_after_them(tmp_path):
             ok, out = launch.results[t]
             assert ok == (rc == 0), (last, t, out)
             assert rc == 0 or out.startswith(f"{t}: its run ended, but the shared launch"), out
+
+
+def test_timeout_bound_is_checked(monkeypatch):
+    """The bound of every wait (``mk.init(timeout_s=)``, ``MKNUMBA_TIMEOUT_S``, and the
+    one-GPU ops' reading of it): finite seconds in (0, 1e7]; inf, 0, a non-number or one
+    whose device deadline would overflow are refused by name (inf raised a bare
+    OverflowError)."""
+    from mknumba.runtime import default_timeout_ns
+    assert default_timeout_ns(2.5) == 2_500_000_000
+    for bad in (float("inf"), float("nan"), 0, -1, 1e8, "soon"):
+        with pytest.raises(mk.MkValueError, match="timeout_s .MKNUMBA_TIMEOUT_S. must be"):
+            default_timeout_ns(bad)
+    monkeypatch.setenv("MKNUMBA_TIMEOUT_S", "inf")
+    with pytest.raises(mk.MkValueError, match="got 'inf'"):
+        default_timeout_ns()
+    monkeypatch.setenv("MKNUMBA_TIMEOUT_S", "7")
+    assert default_timeout_ns() == 7_000_000_000

@@ -69,7 +69,8 @@ from .. import primitives as prim
 from .._compat import SIMULATOR
 from ..arrays import (check_device, is_torch, new_output, operand, refuse_overlap, torch_ptr,
                       unshared)
-from ..errors import ERR_SET, ERR_WORDS, ROLE_COMPUTE, MkError, MkValueError, raise_if_timed_out
+from ..errors import (ERR_SET, ERR_WORDS, ROLE_COMPUTE, MkError, MkValueError, positive_ints,
+                      raise_if_timed_out)
 from ..roles import compute
 from ..roles.blocks import begin
 from ..runtime import default_timeout_ns
@@ -605,6 +606,7 @@ class Gemm:
 
     def __init__(self, tile="auto", reserved_sms=0, group_m=None, split_k=None):
         check_tile_name(tile)
+        group_m = positive_ints(self.name, group_m=group_m)["group_m"]
         if split_k is not None and (isinstance(split_k, bool) or not isinstance(
                 split_k, (int, np.integer)) or split_k < 1):
             raise MkValueError(f"{self.name}: split_k must be None (chosen by shape) or an "

@@ -30,7 +30,8 @@ def b_mode(B, b_layout, n, k, op):
     if b_layout == "nk":
         if B.shape != (n, k) or not B.row_major:
             raise MkValueError(f"{op}: b (b_layout='nk') must be a row-major [{n}, {k}] array, "
-                               f"got shape {B.shape}")
+                               f"got shape {tuple(B.shape)} with strides {tuple(B.strides)} "
+                               "(elements)")
         return "nk"
     if B.shape != (k, n):
         raise MkValueError(f"{op}: b must be [{k}, {n}] ([k, n]), got {B.shape}")

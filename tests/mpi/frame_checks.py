@@ -41,6 +41,10 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
              AllGatherGemm, AllGather with x in another rank's row of out), naming both;
              AllGather with x = out[me] gathers in place; a fused op that refused a call
              refuses the next one (MkError).
+  options    a negative or zero group_m (GemmReduceScatter, GemmAllReduce, AllGatherGemm,
+             mk.Gemm), compute_blocks, send_blocks or threads (RingAttention) is refused at
+             plan time, naming the op and the option; an AllGather input in the other byte
+             order ('>f4') is refused at the call.
   closed     every fused op ended on every rank (``_end_calls``) and launched past the host's
              guard, as a graph's replay is: its kernel returns at once (output poisoned, no
              timeout), ``synchronize()`` says the op ended.
@@ -758,6 +762,42 @@ def check_overlap(comm, opts, A):
     say("overlap", comm, "gemm fused AllGatherGemm AllGather(in place)")
 
 
+# ---- options ----------------------------------------------------------------------------------
+def check_options(comm, opts, A):
+    """Counts and band heights that would plan a launch skipping its work (a negative group_m
+    scheduled no tile: no output, no error; compute_blocks=-1 likewise) are refused when the op
+    is planned, naming the op and the option; so is an array in the other byte order (its
+    bytes would be read swapped), at the call."""
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    from mknumba.kernels.gemm_ar import GemmAllReduce
+    from mknumba.kernels.gemm_rs import GemmReduceScatter
+    for make, name, key, value in [
+            (lambda: GemmReduceScatter(comm, m, n, k, group_m=-1), "GemmReduceScatter",
+             "group_m", -1),
+            (lambda: GemmAllReduce(comm, m, n, k, group_m=0), "GemmAllReduce", "group_m", 0),
+            (lambda: mk.AllGatherGemm(comm, m, n, k, group_m=-2), "AllGatherGemm", "group_m",
+             -2),
+            (lambda: mk.RingAttention(comm, 1, 8, 2, 1, 16, compute_blocks=-1),
+             "RingAttention", "compute_blocks", -1),
+            (lambda: mk.RingAttention(comm, 1, 8, 2, 1, 16, send_blocks=0), "RingAttention",
+             "send_blocks", 0),
+            (lambda: mk.RingAttention(comm, 1, 8, 2, 1, 16, threads=1.5), "RingAttention",
+             "threads", 1.5),
+            (lambda: mk.Gemm(group_m=-1), "mknumba.gemm", "group_m", -1)]:
+        _refused(make, [name, f"{key} must be a positive integer, got {value}"])
+    if A.kind != "torch":                  # (a torch tensor has no other byte order)
+        ag = mk.AllGather(comm, (opts["ag"],), "float32")
+        x = rand_f32(opts, (opts["ag"],), comm.rank, 15)
+        try:
+            big = A.dev(x.astype(">f4"))
+        except (NotImplementedError, TypeError, ValueError):
+            big = None                      # numba holds no such array: nothing to refuse
+        if big is not None:
+            _refused(lambda: ag(big), ["AllGather", "x", ">f4", "byte order"])
+        ag.free()
+    say("options", comm, "group_m compute_blocks send_blocks threads byte-order")
+
+
 # ---- closed -----------------------------------------------------------------------------------
 def check_closed(comm, opts, A):
     """Every fused kernel returns at once on a closed call counter (``Frame.close``): on every
@@ -1171,7 +1211,7 @@ CHECKS = dict(inplace=check_inplace, wrap=check_wrap, alternate=check_alternate,
               dtypes=check_dtypes, overlap=check_overlap, finalized=check_finalized,
               refused=check_refused, graph=check_graph, cugraph=check_cugraph,
               streams=check_streams, wrongdev=check_wrongdev, replayed=check_replayed,
-              closed=check_closed)
+              closed=check_closed, options=check_options)
 GPU_ONLY = ("graph", "cugraph", "streams", "wrongdev", "replayed")
 
 

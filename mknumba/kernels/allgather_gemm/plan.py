@@ -6,7 +6,7 @@ Everything here is decided once, when the op is built; a call only binds its arr
 from numba import cuda
 
 from ..._compat import SIMULATOR
-from ...errors import MkValueError
+from ...errors import MkValueError, positive_ints
 from ...sched.tiles import arrival_order, cdiv, default_group_m, gather_order
 from ..gemm import check_shapes, fused_tile
 
@@ -36,10 +36,7 @@ class AllGatherGemmPlan:
                                          part_rows=part_rows))
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
-        for key, value in dict(m=m, n=n, k=k).items():
-            if int(value) != value or value < 1:
-                raise MkValueError(f"{self.name}: {key} must be a positive integer, got {value}")
-        m, n, k = int(m), int(n), int(k)
+        m, n, k, group_m = positive_ints(self.name, m=m, n=n, k=k, group_m=group_m).values()
         W = comm.size
         if m % W:
             raise MkValueError(f"{self.name}: m={m} must be divisible by the world size {W} "

@@ -235,9 +235,9 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         if O.torch != A.torch:
             raise MkValueError(f"{self.name}: out must be a PyTorch tensor exactly when the "
                                "inputs are")
-        if self.solo:         # (mk.Gemm refuses an out over a or b itself)
-            return self._solo_gemm(a, b, out=out, stream=stream)
         refuse_overlap(self.name, (O,), (A, B))
+        if self.solo:
+            return self._solo_gemm(a, b, out=out, stream=stream)
         m, n, k, rows = self.m, self.n, self.k, self.out_rows
         mode = b_mode(B, "kn", n, k, self.name)
         self._run(A.as_param(np.uint16, (m, k)), B.as_param(np.uint16, b_shape(mode, n, k)),

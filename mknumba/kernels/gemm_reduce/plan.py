@@ -5,7 +5,7 @@ Everything here is decided once, when the op is built; a call only binds its arr
 from numba import cuda
 
 from ..._compat import SIMULATOR
-from ...errors import MkValueError
+from ...errors import MkValueError, positive_ints
 from ...sched import split as sm_split
 from ...sched.reduce import ReducePlan
 from ...sched.tiles import cdiv, default_group_m
@@ -26,7 +26,7 @@ class GemmReducePlan:
         """Resolve every option and the role split (sets the attributes the op reads)."""
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
-        m, n, k = int(m), int(n), int(k)
+        m, n, k, group_m = positive_ints(self.name, m=m, n=n, k=k, group_m=group_m).values()
         check_shapes(m, n, k, self.name)
         self.comm, self.m, self.n, self.k = comm, m, n, k
         self.kind, self.build = fused_tile(tile, self.name)

@@ -11,7 +11,7 @@ import numpy as np
 from numba import cuda
 
 from ..._compat import SIMULATOR
-from ...errors import MkValueError
+from ...errors import MkValueError, positive_ints
 from ...sched.tiles import cdiv
 from ..gemm import fused_tile
 from .kernel import CHUNK_ROWS
@@ -50,12 +50,9 @@ class MoeDispatchGemmPlan:
                                    unit_tokens=unit_tokens))
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
-        for key, value in dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k,
-                               max_tokens=max_tokens).items():
-            if int(value) != value or value < 1:
-                raise MkValueError(f"{self.name}: {key} must be a positive integer, got {value}")
-        hidden, ffn, experts = int(hidden), int(ffn), int(experts)
-        top_k, max_tokens = int(top_k), int(max_tokens)
+        hidden, ffn, experts, top_k, max_tokens = positive_ints(
+            self.name, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k,
+            max_tokens=max_tokens).values()
         W = comm.size
         if experts % W:
             raise MkValueError(f"{self.name}: experts={experts} must be divisible by the world "

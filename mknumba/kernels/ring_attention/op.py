@@ -8,7 +8,7 @@ from numba import cuda
 
 from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand, refuse_overlap, torch_ptr, unshared
-from ...errors import ERR_SET, ERR_WORDS, MkError, MkValueError
+from ...errors import ERR_SET, ERR_WORDS, MkError, MkValueError, positive_ints
 from ...roles.attention import (HEAD_DIM_MAX, SM90_BUILDS, SM90_HEAD_DIMS, SM90_ROWS,
                                 SM90_SMEM_BYTES, SM90_THREADS)
 from ...sched.sequence import check_layout, runs
@@ -55,12 +55,12 @@ class RingAttention(Traced, OpLifetime):
         if comm is None:
             self.name = "mknumba.attention"     # what one-GPU callers called
         self._plan_on(comm)
-        dims = dict(batch=batch, seq_local=seq_local, heads=heads, kv_heads=kv_heads,
-                    head_dim=head_dim)
-        for key, value in dims.items():
-            if int(value) != value or value < 1:
-                raise MkValueError(f"{self.name}: {key} must be a positive integer, got {value}")
-        self.batch, self.seq, self.heads, self.kv_heads, self.d = (int(x) for x in dims.values())
+        dims = positive_ints(self.name, batch=batch, seq_local=seq_local, heads=heads,
+                             kv_heads=kv_heads, head_dim=head_dim)
+        self.batch, self.seq, self.heads, self.kv_heads, self.d = dims.values()
+        send_blocks, threads, compute_blocks = positive_ints(
+            self.name, send_blocks=send_blocks, threads=threads,
+            compute_blocks=compute_blocks).values()
         if self.heads % self.kv_heads:
             raise MkValueError(f"{self.name}: heads={heads} must be a multiple of "
                                f"kv_heads={kv_heads}")
@@ -95,6 +95,9 @@ class RingAttention(Traced, OpLifetime):
             None if SIMULATOR else cuda.get_current_device().id)
         self.tile = self._tile_for(tile)
         sm90 = self.tile in SM90_BUILDS
+        # q, k, v and out: the sm90 tile reads them by TMA (16-byte aligned tensor maps), the
+        # SIMT twin 8 bytes at a time
+        self.align = 16 if sm90 else 8
         if sm90:
             if threads is not None:
                 raise MkValueError(f"{self.name}: threads= sets the SIMT twin's rows per block; "
@@ -261,10 +264,10 @@ class RingAttention(Traced, OpLifetime):
                 and is_torch(q)):                               # the hot path: tensors
             b, s, h, hk, d, dev = (self.batch, self.seq, self.heads, self.kv_heads, self.d,
                                    self.device)
-            pq = torch_ptr(q, (b, s, h, d), dev, align=8)
-            pk = pq and torch_ptr(k, (b, s, hk, d), dev, align=8)
-            pv = pk and torch_ptr(v, (b, s, hk, d), dev, align=8)
-            po = pv and torch_ptr(out, (b, s, h, d), dev, align=8)
+            pq = torch_ptr(q, (b, s, h, d), dev, align=self.align)
+            pk = pq and torch_ptr(k, (b, s, hk, d), dev, align=self.align)
+            pv = pk and torch_ptr(v, (b, s, hk, d), dev, align=self.align)
+            po = pv and torch_ptr(out, (b, s, h, d), dev, align=self.align)
             pl = po and torch_ptr(lse, (b, h, s), dev, dtype=sys.modules["torch"].float32, align=4)
             if (pl and unshared(self._unshared, (po, pl, pq, pk, pv), self._hot_sizes, 2)
                     and not self.err[ERR_SET]):
@@ -275,9 +278,9 @@ class RingAttention(Traced, OpLifetime):
     def _call(self, q, k, v, out, lse, stream):
         """A call with every check."""
         b, s, h, hk, d, dev = self.batch, self.seq, self.heads, self.kv_heads, self.d, self.device
-        Q = operand(q, self.name, "q", shape=(b, s, h, d), device_id=dev, align=8)
-        K = operand(k, self.name, "k", shape=(b, s, hk, d), device_id=dev, align=8)
-        V = operand(v, self.name, "v", shape=(b, s, hk, d), device_id=dev, align=8)
+        Q = operand(q, self.name, "q", shape=(b, s, h, d), device_id=dev, align=self.align)
+        K = operand(k, self.name, "k", shape=(b, s, hk, d), device_id=dev, align=self.align)
+        V = operand(v, self.name, "v", shape=(b, s, hk, d), device_id=dev, align=self.align)
         if not Q.torch == K.torch == V.torch:
             raise MkValueError(f"{self.name}: q, k and v must all be PyTorch tensors or all "
                                "device arrays")
@@ -287,7 +290,7 @@ class RingAttention(Traced, OpLifetime):
             out = new_output(q, Q.torch, (b, s, h, d))
         if lse is None:
             lse = new_output(q, Q.torch, (b, h, s), "float32")
-        O = operand(out, self.name, "out", shape=(b, s, h, d), device_id=dev, align=8)
+        O = operand(out, self.name, "out", shape=(b, s, h, d), device_id=dev, align=self.align)
         L_ = operand(lse, self.name, "lse", dtypes=("float32",), shape=(b, h, s),
                      device_id=dev, align=4)
         refuse_overlap(self.name, (O, L_), (Q, K, V))
