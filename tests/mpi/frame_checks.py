@@ -42,9 +42,10 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
              AllGather with x = out[me] gathers in place; a fused op that refused a call
              refuses the next one (MkError).
   options    a negative or zero group_m (GemmReduceScatter, GemmAllReduce, AllGatherGemm,
-             mk.Gemm), compute_blocks, send_blocks or threads (RingAttention) is refused at
-             plan time, naming the op and the option; an AllGather input in the other byte
-             order ('>f4') is refused at the call.
+             mk.Gemm), chunk_bytes (GemmReduceScatter; was clamped to a tile), compute_blocks,
+             send_blocks or threads (RingAttention) is refused at plan time, naming the op and
+             the option; an AllGather input in the other byte order ('>f4') is refused at the
+             call.
   closed     every fused op ended on every rank (``_end_calls``) and launched past the host's
              guard, as a graph's replay is: its kernel returns at once (output poisoned, no
              timeout), ``synchronize()`` says the op ended.
@@ -775,6 +776,8 @@ def check_options(comm, opts, A):
             (lambda: GemmReduceScatter(comm, m, n, k, group_m=-1), "GemmReduceScatter",
              "group_m", -1),
             (lambda: GemmAllReduce(comm, m, n, k, group_m=0), "GemmAllReduce", "group_m", 0),
+            (lambda: GemmReduceScatter(comm, m, n, k, chunk_bytes=-5), "GemmReduceScatter",
+             "chunk_bytes", -5),
             (lambda: mk.AllGatherGemm(comm, m, n, k, group_m=-2), "AllGatherGemm", "group_m",
              -2),
             (lambda: mk.RingAttention(comm, 1, 8, 2, 1, 16, compute_blocks=-1),
@@ -795,7 +798,7 @@ def check_options(comm, opts, A):
         if big is not None:
             _refused(lambda: ag(big), ["AllGather", "x", ">f4", "byte order"])
         ag.free()
-    say("options", comm, "group_m compute_blocks send_blocks threads byte-order")
+    say("options", comm, "group_m chunk_bytes compute_blocks send_blocks threads byte-order")
 
 
 # ---- closed -----------------------------------------------------------------------------------

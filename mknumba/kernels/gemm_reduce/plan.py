@@ -26,7 +26,8 @@ class GemmReducePlan:
         """Resolve every option and the role split (sets the attributes the op reads)."""
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
-        m, n, k, group_m = positive_ints(self.name, m=m, n=n, k=k, group_m=group_m).values()
+        m, n, k, group_m, chunk_bytes = positive_ints(
+            self.name, m=m, n=n, k=k, group_m=group_m, chunk_bytes=chunk_bytes).values()
         check_shapes(m, n, k, self.name)
         self.comm, self.m, self.n, self.k = comm, m, n, k
         self.kind, self.build = fused_tile(tile, self.name)
