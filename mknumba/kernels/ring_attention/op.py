@@ -95,8 +95,8 @@ class RingAttention(Traced, OpLifetime):
             None if SIMULATOR else cuda.get_current_device().id)
         self.tile = self._tile_for(tile)
         sm90 = self.tile in SM90_BUILDS
-        # q, k, v and out: the sm90 tile reads them by TMA (16-byte aligned tensor maps), the
-        # SIMT twin 8 bytes at a time
+        # q, k, v: the sm90 tile reads them by TMA (16-byte aligned tensor maps), the SIMT twin
+        # 8 bytes at a time; out asks 8 bytes in both builds (no TMA map on it)
         self.align = 16 if sm90 else 8
         if sm90:
             if threads is not None:
@@ -267,7 +267,7 @@ class RingAttention(Traced, OpLifetime):
             pq = torch_ptr(q, (b, s, h, d), dev, align=self.align)
             pk = pq and torch_ptr(k, (b, s, hk, d), dev, align=self.align)
             pv = pk and torch_ptr(v, (b, s, hk, d), dev, align=self.align)
-            po = pv and torch_ptr(out, (b, s, h, d), dev, align=self.align)
+            po = pv and torch_ptr(out, (b, s, h, d), dev, align=8)
             pl = po and torch_ptr(lse, (b, h, s), dev, dtype=sys.modules["torch"].float32, align=4)
             if (pl and unshared(self._unshared, (po, pl, pq, pk, pv), self._hot_sizes, 2)
                     and not self.err[ERR_SET]):
@@ -290,7 +290,7 @@ class RingAttention(Traced, OpLifetime):
             out = new_output(q, Q.torch, (b, s, h, d))
         if lse is None:
             lse = new_output(q, Q.torch, (b, h, s), "float32")
-        O = operand(out, self.name, "out", shape=(b, s, h, d), device_id=dev, align=self.align)
+        O = operand(out, self.name, "out", shape=(b, s, h, d), device_id=dev, align=8)
         L_ = operand(lse, self.name, "lse", dtypes=("float32",), shape=(b, h, s),
                      device_id=dev, align=4)
         refuse_overlap(self.name, (O, L_), (Q, K, V))
