@@ -41,7 +41,7 @@ from numba import cuda, types
 from .. import primitives as prim
 from .._compat import SIMULATOR
 from ..arrays import BF16, is_torch, operand, refuse_overlap, torch_ptr, unshared
-from ..errors import ERR_SET, ROLE_RECV, MkError, MkValueError
+from ..errors import ERR_SET, ROLE_RECV, MkError, MkValueError, positive_ints
 from ..roles.blocks import begin, copy_tile, publish, wait
 from ..roles.send import enqueue_rail
 from .launch import (Frame, Launch, OpLifetime, Slot, array_type,
@@ -208,11 +208,9 @@ class AllGather(OpLifetime):
         defaults = dict(tile=(64, (1 << 20) // self.word.itemsize if self.remote else 8192),
                         threads=(16, 512), send_blocks=(2, 32), recv_blocks=(2, 32),
                         forward_blocks=(1, 16))
-        for name, value in given.items():
-            value = int(defaults[name][0 if SIMULATOR else 1] if value is None else value)
-            if value < 1:
-                raise MkValueError(f"AllGather: {name} must be >= 1, got {value}")
-            setattr(self, name, value)
+        for name, value in positive_ints("AllGather", **given).items():
+            setattr(self, name, defaults[name][0 if SIMULATOR else 1] if value is None
+                    else value)
         tiles = -(-self.words // self.tile)
         if not fwd:
             self.forward_blocks = 0

@@ -44,7 +44,9 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
   options    a negative or zero group_m (GemmReduceScatter, GemmAllReduce, AllGatherGemm,
              mk.Gemm), chunk_bytes (GemmReduceScatter; was clamped to a tile), compute_blocks,
              send_blocks or threads (RingAttention) is refused at plan time, naming the op and
-             the option; an AllGather input in the other byte order ('>f4') is refused at the
+             the option; so are a fractional or zero part_rows, comm_sms, collect_sms
+             (AllGatherGemm), send_blocks (AllGather), unit_tokens and a negative capacity
+             (MoeDispatchGemm), which were truncated or clamped; an AllGather input in the other byte order ('>f4') is refused at the
              call.
   closed     every fused op ended on every rank (``_end_calls``) and launched past the host's
              guard, as a graph's replay is: its kernel returns at once (output poisoned, no
@@ -786,6 +788,18 @@ def check_options(comm, opts, A):
              "send_blocks", 0),
             (lambda: mk.RingAttention(comm, 1, 8, 2, 1, 16, threads=1.5), "RingAttention",
              "threads", 1.5),
+            (lambda: mk.AllGatherGemm(comm, m, n, k, part_rows=2.5), "AllGatherGemm",
+             "part_rows", 2.5),
+            (lambda: mk.AllGatherGemm(comm, m, n, k, comm_sms=1.5), "AllGatherGemm",
+             "comm_sms", 1.5),
+            (lambda: mk.AllGatherGemm(comm, m, n, k, gathered=True, collect_sms=0),
+             "AllGatherGemm", "collect_sms", 0),
+            (lambda: mk.AllGather(comm, (opts["ag"],), "float32", send_blocks=0.5),
+             "AllGather", "send_blocks", 0.5),
+            (lambda: mk.MoeDispatchGemm(comm, 64, 64, 2 * comm.size, 1, 8, unit_tokens=1.5),
+             "MoeDispatchGemm", "unit_tokens", 1.5),
+            (lambda: mk.MoeDispatchGemm(comm, 64, 64, 2 * comm.size, 1, 8, capacity=-3),
+             "MoeDispatchGemm", "capacity", -3),
             (lambda: mk.Gemm(group_m=-1), "mknumba.gemm", "group_m", -1)]:
         _refused(make, [name, f"{key} must be a positive integer, got {value}"])
     if A.kind != "torch":                  # (a torch tensor has no other byte order)
@@ -798,7 +812,8 @@ def check_options(comm, opts, A):
         if big is not None:
             _refused(lambda: ag(big), ["AllGather", "x", ">f4", "byte order"])
         ag.free()
-    say("options", comm, "group_m chunk_bytes compute_blocks send_blocks threads byte-order")
+    say("options", comm, "group_m chunk_bytes compute_blocks send_blocks threads part_rows "
+        "comm_sms collect_sms unit_tokens capacity byte-order")
 
 
 # ---- closed -----------------------------------------------------------------------------------

@@ -298,7 +298,7 @@ def check_bad(comm, opts, A):
     _refused(lambda: mk.MoeDispatchGemm(comm, H + 2, F, E, 1, 4),
              [name, f"hidden={H + 2}", "multiples of 8"])
     _refused(lambda: mk.MoeDispatchGemm(comm, H, F, E, 1, 4, unit_tokens=0),
-             [name, "unit_tokens=0"])
+             [name, "unit_tokens must be a positive integer, got 0"])
     comm.barrier()
     say("bad", comm, "x topk_idx w out topk_weights experts top_k (expert ids: badid)")
 

@@ -54,9 +54,7 @@ class AllGatherGemmPlan:
             part_rows = self.bm
             if nodes > 1:
                 part_rows = max(self.bm, NETWORK_PART_BYTES // (2 * k) // self.bm * self.bm)
-        part_rows = int(part_rows)
-        if part_rows < 1:
-            raise MkValueError(f"{self.name}: part_rows={part_rows} must be >= 1")
+        part_rows = positive_ints(self.name, part_rows=part_rows)["part_rows"]
         self.part_rows = min(part_rows, self.shard)
         self.parts = cdiv(self.shard, self.part_rows)
         self.gathered = bool(gathered)
@@ -81,7 +79,7 @@ class AllGatherGemmPlan:
         self.adaptive = comm_sms == "adaptive"
         if comm_sms is None or self.adaptive:
             comm_sms = (2 if forward else 1) if SIMULATOR else DEFAULT_COMM_SMS
-        comm_sms = int(comm_sms)
+        comm_sms = positive_ints(self.name, comm_sms=comm_sms)["comm_sms"]
         need = 2 if forward else 1
         if comm_sms < need:
             raise MkValueError(f"{self.name}: comm_sms={comm_sms} must be at least {need} for "
@@ -93,10 +91,9 @@ class AllGatherGemmPlan:
             send = self._adaptive(comm_sms - fwd, send, G, nodes)
         collect = 0
         if self.gathered:
-            collect = int(collect_sms if collect_sms is not None else
-                          1 if SIMULATOR else DEFAULT_COLLECT_SMS)
-            if collect < 1:
-                raise MkValueError(f"{self.name}: collect_sms={collect} must be >= 1")
+            collect = positive_ints(self.name, collect_sms=collect_sms)["collect_sms"]
+            if collect is None:
+                collect = 1 if SIMULATOR else DEFAULT_COLLECT_SMS
             collect = min(collect, self.world * self.parts)
         elif collect_sms is not None:
             raise MkValueError(f"{self.name}: collect_sms is for an op planned with "

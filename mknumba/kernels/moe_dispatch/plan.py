@@ -68,16 +68,14 @@ class MoeDispatchGemmPlan:
         worst = W * max_tokens * top_k
         if capacity is None:
             capacity = worst
-        if int(capacity) != capacity or capacity < 1:
-            raise MkValueError(f"{self.name}: capacity must be a positive integer, got "
-                               f"{capacity}")
+        capacity = positive_ints(self.name, capacity=capacity)["capacity"]
         self.comm, self.hidden, self.ffn, self.experts = comm, hidden, ffn, experts
         self.top_k, self.max_tokens, self.world = top_k, max_tokens, W
         self.local_experts = experts // W
         self.w_layout = w_layout
         #: rows this rank can receive in one call (out's rows); every token of every rank to
         #: this rank's experts by default
-        self.capacity = min(int(capacity), worst)
+        self.capacity = min(capacity, worst)
         self.kind, self.build = fused_tile(tile, self.name)
         self.bm, self.bn = self.build.shape
         self.topology = f"{comm.nodes}x{comm.local_size}"
@@ -91,9 +89,8 @@ class MoeDispatchGemmPlan:
         unit = UNIT_TOKENS
         if self.nodes > 1:
             unit = max(unit, NETWORK_CHUNK_BYTES // (2 * hidden) // unit * unit)
-        self.unit = int(min(unit, max_tokens) if unit_tokens is None else unit_tokens)
-        if self.unit < 1:
-            raise MkValueError(f"{self.name}: unit_tokens={unit_tokens} must be >= 1")
+        unit_tokens = positive_ints(self.name, unit_tokens=unit_tokens)["unit_tokens"]
+        self.unit = min(unit, max_tokens) if unit_tokens is None else unit_tokens
         self.units = cdiv(max_tokens, self.unit)
         # tiles in the order they are taken: tile rows in receive-buffer order (expert by
         # expert), every column of a row before the next row
