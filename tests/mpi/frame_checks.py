@@ -916,15 +916,18 @@ def check_refused(comm, opts, A, bound_s=2.0):
 
 def _paired_ops(comm, opts, check, bound_s):
     """An AllGather and a GemmReduceScatter on 2+ ranks, every wait bounded at ``bound_s``
-    (one rank: none, said)."""
+    (one rank: none, said). The ranks leave together: planning compiles, and a rank still
+    compiling would outlast the bound of a peer's first call."""
     if comm.size < 2:
         say(check, comm, "one rank: nothing to pair")
         return []
     saved, comm.timeout_ns = comm.timeout_ns, int(bound_s * 1e9)
     try:
-        return [mk.AllGather(comm, (opts["ag"],), "float32")] + fused_ops(comm, opts, ("rs",))
+        ops = [mk.AllGather(comm, (opts["ag"],), "float32")] + fused_ops(comm, opts, ("rs",))
     finally:
         comm.timeout_ns = saved
+    comm.barrier()
+    return ops
 
 
 def _paired_inputs(comm, opts, A, op, key, bad=False):
