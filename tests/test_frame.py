@@ -14,7 +14,7 @@ from mpi_util import SharedLaunch, run_mpi
 
 SIM_SHAPE = ("m=64", "n=32", "k=8", "gm=32", "gn=32", "gk=8", "ag=24")
 SIM_CHECKS = ("inplace", "wrap", "alternate", "free", "capture", "disagree", "dtypes", "overlap",
-              "finalized", "refused", "closed", "options")
+              "finalized", "refused", "closed", "options", "planned")
 
 
 def _passes(out, check, n):
@@ -35,7 +35,8 @@ def test_sim_1x2_frame_checks(request):
     updated in place between calls (b row-major and as a column-major view), the wrap of the
     call counter and epoch after ``_start_at(2**32 - 3)``, ops called in turn, free, calls that
     would allocate inside a capture, ranks that disagree, the bf16 spellings, outputs over
-    inputs refused, ops of a finalized Comm, a call one rank refuses and the others launch."""
+    inputs refused, ops of a finalized Comm, a call one rank refuses and the others launch,
+    ranks that leave planning together (one compiling late, or failing)."""
     out = TWO.output(request)
     for check in SIM_CHECKS:
         _passes(out, check, 2)

@@ -240,7 +240,8 @@ class AllGather(OpLifetime):
         if self.word not in _KERNELS:
             _KERNELS[self.word] = make_kernel(self.word)
         kernel = _KERNELS[self.word]
-        compiled, _ = compile_kernel(kernel, self.threads, 0)
+        with self._planning_ends(group):
+            compiled, _ = compile_kernel(kernel, self.threads, 0)
         self.launch = Launch(kernel, compiled, dict(
             shard=Slot((self.words,)), out=Slot((self.members * self.words,)),
             stage=self.stage.local, stage_ptrs=self.stage.ptrs, flags=self.flags.local,

@@ -31,6 +31,7 @@ it starts (``roles.blocks.begin``) and derives them from it. So a launch has no 
 changes from call to call, and a captured CUDA graph replays correctly: each replay is a new
 call with a new epoch. The host never needs to know the epoch.
 """
+import contextlib
 import ctypes
 import os
 import threading
@@ -621,6 +622,31 @@ class OpLifetime:
         self.streams = StreamOrder(self.name, refused=lambda why: me()._end_calls(why))
         if comm is not None:
             comm.adopt(self)
+
+    @contextlib.contextmanager
+    def _planning_ends(self, group=None):
+        """Plan time, last: ``with`` around what follows the plan's last collective step (the
+        kernel's compile and link). Every member leaves it together, so no member's first call
+        starts its bounded waits while another is still compiling (on a loaded host a link
+        takes minutes, and those waits would time out); and a member that raises in it makes
+        every member raise, instead of leaving them to wait for it. ``group``: the op's
+        members (an mpi4py communicator; default the Comm's world)."""
+        failed = None
+        try:
+            yield
+        except Exception as e:      # noqa: BLE001 (raised again below, on this rank too)
+            failed = e
+        group = group if group is not None else getattr(self.comm, "mpi", None)
+        if group is not None and group.Get_size() > 1:
+            said = group.allgather(None if failed is None else f"{type(failed).__name__}: "
+                                                               f"{failed}")
+            others = [(r, why) for r, why in enumerate(said) if why is not None]
+            if failed is None and others:
+                r, why = others[0]
+                raise MkError(f"{self.name}: rank {r} of its members failed to plan it ({why}); "
+                              "it takes no calls here either")
+        if failed is not None:
+            raise failed
 
     def _check_live(self):
         """MkError if the op takes no more calls: after :meth:`free`, its Comm's finalize, or

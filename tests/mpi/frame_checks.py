@@ -58,6 +58,10 @@ Checks (each prints ``PASS <check> rank <r> ...`` on every rank; any failure exi
              (AllGather, GemmReduceScatter; waits bounded at 2 s); a launch past the host's
              guard (``op._call``, as a graph's replay is) then writes nothing on rank 0, and
              every rank's frame ends closed.
+  planned    (2+ ranks) the ranks leave planning together: rank 1 compiles late (twice the
+             2 s bound of the waits) and the first calls of AllGather and GemmReduceScatter,
+             made at once, pair and are checked; rank 1's compile fails while planning each
+             op: every other rank raises MkError naming rank 1 (no op left to wait for it).
 GPU only (arrays=torch unless said):
   graph      torch.cuda.graph capture of mk.Gemm (every rank) and, with 2 or more ranks, of
              both fused ops: one capture, ``calls`` replays (default 100), each after fresh data
@@ -817,26 +821,41 @@ def check_options(comm, opts, A):
 
 
 # ---- closed -----------------------------------------------------------------------------------
+def op_makers(comm, opts):
+    """{op name: a function that plans it on ``comm``}, for every op of several ranks (the
+    fused GEMMs at the checks' m, n, k; small RingAttention and MoE shapes)."""
+    from mknumba.kernels.gemm_ar import GemmAllReduce
+    from mknumba.kernels.gemm_rs import GemmReduceScatter
+    m, n, k, W = opts["m"], opts["n"], opts["k"], comm.size
+    return {"AllGather": lambda: mk.AllGather(comm, (opts["ag"],), "float32"),
+            "GemmReduceScatter": lambda: GemmReduceScatter(comm, m, n, k),
+            "GemmAllReduce": lambda: GemmAllReduce(comm, m, n, k),
+            "AllGatherGemm": lambda: mk.AllGatherGemm(comm, m, n, k),
+            "RingAttention": lambda: mk.RingAttention(comm, 1, 8, 2, 1, 16),
+            "MoeDispatchGemm": lambda: mk.MoeDispatchGemm(comm, 32, 32, 2 * W, 2, 4)}
+
+
 def check_closed(comm, opts, A):
     """Every fused kernel returns at once on a closed call counter (``Frame.close``): on every
     rank each op is ended (``_end_calls``), then launched past the host's guard (its inner
     call, as a CUDA graph's replay launches): its output stays poisoned, no flag of the op
     moves on any rank and no wait times out; ``synchronize()`` says the op ended."""
     m, n, k, W = opts["m"], opts["n"], opts["k"], comm.size
+    make = op_makers(comm, opts)
     a, b = (A.dev(x) for x in fused_inputs(comm, opts, (14,)))
     cases = [(op, lambda op, out: op._call(a, b, out, None), op.out_shape())
              for op in fused_ops(comm, opts)]
-    ag = mk.AllGather(comm, (opts["ag"],), "float32")
+    ag = make["AllGather"]()
     x = A.dev(rand_f32(opts, (opts["ag"],), comm.rank, 14))
     cases.append((ag, lambda op, out: op._call(x, out, None), None))
-    agg = mk.AllGatherGemm(comm, m, n, k)
+    agg = make["AllGatherGemm"]()
     shard = A.dev(rand_bits(opts, (m // W, k), comm.rank, 14, 2))
     cases.append((agg, lambda op, out: op._call(shard, b, out, None, None), (m, n)))
-    ring = mk.RingAttention(comm, 1, 8, 2, 1, 16)
+    ring = make["RingAttention"]()
     q, kv = (A.dev(rand_bits(opts, shape, comm.rank, 14, i))
              for i, shape in ((3, (1, 8, 2, 16)), (4, (1, 8, 1, 16))))
     cases.append((ring, lambda op, out: op._call(q, kv, kv, out, None, None), (1, 8, 2, 16)))
-    moe = mk.MoeDispatchGemm(comm, 32, 32, 2 * W, 2, 4)
+    moe = make["MoeDispatchGemm"]()
     tokens = A.dev(rand_bits(opts, (4, 32), comm.rank, 14, 5))
     topk = A.dev(np.array([[0, 1], [1, 2], [2, 3], [3, 0]], np.int32) % (2 * W))
     w = A.dev(rand_bits(opts, (2, 32, 32), comm.rank, 14, 6))
@@ -914,20 +933,93 @@ def check_refused(comm, opts, A, bound_s=2.0):
     say("refused", comm, " ".join(op.name for op in ops))
 
 
-def _paired_ops(comm, opts, check, bound_s):
+def _paired_ops(comm, opts, check, bound_s, hook=None):
     """An AllGather and a GemmReduceScatter on 2+ ranks, every wait bounded at ``bound_s``
-    (one rank: none, said). The ranks leave together: planning compiles, and a rank still
-    compiling would outlast the bound of a peer's first call."""
+    (one rank: none, said). ``hook``: run by every compile of theirs (:func:`compiling`)."""
     if comm.size < 2:
         say(check, comm, "one rank: nothing to pair")
         return []
+    return [_bounded(comm, bound_s, make, hook) for make in _paired_makers(comm, opts)]
+
+
+def _paired_makers(comm, opts):
+    make = op_makers(comm, opts)
+    return [make["AllGather"]] + ([make["GemmReduceScatter"]] if opts["fused"] else [])
+
+
+def _bounded(comm, bound_s, make, hook=None):
+    """``make()`` with every wait of the op bounded at ``bound_s``, ``hook()`` in its compiles."""
     saved, comm.timeout_ns = comm.timeout_ns, int(bound_s * 1e9)
     try:
-        ops = [mk.AllGather(comm, (opts["ag"],), "float32")] + fused_ops(comm, opts, ("rs",))
+        with compiling(hook):
+            return make()
     finally:
         comm.timeout_ns = saved
-    comm.barrier()
-    return ops
+
+
+@contextlib.contextmanager
+def compiling(hook):
+    """Every op's kernel compile runs ``hook()`` first (None: nothing), through each op
+    module's name for ``kernels.launch.compile_kernel``."""
+    from mknumba.kernels import launch
+    real = launch.compile_kernel
+    if hook is None:
+        yield
+        return
+
+    def hooked(*args, **kw):
+        hook()
+        return real(*args, **kw)
+    users = [mod for name, mod in list(sys.modules.items())
+             if name.startswith("mknumba.") and getattr(mod, "compile_kernel", None) is real]
+    for mod in users:
+        mod.compile_kernel = hooked
+    try:
+        yield
+    finally:
+        for mod in users:
+            mod.compile_kernel = real
+
+
+def check_planned(comm, opts, A, bound_s=2.0):
+    """The ranks leave planning together (``OpLifetime._planning_ends``). Rank 1 compiles
+    ``2 * bound_s`` late, and each op's first call, straight after planning with every wait
+    bounded at ``bound_s``, still pairs (AllGather, GemmReduceScatter; checked). Then rank 1's
+    compile raises while planning each of the six ops: rank 1 raises that error, every other
+    rank an MkError naming the op, rank 1 and the error, instead of planning an op whose calls
+    would wait for rank 1."""
+    if comm.size < 2:
+        say("planned", comm, "one rank: nothing to pair")
+        return
+    late = (lambda: time.sleep(2 * bound_s)) if comm.rank == 1 else None
+    names = []
+    for i, make in enumerate(_paired_makers(comm, opts)):
+        op = _bounded(comm, bound_s, make, late)
+        x = _paired_inputs(comm, opts, A, op, 40 + i)
+        gather = isinstance(op, mk.AllGather)
+        out = ag_out(comm, opts, A) if gather else A.poisoned(op.out_shape())
+        op(*x, out=out)
+        op.synchronize()
+        if gather:
+            assert np.array_equal(A.host(out), ag_ref(comm, opts, 40 + i)), "AllGather (late)"
+        else:
+            check_close(A.host(out), fused_ref(comm, opts, op, (40 + i,)), f"{op.name} (late)")
+        names.append(op.name + "-late")
+        op.free()
+
+    def broken():
+        raise RuntimeError("a compile that failed (the check's)")
+    for name, make in op_makers(comm, opts).items():
+        if name == "AllGather" and comm.local_size < 2:
+            continue             # scope "node": rank 1 is not among rank 0's members
+        if comm.rank == 1:
+            _refused(lambda: _bounded(comm, bound_s, make, broken), ["the check's"],
+                     RuntimeError)
+        else:
+            _refused(lambda: _bounded(comm, bound_s, make, lambda: None),
+                     [name, "rank 1", "failed to plan", "the check's"], mk.MkError)
+        names.append(name + "-failed")
+    say("planned", comm, " ".join(names))
 
 
 def _paired_inputs(comm, opts, A, op, key, bad=False):
@@ -1230,7 +1322,8 @@ def _all_nan(A, out, what):
 CHECKS = dict(inplace=check_inplace, wrap=check_wrap, alternate=check_alternate,
               free=check_free, capture=check_capture, disagree=check_disagree,
               dtypes=check_dtypes, overlap=check_overlap, finalized=check_finalized,
-              refused=check_refused, graph=check_graph, cugraph=check_cugraph,
+              refused=check_refused, planned=check_planned, graph=check_graph,
+              cugraph=check_cugraph,
               streams=check_streams, wrongdev=check_wrongdev, replayed=check_replayed,
               closed=check_closed, options=check_options)
 GPU_ONLY = ("graph", "cugraph", "streams", "wrongdev", "replayed")

@@ -127,9 +127,10 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
             ring=ring, head=head, tail=tail, frame=self.frame.words,
             timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, trace=self._trace,
             queue=self.queue, ctl=self.ctl)
-        self.launches = LayoutLaunches(    # planned for b [k, n]
-            lambda kind: build(kind, ad), self.kind, values, "b",
-            {False: (n, k), True: (k, n)}, self.grid, True, self.name)
+        with self._planning_ends():
+            self.launches = LayoutLaunches(    # planned for b [k, n]
+                lambda kind: build(kind, ad), self.kind, values, "b",
+                {False: (n, k), True: (k, n)}, self.grid, True, self.name)
 
     # -- calls ------------------------------------------------------------------------------------
     def out_shape(self):

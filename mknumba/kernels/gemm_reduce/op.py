@@ -162,9 +162,10 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
             cfg=Slot((len(CFG_FIELDS),)), **tables, **net,
             frame=self.frame.words, timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank,
             trace=self._trace, queue=self.queue, ctl=self.ctl)
-        self.launches = LayoutLaunches(      # planned for b [k, n], as in a @ b
-            lambda kind: build(kind, self.adaptive), self.kind, values, "b",
-            {False: (n, self.k), True: (self.k, n)}, self.grid, True, self.name)
+        with self._planning_ends():
+            self.launches = LayoutLaunches(      # planned for b [k, n], as in a @ b
+                lambda kind: build(kind, self.adaptive), self.kind, values, "b",
+                {False: (n, self.k), True: (self.k, n)}, self.grid, True, self.name)
 
     # -- calls ------------------------------------------------------------------------------------
     def out_shape(self):

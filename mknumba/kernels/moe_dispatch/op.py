@@ -126,9 +126,10 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
         self._no_weights = cuda.to_device(np.zeros(1, np.float32))      # never read
         self._no_weights_ptr = param(self._no_weights)   # bound by every call that has none
-        compiled, bps = compile_kernel(self._kernel, self.threads, self.build.smem_bytes)
-        if bps < 1:
-            raise MkError(f"{self.name}: the kernel does not fit on an SM")
+        with self._planning_ends():
+            compiled, bps = compile_kernel(self._kernel, self.threads, self.build.smem_bytes)
+            if bps < 1:
+                raise MkError(f"{self.name}: the kernel does not fit on an SM")
         meta = self.meta.local
         cap = self.capacity
         self.launch = Launch(self._kernel, compiled, dict(

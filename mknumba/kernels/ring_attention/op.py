@@ -131,7 +131,8 @@ class RingAttention(Traced, OpLifetime):
                                 compute=self.compute_blocks)
         self._allocate()
         kernel = make_kernel(self.tile, self.adaptive)
-        compiled, bps = compile_kernel(kernel, self.threads, smem)
+        with self._planning_ends():
+            compiled, bps = compile_kernel(kernel, self.threads, smem)
         grid = comm_blocks + self.compute_blocks
         self.frame = Frame(grid)
         if not SIMULATOR and (self.parts or sm90) and grid > bps * sms:
