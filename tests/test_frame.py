@@ -129,6 +129,17 @@ def test_gpu_1x2_two_streams():
 
 
 @pytest.mark.gpu
+def test_gpu_1x2_streams_dropped_after_a_call():
+    """Calls on numba streams the caller drops at once: the next call on another stream,
+    synchronize(), free() and the Comm's finalize after them (mk.Gemm, both fused ops,
+    AllGather; each result checked)."""
+    out = run_mpi("frame_checks.py", 2, "dropped", *GPU_SHAPE, "arrays=numba",
+                  simulator=False, env=GPU_ENV)
+    _passes(out, "dropped", 2)
+    assert out.count("ops=4") == 2, out[-4000:]
+
+
+@pytest.mark.gpu
 def test_gpu_array_on_wrong_gpu():
     torch = pytest.importorskip("torch")
     if torch.cuda.device_count() < 2:

@@ -48,8 +48,8 @@ from ..errors import MkError, MkValueError, raise_if_timed_out
 from ..primitives import FRAME_CLOSED, FRAME_WORDS, epoch_of_host
 
 __all__ = ["array_type", "params", "signature", "compile_kernel", "pack", "Slot", "param",
-           "Launch", "Frame", "stream_handle", "StreamOrder", "is_capturing", "outputs_in_capture",
-           "OpLifetime", "set_graph_launch", "graph_launch"]
+           "Launch", "Frame", "StreamHandle", "stream_handle", "StreamOrder", "is_capturing",
+           "outputs_in_capture", "OpLifetime", "set_graph_launch", "graph_launch"]
 
 
 def array_type(dtype, ndim):
@@ -426,6 +426,7 @@ class Frame:
     def __init__(self, grid):
         self.grid = int(grid)
         self.words = cuda.to_device(np.zeros(FRAME_WORDS, np.uint64))
+        self.shut = False         # close() took effect (then a second close does nothing)
 
     def read(self):
         """``(calls mod 2**32, epoch)`` of the last call that started (waits for the device)."""
@@ -444,9 +445,14 @@ class Frame:
         ``stream``: the stream of the op's last call, behind which the close is queued, and
         waited for (the earlier calls end or time out within the bound); None, or a stream
         that is capturing a graph (which must not take it): a stream of its own. The wait is
-        allowed during another stream's capture (this thread's capture mode relaxed)."""
+        allowed during another stream's capture (this thread's capture mode relaxed). Once
+        closed, a second close returns at once: it would only wait on ``stream`` again, which
+        may be gone by then (a Comm's finalize closes the frames of ops already freed)."""
+        if self.shut:
+            return
         if SIMULATOR:
             self.words.copy_to_device(self.words.copy_to_host() | FRAME_CLOSED)
+            self.shut = True
             return
         from cuda.bindings import driver as drv
         ok = drv.CUresult.CUDA_SUCCESS
@@ -471,6 +477,7 @@ class Frame:
             drv.cuThreadExchangeStreamCaptureMode(mode)
         if err != ok:
             raise MkError(f"could not close an op's call counter: {err}")
+        self.shut = True
 
     def set(self, calls, epoch=None):
         """Pretend ``calls`` calls have run (tests start near the wrap); ``epoch``, if given,
@@ -478,6 +485,7 @@ class Frame:
         if epoch is not None and epoch != epoch_of_host(calls):
             raise MkValueError(f"call {calls} has epoch {epoch_of_host(calls)}, not {epoch}")
         counter_at(self.words, [self.grid], calls)
+        self.shut = False         # the counter as those calls left it: open
 
     def start_at(self, calls, flags=(), comm=None):
         """Set the op's state as if ``calls`` calls had run: the counter (:meth:`set`) and
@@ -503,10 +511,21 @@ def counter_at(counter, per_call, calls):
 
 
 # ---- streams ------------------------------------------------------------------------------------
+class StreamHandle(int):
+    """A raw stream handle that keeps the stream object it came from alive (``stream``). An op
+    keeps the stream of its last call (:class:`StreamOrder`) and uses it after the call: to
+    order a call on another stream behind it, in ``synchronize()``, to close its call counter.
+    By then the caller may have dropped the object, and a numba or CuPy stream is destroyed
+    with it: its handle would name freed driver state."""
+
+
 def stream_handle(stream, torch_device=None):
     """The raw handle (int) of ``stream``: None (with torch tensors, PyTorch's current stream on
     ``torch_device``; else the legacy default stream, 0), an int, a numba stream, a CuPy stream
-    (``.ptr``) or a PyTorch stream (``.cuda_stream``)."""
+    (``.ptr``) or a PyTorch stream (``.cuda_stream``). A stream object's handle holds the
+    object (:class:`StreamHandle`). A raw handle (an int, or a PyTorch external stream made
+    current) must stay valid until the op's next call on another stream, its
+    ``synchronize()`` and ``free()``; PyTorch's own streams are never destroyed."""
     if SIMULATOR:
         return 0
     if stream is None:
@@ -515,12 +534,21 @@ def stream_handle(stream, torch_device=None):
         return _torch_current_stream(torch_device)
     if isinstance(stream, int):
         return stream
+    handle = None
     for attr in ("cuda_stream", "ptr"):
         if hasattr(stream, attr):
-            return int(getattr(stream, attr))
-    handle = getattr(stream, "handle", None)
+            handle = int(getattr(stream, attr))
+            break
+    else:
+        handle = getattr(stream, "handle", None)
+        if handle is not None:
+            handle = int(getattr(handle, "value", handle) or 0)
     if handle is not None:
-        return int(getattr(handle, "value", handle) or 0)
+        if not handle:
+            return 0                 # the legacy default stream: nothing to keep alive
+        held = StreamHandle(handle)
+        held.stream = stream
+        return held
     raise MkValueError(f"stream: expected a CUDA stream (numba, CuPy, PyTorch) or a raw handle, "
                        f"got {type(stream).__name__}")
 

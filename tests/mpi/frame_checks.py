@@ -73,6 +73,8 @@ GPU only (arrays=torch unless said):
              calls between them.
   streams    each op called alternately on two torch streams, back to back: right results.
   wrongdev   (2 GPUs) an array on another GPU than the op's is refused with MkValueError.
+  dropped    (arrays=numba) calls on numba streams dropped at once (destroyed): the next call
+             on another stream, synchronize() and free() after them, every result checked.
   replayed   (2+ ranks; arrays=torch or numba) a CUDA graph of an AllGather's and a
              GemmReduceScatter's call, captured on every rank and replayed once (checked);
              then rank 0 refuses a call the others launch, and replays the graph: the replay
@@ -1215,6 +1217,52 @@ def check_streams(comm, opts, A, calls=8):
     say("streams", comm, f"ops={len(cases) + 1} calls={calls} max_rel_err={worst:.2e}")
 
 
+def check_dropped(comm, opts, A):
+    """Calls on numba streams that the caller drops at once (destroyed once collected and
+    numba's pending deallocations run): each op's next call on another stream is ordered
+    behind the dropped one, then ``synchronize()`` waits on it, then ``free()`` (mk.Gemm, the
+    fused ops, AllGather; numba arrays), every result checked. The op holds the stream of
+    its last call (``launch.StreamHandle``): a destroyed stream's handle names freed driver
+    state (a Comm's finalize crashed on one in ``replayed``)."""
+    import gc
+
+    def drop_streams():
+        gc.collect()
+        cuda.current_context().deallocations.clear()
+    cases = gemm_and_fused_cases(comm, opts)
+    shape = (opts["ag"],)
+    ag = mk.AllGather(comm, shape, "float32")
+    worst = 0.0
+    for ci, (name, op, ashape, bshape, oshape, ref_of) in enumerate(cases + [
+            ("AllGather", ag, None, None, None, None)]):
+        outs = []
+        for i, on in enumerate(("dropped", None, "dropped", "dropped")):
+            key = (12, ci, i)
+            if op is ag:
+                args = (A.dev(rand_f32(opts, shape, comm.rank, *key)),)
+                out = ag_out(comm, opts, A)
+            else:
+                args = (A.dev(rand_bits(opts, ashape, comm.rank, *key, 0)),
+                        A.dev(rand_bits(opts, bshape, comm.rank, *key, 1)))
+                out = A.poisoned(oshape)
+            op(*args, out=out, stream=cuda.stream() if on else None)
+            outs.append((key, out))
+            drop_streams()
+            if i == 2 and op is not cases[0][1]:
+                op.synchronize()          # waits on the dropped stream
+        cuda.synchronize()
+        for key, out in outs:
+            if op is ag:
+                same_bits(A.host(out), ag_ref(comm, opts, *key), f"AllGather call {key[2]}")
+            else:
+                worst = max(worst, check_close(A.host(out), ref_of(key),
+                                               f"{name} call {key[2]}"))
+        if op is not cases[0][1]:
+            comm.barrier()
+            op.free()                     # after a call on a dropped stream
+    say("dropped", comm, f"ops={len(cases) + 1} max_rel_err={worst:.2e}")
+
+
 def check_wrongdev(comm, opts, A):
     """An array on another GPU than the op's: MkValueError naming both GPUs."""
     torch = _torch()
@@ -1323,10 +1371,10 @@ CHECKS = dict(inplace=check_inplace, wrap=check_wrap, alternate=check_alternate,
               free=check_free, capture=check_capture, disagree=check_disagree,
               dtypes=check_dtypes, overlap=check_overlap, finalized=check_finalized,
               refused=check_refused, planned=check_planned, graph=check_graph,
-              cugraph=check_cugraph,
+              cugraph=check_cugraph, dropped=check_dropped,
               streams=check_streams, wrongdev=check_wrongdev, replayed=check_replayed,
               closed=check_closed, options=check_options)
-GPU_ONLY = ("graph", "cugraph", "streams", "wrongdev", "replayed")
+GPU_ONLY = ("graph", "cugraph", "streams", "wrongdev", "replayed", "dropped")
 
 
 def main():
@@ -1347,7 +1395,8 @@ def main():
         if not SIMULATOR and _torch() is not None:
             _torch().cuda.set_device(comm.device_id)
         for name in names:
-            A = Arrays("torch" if name in ("graph", "streams", "wrongdev") else arrays)
+            A = Arrays("torch" if name in ("graph", "streams", "wrongdev") else
+                       "numba" if name == "dropped" else arrays)
             t0 = time.perf_counter()
             CHECKS[name](comm, opts, A)
             print(f"time {name} rank {comm.rank} {time.perf_counter() - t0:.1f}s", flush=True)
