@@ -273,6 +273,11 @@ class Comm:
         self._check_open()
         self._ops.add(op)
 
+    def disown(self, op):
+        """An op whose planning failed (``OpLifetime._planning_ends``): nothing of it is left
+        for :meth:`finalize` to tend (its buffers are the Comm's until then)."""
+        self._ops.discard(op)
+
     def finalize(self):
         """Collective: stop the proxy, free every symmetric buffer, release the communicators."""
         global _current

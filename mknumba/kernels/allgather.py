@@ -233,25 +233,25 @@ class AllGather(OpLifetime):
             ring, head, tail = (cuda.mapped_array(12, np.uint32), cuda.to_device(z32),
                                 cuda.mapped_array(1, np.uint32))
             rail = np.zeros(1, np.int32)
-        self.err = comm.new_error_record()
-        grid = self.send_blocks + self.forward_blocks + self.recv_blocks
-        self.frame = Frame(grid)
-        self._torch_dtype = None
-        if self.word not in _KERNELS:
-            _KERNELS[self.word] = make_kernel(self.word)
-        kernel = _KERNELS[self.word]
         with self._planning_ends(group):
+            self.err = comm.new_error_record()
+            grid = self.send_blocks + self.forward_blocks + self.recv_blocks
+            self.frame = Frame(grid)
+            self._torch_dtype = None
+            if self.word not in _KERNELS:
+                _KERNELS[self.word] = make_kernel(self.word)
+            kernel = _KERNELS[self.word]
             compiled, _ = compile_kernel(kernel, self.threads, 0)
-        self.launch = Launch(kernel, compiled, dict(
-            shard=Slot((self.words,)), out=Slot((self.members * self.words,)),
-            stage=self.stage.local, stage_ptrs=self.stage.ptrs, flags=self.flags.local,
-            flag_ptrs=self.flags.ptrs, rail=cuda.to_device(rail), ring=ring, head=head,
-            tail=tail, frame=self.frame.words, me=self.me, members=self.members,
-            local=comm.local_rank, g=comm.local_size,
-            n_rail=len(comm.rail_peers) if self.remote else 0, tile=self.tile,
-            wbytes=self.word.itemsize, n_send=self.send_blocks, n_fwd=self.forward_blocks,
-            win_stage=wins[0], win_flags=wins[1], timeout_ns=comm.timeout_ns, err=self.err,
-            rank=comm.rank), grid, self.threads, 0)
+            self.launch = Launch(kernel, compiled, dict(
+                shard=Slot((self.words,)), out=Slot((self.members * self.words,)),
+                stage=self.stage.local, stage_ptrs=self.stage.ptrs, flags=self.flags.local,
+                flag_ptrs=self.flags.ptrs, rail=cuda.to_device(rail), ring=ring, head=head,
+                tail=tail, frame=self.frame.words, me=self.me, members=self.members,
+                local=comm.local_rank, g=comm.local_size,
+                n_rail=len(comm.rail_peers) if self.remote else 0, tile=self.tile,
+                wbytes=self.word.itemsize, n_send=self.send_blocks, n_fwd=self.forward_blocks,
+                win_stage=wins[0], win_flags=wins[1], timeout_ns=comm.timeout_ns, err=self.err,
+                rank=comm.rank), grid, self.threads, 0)
 
     def __call__(self, x, out=None, stream=None):
         """x: [*shape] on this rank's GPU -> out: [members, *shape] (same kind and dtype).

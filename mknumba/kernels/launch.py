@@ -275,8 +275,8 @@ class Launch:
             # graph's node is refreshed only by a call that repeats the last one's
             m = mode[0]
             use = graph if m == _ALWAYS or (m == _STABLE and not changed) else 0
-            err = launch(fn, grid, threads, smem, stream, extra, use, node, node_params,
-                         not self._synced)
+            err = launch(fn, grid, threads, smem, int(stream), extra, use, node, node_params,
+                         not self._synced)    # int: a StreamHandle would slow the dispatch
             if err > 0:
                 _launch_failed(err)
             if err == 0 and use:          # launched through the graph, now in step
@@ -646,6 +646,7 @@ class OpLifetime:
         no more calls (also after a call this rank could not launch: ``_ended``). Its calls
         keep one order across streams (``streams``)."""
         self.comm, self.freed, self.finalized, self._ended = comm, False, False, None
+        self.frame = None        # set once planned (a plan that raises before leaves none)
         me = weakref.ref(self)           # (no cycle: a dropped op is freed at once)
         self.streams = StreamOrder(self.name, refused=lambda why: me()._end_calls(why))
         if comm is not None:
@@ -653,27 +654,33 @@ class OpLifetime:
 
     @contextlib.contextmanager
     def _planning_ends(self, group=None):
-        """Plan time, last: ``with`` around what follows the plan's last collective step (the
-        kernel's compile and link). Every member leaves it together, so no member's first call
-        starts its bounded waits while another is still compiling (on a loaded host a link
-        takes minutes, and those waits would time out); and a member that raises in it makes
-        every member raise, instead of leaving them to wait for it. ``group``: the op's
-        members (an mpi4py communicator; default the Comm's world)."""
+        """Plan time, last: ``with`` around everything after the plan's last collective step
+        (the kernel's compile and link among it). Every member leaves it together, so no
+        member's first call starts its bounded waits while another is still compiling (on a
+        loaded host a link takes minutes, and those waits would time out); and a member that
+        raises in it makes every member raise, instead of leaving them to wait for it. An op
+        whose planning failed takes no calls and leaves its Comm (whose finalize would
+        otherwise tend it). ``group``: the op's members (an mpi4py communicator; default the
+        Comm's world)."""
         failed = None
         try:
             yield
-        except Exception as e:      # noqa: BLE001 (raised again below, on this rank too)
+        except BaseException as e:    # noqa: BLE001 (raised again below, on this rank too)
             failed = e
         group = group if group is not None else getattr(self.comm, "mpi", None)
+        why = None if failed is None else f"{type(failed).__name__}: {failed}"
         if group is not None and group.Get_size() > 1:
-            said = group.allgather(None if failed is None else f"{type(failed).__name__}: "
-                                                               f"{failed}")
-            others = [(r, why) for r, why in enumerate(said) if why is not None]
+            said = group.allgather(why)
+            others = [(r, w) for r, w in enumerate(said) if w is not None]
             if failed is None and others:
-                r, why = others[0]
-                raise MkError(f"{self.name}: rank {r} of its members failed to plan it ({why}); "
-                              "it takes no calls here either")
+                r, w = others[0]
+                failed = MkError(f"{self.name}: rank {r} of its members failed to plan it ({w}); "
+                                 "it takes no calls here either")
+                why = f"rank {r}'s planning failed"
         if failed is not None:
+            self.freed, self._ended = True, f"its planning failed ({why})"
+            if self.comm is not None:
+                self.comm.disown(self)
             raise failed
 
     def _check_live(self):

@@ -90,44 +90,44 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
             ring, head, tail = (cuda.mapped_array(12, np.uint32), cuda.to_device(z32),
                                 cuda.mapped_array(1, np.uint32))
             rail = cuda.to_device(np.zeros(1, np.int32))
-        rb, ad = self.role_blocks, self.adaptive
-        start = self.role_starts()
-        cfg = dict(m=m, n=n, k=k, shard=self.shard, rows=self.part_rows, parts=P,
-                   me=comm.rank, local=comm.local_rank, g=comm.local_size, nodes=comm.nodes,
-                   world=W, tiles_n=self.tiles_n, send_end=start["forward"],
-                   forward_end=start["forward"] + rb["forward"],
-                   compute_start=start["compute"],
-                   compute_end=start["compute"] + rb["compute"],
-                   collect_start=start["collect"],
-                   collect_end=start["collect"] + rb["collect"], win_gathered=wins[0],
-                   win_flags=wins[1], trace=self.tracing,
-                   nstage=self.nstage if ad else 0, ncomm=self.ncomm if ad else 0,
-                   init_comm=self.init_comm)
-        # a call that fills the caller's gathered A (collect) or not
-        self._cfg = {c: cuda.to_device(pack(CFG_FIELDS, **cfg, collect=c)) for c in (0, 1)}
-        self._cfg_ptr = {c: param(x) for c, x in self._cfg.items()}
-        self._no_gathered = cuda.to_device(np.zeros(1, np.uint64))    # never read
-        self._no_gathered_ptr = param(self._no_gathered)   # bound by every call that has none
-        items = max(self.grid, P * max(1, len(comm.rail_peers) if comm.nodes > 1 else 1),
-                    W * P, len(self.order)) if self.tracing else 1
-        self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
-        # the adaptive split's work queues and the controller's measurements (they grow across
-        # calls: roles.controller; the static build never reads them)
-        self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
-        self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
-        local = self.gathered_buf.local
-        values = dict(
-            a=Slot((self.shard * k // 4,)), tmaps=Slot((TensorMaps.ROW,)),
-            tmaps_odd=Slot((TensorMaps.ROW,)),
-            gathered=local.view(np.uint16).reshape(2, m, k), gathered_words=local,
-            gathered_ptrs=self.gathered_buf.ptrs, flags=self.flags.local,
-            flag_ptrs=self.flags.ptrs, out=Slot((m, n)), gathered_out=Slot((m * k // 4,)),
-            tile_flags=self.tile_flags, cfg=Slot((len(CFG_FIELDS),)),
-            order=cuda.to_device(self.order), shards=cuda.to_device(self.arrival), rail=rail,
-            ring=ring, head=head, tail=tail, frame=self.frame.words,
-            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, trace=self._trace,
-            queue=self.queue, ctl=self.ctl)
         with self._planning_ends():
+            rb, ad = self.role_blocks, self.adaptive
+            start = self.role_starts()
+            cfg = dict(m=m, n=n, k=k, shard=self.shard, rows=self.part_rows, parts=P,
+                       me=comm.rank, local=comm.local_rank, g=comm.local_size, nodes=comm.nodes,
+                       world=W, tiles_n=self.tiles_n, send_end=start["forward"],
+                       forward_end=start["forward"] + rb["forward"],
+                       compute_start=start["compute"],
+                       compute_end=start["compute"] + rb["compute"],
+                       collect_start=start["collect"],
+                       collect_end=start["collect"] + rb["collect"], win_gathered=wins[0],
+                       win_flags=wins[1], trace=self.tracing,
+                       nstage=self.nstage if ad else 0, ncomm=self.ncomm if ad else 0,
+                       init_comm=self.init_comm)
+            # a call that fills the caller's gathered A (collect) or not
+            self._cfg = {c: cuda.to_device(pack(CFG_FIELDS, **cfg, collect=c)) for c in (0, 1)}
+            self._cfg_ptr = {c: param(x) for c, x in self._cfg.items()}
+            self._no_gathered = cuda.to_device(np.zeros(1, np.uint64))    # never read
+            self._no_gathered_ptr = param(self._no_gathered)   # bound by every call that has none
+            items = max(self.grid, P * max(1, len(comm.rail_peers) if comm.nodes > 1 else 1),
+                        W * P, len(self.order)) if self.tracing else 1
+            self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
+            # the adaptive split's work queues and the controller's measurements (they grow across
+            # calls: roles.controller; the static build never reads them)
+            self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
+            self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
+            local = self.gathered_buf.local
+            values = dict(
+                a=Slot((self.shard * k // 4,)), tmaps=Slot((TensorMaps.ROW,)),
+                tmaps_odd=Slot((TensorMaps.ROW,)),
+                gathered=local.view(np.uint16).reshape(2, m, k), gathered_words=local,
+                gathered_ptrs=self.gathered_buf.ptrs, flags=self.flags.local,
+                flag_ptrs=self.flags.ptrs, out=Slot((m, n)), gathered_out=Slot((m * k // 4,)),
+                tile_flags=self.tile_flags, cfg=Slot((len(CFG_FIELDS),)),
+                order=cuda.to_device(self.order), shards=cuda.to_device(self.arrival), rail=rail,
+                ring=ring, head=head, tail=tail, frame=self.frame.words,
+                timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, trace=self._trace,
+                queue=self.queue, ctl=self.ctl)
             self.launches = LayoutLaunches(    # planned for b [k, n]
                 lambda kind: build(kind, ad), self.kind, values, "b",
                 {False: (n, k), True: (k, n)}, self.grid, True, self.name)

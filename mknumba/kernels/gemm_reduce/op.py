@@ -118,51 +118,51 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
             dev = [cuda.to_device(z64), cuda.to_device(z64)] + [cuda.to_device(z32) for _ in range(4)]
             ring, head, tail = (cuda.mapped_array(12, np.uint32), cuda.to_device(z32),
                                 cuda.mapped_array(1, np.uint32))
-        rb = self.role_blocks
-        reduce_end = rb["compute"] + rb["reduce"]
-        send_end = reduce_end + rb["send"]
-        recv_end = send_end + rb["recv"]
-        cfg = dict(m=self.m, n=self.n, tiles_n=plan.tiles_n, me=comm.local_rank, g=G,
-                   nodes=nodes, out_row0=0 if self.allreduce else comm.rank * self.out_rows,
-                   compute=rb["compute"], reduce_end=reduce_end, send_end=send_end,
-                   recv_end=recv_end, allreduce=self.allreduce, stage_slots=stage_slots,
-                   recv_slots=recv_slots, nfinal=plan.n_final, recv_chunks=plan.recv_chunks,
-                   chunk=plan.chunk_tiles_max, ncmds=plan.n_cmds, win_stage=wins[0],
-                   win_recv=wins[1], win_arrive=wins[2], nred=len(plan.red_tiles),
-                   npull=len(plan.pull_tiles), words=self.planes * self.words,  # per slot
-                   trace=self.tracing, join=self.join, deliver=self.deliver,
-                   direct=self.direct, fold=self.fold, adaptive=self.adaptive,
-                   flex_pull=self.flex_pull, init_comm=rb["reduce"])
-        # calls into the shared output need no copy at the end (out_shared)
-        self._cfg = {into: cuda.to_device(pack(CFG_FIELDS, **cfg,
-                                                   out_shared=into and self.direct))
-                     for into in (False, True)}
-        self._cfg_ptr = {into: param(c) for into, c in self._cfg.items()}
-        self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
-        # the controller's measurements: they grow across calls (roles.controller)
-        self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
-        items = max(self.grid, len(plan.red_tiles), plan.n_cmds, plan.n_final,
-                    len(plan.pull_tiles), len(plan.order)) if self.tracing else 1
-        self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
-        tables = {name: cuda.to_device(nonempty(np.ascontiguousarray(getattr(plan, name))))
-                  for name in ("order", "owner_of_row", "red_tiles", "red_slots", "red_chunks",
-                               "chunk_tiles", "cmds", "final_tiles", "final_slots",
-                               "pull_tiles")}
-        net = dict(zip(("stage", "recv", "arrive", "red_flags", "chunk_count", "chunk_ready"),
-                       dev), ring=ring, head=head, tail=tail)
-        m, n, rows = self.m, self.n, self.out_rows
-        values = dict(
-            a=Slot((m, self.k)), tmaps=Slot((TensorMaps.ROW,)),
-            part_c=self.part.local.view(np.uint16).reshape(2, self.planes, m, n),
-            part=self.part.local, part_ptrs=self.part.ptrs,
-            tile_flags=self.tile_flags.local, tile_flag_ptrs=self.tile_flags.ptrs,
-            final_flags=self.final_flags.local, final_flag_ptrs=self.final_flags.ptrs,
-            out=Slot((rows * n // 4,)), out_c=Slot((rows, n)),
-            out_ptrs=(self.shared or self.part).ptrs,      # read only when direct
-            cfg=Slot((len(CFG_FIELDS),)), **tables, **net,
-            frame=self.frame.words, timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank,
-            trace=self._trace, queue=self.queue, ctl=self.ctl)
         with self._planning_ends():
+            rb = self.role_blocks
+            reduce_end = rb["compute"] + rb["reduce"]
+            send_end = reduce_end + rb["send"]
+            recv_end = send_end + rb["recv"]
+            cfg = dict(m=self.m, n=self.n, tiles_n=plan.tiles_n, me=comm.local_rank, g=G,
+                       nodes=nodes, out_row0=0 if self.allreduce else comm.rank * self.out_rows,
+                       compute=rb["compute"], reduce_end=reduce_end, send_end=send_end,
+                       recv_end=recv_end, allreduce=self.allreduce, stage_slots=stage_slots,
+                       recv_slots=recv_slots, nfinal=plan.n_final, recv_chunks=plan.recv_chunks,
+                       chunk=plan.chunk_tiles_max, ncmds=plan.n_cmds, win_stage=wins[0],
+                       win_recv=wins[1], win_arrive=wins[2], nred=len(plan.red_tiles),
+                       npull=len(plan.pull_tiles), words=self.planes * self.words,  # per slot
+                       trace=self.tracing, join=self.join, deliver=self.deliver,
+                       direct=self.direct, fold=self.fold, adaptive=self.adaptive,
+                       flex_pull=self.flex_pull, init_comm=rb["reduce"])
+            # calls into the shared output need no copy at the end (out_shared)
+            self._cfg = {into: cuda.to_device(pack(CFG_FIELDS, **cfg,
+                                                       out_shared=into and self.direct))
+                         for into in (False, True)}
+            self._cfg_ptr = {into: param(c) for into, c in self._cfg.items()}
+            self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
+            # the controller's measurements: they grow across calls (roles.controller)
+            self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
+            items = max(self.grid, len(plan.red_tiles), plan.n_cmds, plan.n_final,
+                        len(plan.pull_tiles), len(plan.order)) if self.tracing else 1
+            self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
+            tables = {name: cuda.to_device(nonempty(np.ascontiguousarray(getattr(plan, name))))
+                      for name in ("order", "owner_of_row", "red_tiles", "red_slots", "red_chunks",
+                                   "chunk_tiles", "cmds", "final_tiles", "final_slots",
+                                   "pull_tiles")}
+            net = dict(zip(("stage", "recv", "arrive", "red_flags", "chunk_count", "chunk_ready"),
+                           dev), ring=ring, head=head, tail=tail)
+            m, n, rows = self.m, self.n, self.out_rows
+            values = dict(
+                a=Slot((m, self.k)), tmaps=Slot((TensorMaps.ROW,)),
+                part_c=self.part.local.view(np.uint16).reshape(2, self.planes, m, n),
+                part=self.part.local, part_ptrs=self.part.ptrs,
+                tile_flags=self.tile_flags.local, tile_flag_ptrs=self.tile_flags.ptrs,
+                final_flags=self.final_flags.local, final_flag_ptrs=self.final_flags.ptrs,
+                out=Slot((rows * n // 4,)), out_c=Slot((rows, n)),
+                out_ptrs=(self.shared or self.part).ptrs,      # read only when direct
+                cfg=Slot((len(CFG_FIELDS),)), **tables, **net,
+                frame=self.frame.words, timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank,
+                trace=self._trace, queue=self.queue, ctl=self.ctl)
             self.launches = LayoutLaunches(      # planned for b [k, n], as in a @ b
                 lambda kind: build(kind, self.adaptive), self.kind, values, "b",
                 {False: (n, self.k), True: (self.k, n)}, self.grid, True, self.name)

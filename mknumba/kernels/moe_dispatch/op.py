@@ -110,45 +110,46 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                                 cuda.to_device(np.zeros(1, np.uint32)),
                                 cuda.mapped_array(1, np.uint32))
             rail = np.zeros(1, np.int32)
-        rb = self.role_blocks
-        self._cfg = dict(k=K, hidden=H, ffn=F, el=El, experts=self.experts, world=W,
-                         me=comm.rank, max_tokens=maxt, unit=self.unit, units=self.units,
-                         cap=self.capacity, tiles_m=self.tiles_m, tiles_n=self.tiles_n,
-                         bm=self.bm, pack_end=1 + rb["pack"],
-                         forward_end=1 + rb["pack"] + rb["forward"],
-                         pull_end=1 + rb["pack"] + rb["forward"] + rb["pull"], nodes=nodes,
-                         node=comm.node, g=comm.local_size, local=comm.local_rank, mw=mw,
-                         win_xbuf=wins[0], win_meta=wins[1], win_flags=wins[2],
-                         chunks=self.chunks if self.adaptive else 0, init_comm=self.init_comm)
-        # the adaptive split's work queues and the controller's measurements (they grow across
-        # calls: roles.controller; the static build never reads them)
-        self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
-        self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
-        self._no_weights = cuda.to_device(np.zeros(1, np.float32))      # never read
-        self._no_weights_ptr = param(self._no_weights)   # bound by every call that has none
         with self._planning_ends():
+            rb = self.role_blocks
+            self._cfg = dict(k=K, hidden=H, ffn=F, el=El, experts=self.experts, world=W,
+                             me=comm.rank, max_tokens=maxt, unit=self.unit, units=self.units,
+                             cap=self.capacity, tiles_m=self.tiles_m, tiles_n=self.tiles_n,
+                             bm=self.bm, pack_end=1 + rb["pack"],
+                             forward_end=1 + rb["pack"] + rb["forward"],
+                             pull_end=1 + rb["pack"] + rb["forward"] + rb["pull"], nodes=nodes,
+                             node=comm.node, g=comm.local_size, local=comm.local_rank, mw=mw,
+                             win_xbuf=wins[0], win_meta=wins[1], win_flags=wins[2],
+                             chunks=self.chunks if self.adaptive else 0, init_comm=self.init_comm)
+            # the adaptive split's work queues and the controller's measurements (they grow across
+            # calls: roles.controller; the static build never reads them)
+            self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
+            self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
+            self._no_weights = cuda.to_device(np.zeros(1, np.float32))      # never read
+            self._no_weights_ptr = param(self._no_weights)   # bound by every call that has none
             compiled, bps = compile_kernel(self._kernel, self.threads, self.build.smem_bytes)
             if bps < 1:
                 raise MkError(f"{self.name}: the kernel does not fit on an SM")
-        meta = self.meta.local
-        cap = self.capacity
-        self.launch = Launch(self._kernel, compiled, dict(
-            x=Slot((maxt * H // 4,)), topk=Slot((maxt * K,)), weights=Slot((maxt * K,)),
-            wt=Slot((El, H, F) if self.w_kn else (El, F, H)), tmtable=Slot((El, 32)), recv=self.recv,
-            recv_words=self.recv.reshape(self.recv_rows * H).view(np.uint64),
-            xbuf=self.xbuf.local, xbuf_ptrs=self.xbuf.ptrs, meta=meta,
-            meta_f=meta.view(np.float32), meta_ptrs=self.meta.ptrs, table=self.table.local,
-            table_ptrs=self.table.ptrs, flags=self.flags.local, flag_ptrs=self.flags.ptrs,
-            hist=cuda.to_device(np.zeros(3 * self.experts + 1, np.int32)),
-            lay=cuda.to_device(np.zeros(lay_words(El, W, self.tiles_m), np.int32)),
-            lflags=self.lflags, tile_flags=self.tile_flags, out=Slot((cap, F)),
-            counts=Slot((El,)), offsets=Slot((El + 1,)), rows_out=Slot((cap, 3)),
-            weights_out=Slot((cap,)), cfg=Slot((len(CFG_FIELDS),)),
-            order=cuda.to_device(self.order), rail=cuda.to_device(rail), ring=ring, head=head,
-            tail=tail, frame=self.frame.words,
-            timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, queue=self.queue,
-            ctl=self.ctl),
-            self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
+            meta = self.meta.local
+            cap = self.capacity
+            self.launch = Launch(self._kernel, compiled, dict(
+                x=Slot((maxt * H // 4,)), topk=Slot((maxt * K,)), weights=Slot((maxt * K,)),
+                wt=Slot((El, H, F) if self.w_kn else (El, F, H)), tmtable=Slot((El, 32)),
+                recv=self.recv,
+                recv_words=self.recv.reshape(self.recv_rows * H).view(np.uint64),
+                xbuf=self.xbuf.local, xbuf_ptrs=self.xbuf.ptrs, meta=meta,
+                meta_f=meta.view(np.float32), meta_ptrs=self.meta.ptrs, table=self.table.local,
+                table_ptrs=self.table.ptrs, flags=self.flags.local, flag_ptrs=self.flags.ptrs,
+                hist=cuda.to_device(np.zeros(3 * self.experts + 1, np.int32)),
+                lay=cuda.to_device(np.zeros(lay_words(El, W, self.tiles_m), np.int32)),
+                lflags=self.lflags, tile_flags=self.tile_flags, out=Slot((cap, F)),
+                counts=Slot((El,)), offsets=Slot((El + 1,)), rows_out=Slot((cap, 3)),
+                weights_out=Slot((cap,)), cfg=Slot((len(CFG_FIELDS),)),
+                order=cuda.to_device(self.order), rail=cuda.to_device(rail), ring=ring, head=head,
+                tail=tail, frame=self.frame.words,
+                timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, queue=self.queue,
+                ctl=self.ctl),
+                self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
 
     # -- calls ------------------------------------------------------------------------------------
     def out_shape(self):

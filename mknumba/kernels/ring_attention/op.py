@@ -130,37 +130,37 @@ class RingAttention(Traced, OpLifetime):
                                 forward=self.parts if comm_blocks and self.nodes > 1 else 0,
                                 compute=self.compute_blocks)
         self._allocate()
-        kernel = make_kernel(self.tile, self.adaptive)
         with self._planning_ends():
+            kernel = make_kernel(self.tile, self.adaptive)
             compiled, bps = compile_kernel(kernel, self.threads, smem)
-        grid = comm_blocks + self.compute_blocks
-        self.frame = Frame(grid)
-        if not SIMULATOR and (self.parts or sm90) and grid > bps * sms:
-            raise MkValueError(f"{self.name}: {grid} blocks are more than fit on the GPU at "
-                               f"once ({bps} per SM)")
-        cfg = pack(CFG_FIELDS, batch=self.batch, seq=self.seq, heads=self.heads,
-                   kv_heads=self.kv_heads, d=self.d, me=self.me, world=self.world,
-                   parts=self.parts, causal=self.causal, zigzag=layout == "zigzag",
-                   local=self.local, g=self.g, nodes=self.nodes, words=self.words,
-                   win_kv=self._wins[0], win_arrive=self._wins[1], pool=comm_blocks,
-                   ncomm=self.ncomm, init_comm=self.init_comm, trace=self.tracing)
-        self.grid = grid
-        # the adaptive split's work queues, the controller's measurements (they grow across
-        # calls: roles.controller) and the trace rows (the static build never reads them)
-        items = max(grid, tiles, self.parts) if self.tracing else 1
-        self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
-        self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
-        self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
-        b, s, h, hk, d = self.batch, self.seq, self.heads, self.kv_heads, self.d
-        self.launch = Launch(kernel, compiled, dict(
-            q=Slot((b, s, h, d)), k=Slot((b, s, hk, d)), v=Slot((b, s, hk, d)),
-            out=Slot((b, s, h, d)), lse=Slot((b, h, s)), k_words=Slot((self.words,)),
-            v_words=Slot((self.words,)), **self._device_args,
-            order=cuda.to_device(self.order()), **self._tile_args(),
-            frame=self.frame.words, cfg=cuda.to_device(cfg), scale=np.float32(self.scale),
-            timeout_ns=self.timeout_ns, err=self.err, rank=self.me, queue=self.queue,
-            ctl=self.ctl, trace=self._trace), grid,
-            self.threads, smem)
+            grid = comm_blocks + self.compute_blocks
+            self.frame = Frame(grid)
+            if not SIMULATOR and (self.parts or sm90) and grid > bps * sms:
+                raise MkValueError(f"{self.name}: {grid} blocks are more than fit on the GPU at "
+                                   f"once ({bps} per SM)")
+            cfg = pack(CFG_FIELDS, batch=self.batch, seq=self.seq, heads=self.heads,
+                       kv_heads=self.kv_heads, d=self.d, me=self.me, world=self.world,
+                       parts=self.parts, causal=self.causal, zigzag=layout == "zigzag",
+                       local=self.local, g=self.g, nodes=self.nodes, words=self.words,
+                       win_kv=self._wins[0], win_arrive=self._wins[1], pool=comm_blocks,
+                       ncomm=self.ncomm, init_comm=self.init_comm, trace=self.tracing)
+            self.grid = grid
+            # the adaptive split's work queues, the controller's measurements (they grow across
+            # calls: roles.controller) and the trace rows (the static build never reads them)
+            items = max(grid, tiles, self.parts) if self.tracing else 1
+            self._trace = cuda.to_device(np.zeros((TRACE_ROWS, items), np.int64))
+            self.queue = cuda.to_device(np.zeros(QUEUES, np.uint32))
+            self.ctl = cuda.to_device(np.zeros(CTL_WORDS, np.uint64))
+            b, s, h, hk, d = self.batch, self.seq, self.heads, self.kv_heads, self.d
+            self.launch = Launch(kernel, compiled, dict(
+                q=Slot((b, s, h, d)), k=Slot((b, s, hk, d)), v=Slot((b, s, hk, d)),
+                out=Slot((b, s, h, d)), lse=Slot((b, h, s)), k_words=Slot((self.words,)),
+                v_words=Slot((self.words,)), **self._device_args,
+                order=cuda.to_device(self.order()), **self._tile_args(),
+                frame=self.frame.words, cfg=cuda.to_device(cfg), scale=np.float32(self.scale),
+                timeout_ns=self.timeout_ns, err=self.err, rank=self.me, queue=self.queue,
+                ctl=self.ctl, trace=self._trace), grid,
+                self.threads, smem)
 
     def _tile_for(self, tile):
         """The tile to run for ``tile``: "auto", "simt", or an sm90 build ("sm90", or one a
