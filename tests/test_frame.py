@@ -293,3 +293,77 @@ def test_map_rows_written_in_a_capture_are_rewritten_before_their_first_eager_us
     capturing[0] = True
     with pytest.raises(MkError, match="during a CUDA graph capture"):
         t.row((4,), 7)
+
+
+# ---- the stream of an op's last call (CPU check of kernels.launch.StreamHandle) ----------------
+def test_an_op_holds_the_stream_object_of_its_last_call(monkeypatch):
+    """A stream object's handle keeps the object alive (a dropped numba or CuPy stream is
+    destroyed, and the op uses its last stream after the call); it reads as the plain handle;
+    the legacy default stream and raw handles stay plain ints. Streams are stand-ins."""
+    import gc
+    import weakref
+
+    from mknumba.kernels import launch
+
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+
+    class CupyLike:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    s = CupyLike(0x1234)
+    alive = weakref.ref(s)
+    h = launch.stream_handle(s)
+    assert h == 0x1234 and hash(h) == hash(0x1234) and f"{h:#x}" == "0x1234"
+    order = launch.StreamOrder("SomeOp")
+    order.enter(h)                       # the first call: nothing to order behind
+    del s, h
+    gc.collect()
+    assert alive() is not None           # held by the op's last stream
+    order.last = None
+    gc.collect()
+    assert alive() is None               # and by nothing else
+    assert type(launch.stream_handle(CupyLike(0))) is int    # the legacy stream: nothing held
+    assert type(launch.stream_handle(0x20)) is int
+
+
+# ---- a plan that fails on one rank (CPU check of OpLifetime._planning_ends) -------------------
+def test_a_failed_plan_ends_the_op_and_leaves_its_comm():
+    """An op whose planning raises inside ``_planning_ends`` takes no calls and is disowned by
+    its Comm (whose finalize would otherwise tend it); one that plans is kept. The members'
+    allgather is stubbed as one rank's."""
+    from mknumba import MkError
+    from mknumba.kernels import launch
+
+    class Group:
+        def Get_size(self):
+            return 1
+
+    class Comm:
+        size, mpi = 1, Group()
+
+        def __init__(self):
+            self.ops = []
+
+        def adopt(self, op):
+            self.ops.append(op)
+
+        def disown(self, op):
+            self.ops.remove(op)
+
+    class Op(launch.OpLifetime):
+        name = "SomeOp"
+
+    comm = Comm()
+    good, bad = Op(), Op()
+    for op in (good, bad):
+        op._plan_on(comm)
+    with good._planning_ends():
+        pass
+    with pytest.raises(RuntimeError, match="the compile"):
+        with bad._planning_ends():
+            raise RuntimeError("the compile")
+    assert comm.ops == [good] and bad.frame is None
+    with pytest.raises(MkError, match="SomeOp: called after its planning failed"):
+        bad._check_live()
+    good._check_live()
