@@ -65,8 +65,8 @@ class LayoutLaunches:
     (the op's planning; [n, k] instead when the build has no [k, n] twin, a probe's); the
     other at the first call with it, which is refused inside a CUDA graph capture (loading a
     kernel there is not replayed); that compile is not joined across ranks (a call is not
-    collective on the host), so the peers' waits in such a call count it. ``lock``: held by a call from its binds to its launch,
-    whichever layout it takes."""
+    collective on the host), so the peers' waits in such a call count it. ``lock``: held by
+    a call from its binds to its launch, whichever layout it takes."""
 
     def __init__(self, builds, kind, values, b_name, b_shapes, grid, first, op):
         self.builds, self.kind, self.values, self.op = builds, kind, values, op

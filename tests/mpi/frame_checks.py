@@ -295,12 +295,11 @@ def _nan(shape, dtype):
 
 
 def fused_ops(comm, opts, kinds=("rs", "ar")):
-    from mknumba.kernels.gemm_ar import GemmAllReduce
-    from mknumba.kernels.gemm_rs import GemmReduceScatter
-    Ops = {"rs": GemmReduceScatter, "ar": GemmAllReduce}
+    """The fused GEMMs ``kinds`` ("rs", "ar") planned on ``comm`` (:func:`op_makers`)."""
     if not opts["fused"]:       # fused=0: the other ops' checks alone (diagnosis)
         return []
-    return [Ops[k](comm, opts["m"], opts["n"], opts["k"]) for k in kinds]
+    make = op_makers(comm, opts)
+    return [make[{"rs": "GemmReduceScatter", "ar": "GemmAllReduce"}[k]]() for k in kinds]
 
 
 def fused_ref(comm, opts, op, key):

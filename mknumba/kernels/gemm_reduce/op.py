@@ -58,8 +58,7 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         self._unshared = set()        # the hot path's address sets seen apart (arrays.unshared)
         self._buffers = []
         self.err = comm.new_error_record()
-        self.frame = None     # one rank: no call counter (nothing to pair calls with)
-        if self.solo:         # one rank: the plain GEMM into ``out`` (plan.py)
+        if self.solo:         # one rank: the plain GEMM into ``out`` (plan.py), no call counter
             self._solo_gemm = Gemm(tile=tile, group_m=group_m)
             self.shared = (cuda.device_array(self.m * self.n // 4, np.uint64)
                            if self.shared_out else None)
