@@ -293,9 +293,8 @@ def bench_moe(comm, dist, args, shape, records, log):
     floor = max(t_mm, R * H * 2 * (W - 1) / W / rate * 1e3)
     cap = W * T * K
     out = torch.empty((cap, F), device="cuda", dtype=torch.bfloat16)
-    lay = MoeLayout(*(torch.empty(s, device="cuda", dtype=d) for s, d in (
-        (El, torch.int32), (El + 1, torch.int32), ((cap, 3), torch.int32),
-        (cap, torch.float32))))
+    lay = MoeLayout(torch.empty(MoeLayout.words(El, cap), device="cuda", dtype=torch.int32),
+                    El, cap)
 
     def run(op):
         op(x, idx, w, out=out, layout=lay)

@@ -126,6 +126,16 @@ class Operand:
         flat = self.host.reshape(-1) if self.row_major else self.host.T.reshape(-1)
         return FakeCUDAArray(flat.view(dtype).reshape(shape))
 
+    def part(self, start, dtype, shape):
+        """The elements of this row-major array from index ``start`` on (flat, in its own
+        items) as a kernel parameter of ``dtype`` (the same item size) and ``shape``: one
+        array holding several parameters (``moe_dispatch.MoeLayout``)."""
+        if not SIMULATOR:
+            return self.ptr + start * self.itemsize
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        n = int(np.prod(shape))
+        return FakeCUDAArray(self.host.reshape(-1)[start:start + n].view(dtype).reshape(shape))
+
 
 def _row_major(shape, strides):
     if 0 in shape:

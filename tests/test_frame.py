@@ -200,6 +200,53 @@ def test_set_graph_launch():
         launch.set_graph_launch(before)
 
 
+# ---- binds that repeat the last call's (CPU check of kernels.launch.Launch.binder) ------------
+def test_a_binder_repeating_its_last_values_keeps_the_slots_right(monkeypatch):
+    """A binder called with the values of the launch's last binds writes nothing and tells the
+    graph launch that its node's parameters are current; after another binder or a bind by
+    name touched a shared slot, the same values are written again and the node refreshed.
+    The parameter buffer is real; the driver launch is recorded instead."""
+    import ctypes
+    import threading
+    import types
+    from mknumba.kernels import launch
+
+    monkeypatch.setattr(launch, "SIMULATOR", False)
+    monkeypatch.setattr(launch, "_GRAPH_MODE", [launch._ALWAYS])
+    L = object.__new__(launch.Launch)
+    buf = (ctypes.c_char * 24)()
+    L._data = {n: ctypes.c_void_p.from_buffer(buf, 8 * i) for i, n in enumerate("xyz")}
+    L.lock, L._binders = threading.Lock(), {}
+    L._fn, L.grid, L.threads, L.smem, L._extra_addr = 1, 2, 3, 0, 0
+    L._graph = types.SimpleNamespace(exec=7, node=8, params=9)
+    L._synced, L._bound_since_launch, L._last_bind = True, False, (None, None)
+    refreshed = []
+
+    def driver(fn, grid, threads, smem, stream, extra, graph, node, params, refresh):
+        refreshed.append(refresh)
+        return 0
+    L._launch = driver
+    slots = lambda: [L._data[n].value for n in "xyz"]       # noqa: E731
+    xy, yz = L.binder("x", "y"), L.binder("y", "z")
+    xy(0, 1, 2)
+    assert slots()[:2] == [1, 2] and refreshed == [True]
+    xy(0, 1, 2)                                  # the same: nothing written, node current
+    assert refreshed[-1] is False
+    yz(0, 5, 6)                                  # y shared: the next xy must write it back
+    assert slots() == [1, 5, 6] and refreshed[-1] is True
+    xy(0, 1, 2)
+    assert slots() == [1, 2, 6] and refreshed[-1] is True
+    L.bind("x", 9)                               # a bind by name: xy writes x again
+    xy(0, 1, 2)
+    assert slots() == [1, 2, 6] and refreshed[-1] is True
+    xy(0, 1, 3)
+    assert slots() == [1, 3, 6] and refreshed[-1] is True
+    xy(0, 1, 3)
+    assert refreshed[-1] is False
+    yz(0, 1, 3)                                  # the same values through another binder
+    assert slots() == [1, 1, 3] and refreshed[-1] is True
+
+
 # ---- calls on two streams during a capture (CPU check of kernels.launch.StreamOrder) ---------
 def test_call_beside_a_capture_is_refused_and_ends_the_op(monkeypatch):
     """A call on another stream while the op's calls are being captured is refused

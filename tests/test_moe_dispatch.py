@@ -28,6 +28,26 @@ TWO.add("test_sim_2x1_through_the_proxy", "moe_dispatch_checks.py", "calls,badid
         "max_tokens=8", env={"MKNUMBA_GPUS_PER_NODE": "1", "MKNUMBA_TRANSPORT": "sim:ordered"})
 
 
+def test_a_layout_is_four_views_of_its_buffer():
+    """counts, offsets, rows and weights read and write the buffer's items from
+    ``MoeLayout.starts`` on (weights as float32 bits), and unpack in that order."""
+    import numpy as np
+    from mknumba import MoeLayout
+    El, cap = 3, 5
+    buf = np.arange(MoeLayout.words(El, cap), dtype=np.int32)
+    assert MoeLayout.words(El, cap) == 2 * El + 1 + 4 * cap
+    lay = MoeLayout(buf, El, cap)
+    counts, offsets, rows, weights = lay
+    assert counts.tolist() == [0, 1, 2] and offsets.tolist() == [3, 4, 5, 6]
+    assert rows.shape == (cap, 3) and rows[0].tolist() == [7, 8, 9]
+    assert rows[-1].tolist() == [19, 20, 21]
+    assert weights.dtype == np.float32 and weights.shape == (cap,)
+    lay.weights[:] = 0.5
+    lay.rows[1, 2] = -1
+    assert (buf[22:].view(np.float32) == 0.5).all() and buf[12] == -1
+    assert MoeLayout.starts(El, cap) == (0, 3, 7, 22)
+
+
 def _passes(out, check, n):
     assert out.count(f"PASS {check} ") == n, out[-4000:]
 

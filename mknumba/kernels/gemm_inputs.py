@@ -128,7 +128,10 @@ class TensorMaps(MapTable):
             raise MkValueError("a tile that stores C through a tensor map takes no split-K")
         self.m, self.n, self.k, self.shape = m, n, k, tuple(shape)
         self.slices, self.kc, self.c_map = slices, kc, bool(c_map)
-        super().__init__(self._encode, self.ROW * slices + MAP_WORDS * self.c_map, capacity)
+        super().__init__(self._encode, self._row_words(), capacity)
+
+    def _row_words(self):
+        return self.ROW * self.slices + MAP_WORDS * self.c_map
 
     def _encode(self, key):
         (a, b, kn, c), bk, (bm, bn) = key, compute.SM90_BK, self.shape
@@ -171,6 +174,30 @@ def b_map(ptr, n, k, kn, bn, pitch=None):
     return tensor_map(ptr, (n, k), (64, bk))
 
 
+class SlotMaps(TensorMaps):
+    """:class:`TensorMaps` of A in the two slots ``slots`` (addresses) of AllGatherGemm's
+    gathered A, one per call parity, with one B: a row holds slot 0's pair, then slot 1's,
+    keyed by B's address and layout alone, so a call finds both with one lookup
+    (:meth:`pair`)."""
+
+    def __init__(self, slots, m, n, k, shape):
+        self.slots = tuple(slots)
+        super().__init__(m, n, k, shape)
+
+    def _row_words(self):
+        return 2 * self.ROW
+
+    def _encode(self, key):
+        b, kn = key
+        return np.concatenate([TensorMaps._encode(self, (a, b, kn, None)) for a in self.slots])
+
+    def pair(self, b_ptr, stream, b_kn):
+        """Device addresses of slot 0's and slot 1's maps with B at ``b_ptr`` ([k, n] when
+        ``b_kn``), written on ``stream`` when new."""
+        row = self.row((b_ptr, b_kn), stream)
+        return row, row + 8 * self.ROW
+
+
 class NoTensorMaps:
     """The SIMT tile reads A and B directly: one zero row (of ``words``) stands in for the
     maps."""
@@ -182,3 +209,7 @@ class NoTensorMaps:
 
     def __call__(self, a_ptr, b_ptr, stream, b_kn=False, c_ptr=None):
         return self.addr
+
+    def pair(self, b_ptr, stream, b_kn):
+        """Both slots' stand-in (:meth:`SlotMaps.pair`)."""
+        return self.addr, self.addr

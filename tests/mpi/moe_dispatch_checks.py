@@ -126,10 +126,9 @@ def make_op(comm, opts, **kw):
 def poisoned(op, A):
     out = A.poisoned((op.capacity, op.ffn))
     El, cap = op.local_experts, op.capacity
-    lay = mk.MoeLayout(A.dev(np.full(El, -1, np.int32)), A.dev(np.full(El + 1, -1, np.int32)),
-                       A.dev(np.full((cap, 3), -1, np.int32)),
-                       A.dev(np.full(cap, np.nan, np.float32)))
-    return out, lay
+    buf = np.full(mk.MoeLayout.words(El, cap), -1, np.int32)
+    buf[mk.MoeLayout.starts(El, cap)[3]:].view(np.float32)[:] = np.nan     # the weights
+    return out, mk.MoeLayout(A.dev(buf), El, cap)
 
 
 def verify(comm, opts, A, op, key, pattern, out, lay, w_bits, weighted, what):
@@ -266,6 +265,7 @@ def check_bad(comm, opts, A):
     dx, di, dw = A.dev(x), A.dev(idx), A.dev(weights_of(opts, comm.size, comm.rank, (3,)))
     name = "MoeDispatchGemm"
     big = opts["max_tokens"] + 1
+    cap = comm.size * opts["max_tokens"] * K          # make_op's ops: the default capacity
     cases = [
         (lambda op: op(A.dev(rand_bits(opts, (T, H + 8), 3)), di, dw), [name, "x", "shape"]),
         (lambda op: op(A.dev(bits_f64(x).astype(np.float32)), di, dw),
@@ -281,7 +281,15 @@ def check_bad(comm, opts, A):
          [name, "w", "float32"]),
         (lambda op: op(dx, di, dw, out=A.poisoned((4, F))), [name, "out", "shape"]),
         (lambda op: op(dx, di, dw, topk_weights=A.dev(wts.astype(np.float64))),
-         [name, "topk_weights", "float64"])]
+         [name, "topk_weights", "float64"]),
+        (lambda op: op(dx, di, dw, out=A.poisoned((cap, F)), layout=tuple(poisoned(op, A)[1])),
+         [name, "layout", "MoeLayout"]),
+        (lambda op: op(dx, di, dw, out=A.poisoned((cap, F)), layout=mk.MoeLayout(
+            A.dev(np.zeros(mk.MoeLayout.words(El, cap - 1), np.int32)), El, cap - 1)),
+         [name, "layout", f"capacity {cap - 1}"]),
+        (lambda op: op(dx, di, dw, out=A.poisoned((cap, F)), layout=mk.MoeLayout(
+            A.dev(np.zeros(mk.MoeLayout.words(El, cap), np.float32)), El, cap)),
+         [name, "layout.buffer", "float32"])]
     for call, words in cases:        # each on an op of its own: a refusal ends the op
         op = make_op(comm, opts)
         _refused(lambda: call(op), words)
@@ -300,7 +308,8 @@ def check_bad(comm, opts, A):
     _refused(lambda: mk.MoeDispatchGemm(comm, H, F, E, 1, 4, unit_tokens=0),
              [name, "unit_tokens must be a positive integer, got 0"])
     comm.barrier()
-    say("bad", comm, "x topk_idx w out topk_weights experts top_k (expert ids: badid)")
+    say("bad", comm, "x topk_idx w out topk_weights layout experts top_k (expert ids: "
+        "badid)")
 
 
 def check_badid(comm, opts, A):

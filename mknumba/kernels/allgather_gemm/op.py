@@ -6,7 +6,8 @@ from numba import cuda
 from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand, refuse_overlap, torch_ptr, unshared
 from ...errors import ERR_SET, MkError, MkValueError
-from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
+from ..gemm_inputs import (LayoutLaunches, NoTensorMaps, SlotMaps, TensorMaps, b_kn, b_mode,
+                           b_shape)
 from ...roles.controller import CTL_LOG, CTL_WORDS
 from ...timeline import Timeline, Traced, decision_log, role_of, segments_from_log, spans
 from ..launch import (Frame, OpLifetime, Slot, outputs_in_capture, pack, param,
@@ -63,8 +64,6 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         self._buffers = []
         self.err = comm.new_error_record()
         self.frame = Frame(self.grid)
-        self.tmaps = (TensorMaps(self.m, self.n, self.k, self.build.shape) if self.build.tma
-                      else NoTensorMaps())
         self._allocate(comm)
 
     def _allocate(self, comm):
@@ -76,7 +75,8 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         self.tile_flags = cuda.to_device(np.zeros(self.tiles_m * self.tiles_n, np.uint32))
         self._epoch_flags = [self.flags.local, self.tile_flags]
         base = _address(self.gathered_buf.local)         # the slots' tensor maps
-        self._slot_ptr = (None, None) if base is None else (base, base + m * k * 2)
+        self.tmaps = (SlotMaps((base, base + m * k * 2), m, n, k, self.build.shape)
+                      if self.build.tma else NoTensorMaps())
         z32 = np.zeros(1, np.uint32)
         wins = (0, 0)
         if comm.nodes > 1:
@@ -205,8 +205,7 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
             collect = gathered is not None
             self._collected = collect     # the trace's collect stamps are this call's
             L.binder("a", "b", "tmaps", "tmaps_odd", "out", "gathered_out", "cfg")(
-                stream, a, b, self.tmaps(self._slot_ptr[0], b, stream, kn),
-                self.tmaps(self._slot_ptr[1], b, stream, kn), out,
+                stream, a, b, *self.tmaps.pair(b, stream, kn), out,
                 gathered if collect else self._no_gathered_ptr, self._cfg_ptr[int(collect)])
 
     # -- traces -----------------------------------------------------------------------------------

@@ -19,13 +19,69 @@ from ..tensor_maps import MapTable, tensor_map
 from .kernel import CFG_FIELDS, Q_COMM, Q_COMPUTE, build, flag_words, lay_words, meta_words
 from .plan import MoeDispatchGemmPlan
 
-#: What a combine step needs to send the rows back, beside ``out`` (device arrays, int32 unless
-#: said): counts [experts / world] rows per local expert; offsets [experts / world + 1]: expert
-#: e's rows are out[offsets[e]:offsets[e + 1]], offsets[-1] the rows this call received;
-#: rows [capacity, 3]: per out row its source rank, token index (in that rank's x) and top-k
-#: slot; weights [capacity] fp32: its routing weight, 1 for a row from a rank whose call passed
-#: no topk_weights (whatever this rank's call passed). Rows past offsets[-1] are not written.
-MoeLayout = namedtuple("MoeLayout", "counts offsets rows weights")
+class MoeLayout:
+    """What a combine step needs to send the rows back, beside ``out``: one int32 device array
+    ``buffer`` of :meth:`words` ``(experts, capacity)`` items (``experts``: the op's experts per
+    rank; ``capacity``: its rows), seen as four arrays, each a view of ``buffer`` made when read:
+
+    - counts [experts] int32: rows per local expert;
+    - offsets [experts + 1] int32: expert e's rows are out[offsets[e]:offsets[e + 1]],
+      offsets[-1] the rows this call received;
+    - rows [capacity, 3] int32: per out row its source rank, token index (in that rank's x) and
+      top-k slot;
+    - weights [capacity] float32: its routing weight, 1 for a row from a rank whose call passed
+      no topk_weights (whatever this rank's call passed).
+
+    Rows past offsets[-1] are not written. An op writes ``buffer`` (one array to check per
+    call); ``MoeLayout(buffer, experts, capacity)`` wraps an array of the caller's, and
+    ``counts, offsets, rows, weights = layout`` unpacks one."""
+
+    __slots__ = ("buffer", "experts", "capacity")
+
+    def __init__(self, buffer, experts, capacity):
+        self.buffer, self.experts, self.capacity = buffer, int(experts), int(capacity)
+
+    @staticmethod
+    def words(experts, capacity):
+        """Items of the buffer of a layout for ``experts`` local experts and ``capacity``
+        rows."""
+        return 2 * experts + 1 + 4 * capacity
+
+    @staticmethod
+    def starts(experts, capacity):
+        """Where counts, offsets, rows and weights start in the buffer (items)."""
+        return 0, experts, 2 * experts + 1, 2 * experts + 1 + 3 * capacity
+
+    def _view(self, i, shape, float32=False):
+        start = self.starts(self.experts, self.capacity)[i]
+        n = shape[0] * (shape[1] if len(shape) > 1 else 1)
+        part = self.buffer[start:start + n]
+        if float32:
+            part = part.view(sys.modules["torch"].float32 if is_torch(part) else np.float32)
+        return part.reshape(shape) if len(shape) > 1 else part
+
+    @property
+    def counts(self):
+        return self._view(0, (self.experts,))
+
+    @property
+    def offsets(self):
+        return self._view(1, (self.experts + 1,))
+
+    @property
+    def rows(self):
+        return self._view(2, (self.capacity, 3))
+
+    @property
+    def weights(self):
+        return self._view(3, (self.capacity,), float32=True)
+
+    def __iter__(self):
+        return iter((self.counts, self.offsets, self.rows, self.weights))
+
+
+#: What the calls with one token count share (``MoeDispatchGemm._token_count``).
+_TokenCount = namedtuple("_TokenCount", "dev cfg x_shape k_shape seen sizes")
 
 
 class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
@@ -66,11 +122,17 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         self._plan(comm, hidden, ffn, experts, top_k, max_tokens, dtype, capacity, w_layout,
                    comm_sms, tile, unit_tokens)
         self._buffers = []
-        self._unshared = {}           # T -> (address sets seen apart, sizes): arrays.unshared
-        self._cfgs = {}               # tokens T -> (device cfg, its parameter)
+        self._cfgs = {}               # (T, weighted) -> _TokenCount
         self.err = comm.new_error_record()
         self.frame = Frame(self.grid)
         self.w_kn = self.w_layout == "ehf"      # w[e] is [hidden, ffn]: B as [k, n]
+        self.w_shape = (self.local_experts, hidden, ffn) if self.w_kn else \
+            (self.local_experts, ffn, hidden)
+        # the layout: one buffer of this many int32, its four parts from these byte offsets
+        self._lay_words = MoeLayout.words(self.local_experts, self.capacity)
+        self._lay_bytes = tuple(4 * i for i in MoeLayout.starts(self.local_experts,
+                                                                 self.capacity))
+        self._lay_shape, self._out_shape = (self._lay_words,), (self.capacity, ffn)
         self.build, self.threads, self._kernel = build(kn_kind(self.kind, self.name)
                                                        if self.w_kn else self.kind,
                                                        self.adaptive)
@@ -134,7 +196,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             cap = self.capacity
             self.launch = Launch(self._kernel, compiled, dict(
                 x=Slot((maxt * H // 4,)), topk=Slot((maxt * K,)), weights=Slot((maxt * K,)),
-                wt=Slot((El, H, F) if self.w_kn else (El, F, H)), tmtable=Slot((El, 32)),
+                wt=Slot(self.w_shape), tmtable=Slot((El, 32)),
                 recv=self.recv,
                 recv_words=self.recv.reshape(self.recv_rows * H).view(np.uint64),
                 xbuf=self.xbuf.local, xbuf_ptrs=self.xbuf.ptrs, meta=meta,
@@ -150,6 +212,8 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                 timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, queue=self.queue,
                 ctl=self.ctl),
                 self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
+            self._go = self.launch.binder("x", "topk", "weights", "wt", "tmtable", "out", "counts",
+                                          "offsets", "rows_out", "weights_out", "cfg")
 
     # -- calls ------------------------------------------------------------------------------------
     def out_shape(self):
@@ -163,17 +227,17 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
 
         Returns ``(out, layout)``: out [capacity, ffn] bf16, every row routed to this rank's
         experts times that expert's weight, expert by expert (expert e's rows are
-        ``out[layout.offsets[e]:layout.offsets[e + 1]]``), and the :data:`MoeLayout`. Rows
-        past ``layout.offsets[-1]`` are left as they were. ``out=`` / ``layout=`` reuse arrays
-        of an earlier call (a CUDA graph capture must pass both). Expert ids are checked on
-        the device (see the class docstring): nothing here waits for the GPU."""
+        ``out[layout.offsets[e]:layout.offsets[e + 1]]``), and the :class:`MoeLayout`. Rows
+        past ``layout.offsets[-1]`` are left as they were. ``out=`` / ``layout=`` take an
+        earlier call's (or arrays of the caller's; a CUDA graph capture must pass both).
+        Expert ids are checked on the device (see the class docstring): nothing here waits
+        for the GPU."""
         if (out is not None and isinstance(layout, MoeLayout) and stream is None
                 and not self.freed and self.comm.proxy is None
                 and is_torch(x)):                               # the hot path: tensors
             ptrs = self._hot_ptrs(x, topk_idx, w, topk_weights, out, layout)
             if ptrs is not None and not self.err[ERR_SET]:
-                T, px, pi, pg, pw, po, lay = ptrs
-                self._run(T, px, pi, pg, pw, po, lay, stream_handle(None, self.comm.device_id))
+                self._run(*ptrs, stream_handle(None, self.comm.device_id))
                 return out, layout
         return self._checked_call(self._call, x, topk_idx, w, topk_weights, out, layout, stream)
 
@@ -188,8 +252,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                                f"{self.max_tokens} it was planned for")
         I = operand(topk_idx, self.name, "topk_idx", dtypes=("int32",), shape=(T, K),
                     device_id=dev, align=4)
-        wshape = (El, H, F) if self.w_layout == "ehf" else (El, F, H)
-        Wt = operand(w, self.name, "w", shape=wshape, device_id=dev)
+        Wt = operand(w, self.name, "w", shape=self.w_shape, device_id=dev)
         if not (X.torch == I.torch == Wt.torch):
             raise MkValueError(f"{self.name}: x, topk_idx and w must all be PyTorch tensors or "
                                "all be device arrays")
@@ -207,99 +270,95 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         O = operand(out, self.name, "out", shape=(self.capacity, F), device_id=dev)
         if layout is None:
             layout = self._new_layout(x, X.torch)
-        L = self._layout_operands(layout, X.torch, dev)
-        refuse_overlap(self.name, (O, *L), (X, I, Wg, Wt))
-        self._run(T, X.as_param(np.uint64, (T * H // 4,)), I.as_param(np.int32, (T * K,)),
+        Lb = self._layout_operand(layout, X.torch, dev)
+        refuse_overlap(self.name, (O, Lb), (X, I, Wg, Wt))
+        cap = self.capacity
+        parts = zip(MoeLayout.starts(El, cap), (np.int32, np.int32, np.int32, np.float32),
+                    ((El,), (El + 1,), (cap, 3), (cap,)))
+        cfg = self._token_count(T, Wg is not None, stream).cfg
+        self._run(X.as_param(np.uint64, (T * H // 4,)), I.as_param(np.int32, (T * K,)),
                   Wg.as_param(np.float32, (T * K,)) if Wg is not None else None,
-                  Wt.as_param(np.uint16, wshape), O.as_param(np.uint16, (self.capacity, F)),
-                  [o.as_param(np.dtype(o.dtype), tuple(o.shape)) for o in L], stream)
+                  Wt.as_param(np.uint16, self.w_shape), O.as_param(np.uint16, (cap, F)),
+                  [Lb.part(*p) for p in parts], cfg, stream)
         return out, layout
 
     def _hot_ptrs(self, x, topk_idx, w, topk_weights, out, layout):
-        """``(T, x, topk_idx, topk_weights or None, w, out, layout's four)`` as addresses when
-        every tensor is exactly what the plan expects and a call with T tokens, weighted or
-        not as this one, ran before (its cfg exists); else None, and the call takes the
-        checked path."""
+        """``(x, topk_idx, topk_weights or None, w, out, layout's four parts, cfg)`` as
+        addresses when every tensor is exactly what the plan expects and a call with T tokens,
+        weighted or not as this one, ran before (:meth:`_token_count`); else None, and the
+        call takes the checked path."""
         if x.dim() != 2:
             return None
-        T = x.shape[0]
-        if (T, topk_weights is not None) not in self._cfgs:
+        known = self._cfgs.get((x.shape[0], topk_weights is not None))
+        if known is None:
             return None
         torch = sys.modules["torch"]
-        dev, cap, El, K = self.comm.device_id, self.capacity, self.local_experts, self.top_k
-        wshape = (El, self.hidden, self.ffn) if self.w_layout == "ehf" else \
-            (El, self.ffn, self.hidden)
-        px = torch_ptr(x, (T, self.hidden), dev)
-        pi = px and torch_ptr(topk_idx, (T, K), dev, dtype=torch.int32, align=4)
+        i32, dev = torch.int32, self.comm.device_id
+        px = torch_ptr(x, known.x_shape, dev)
+        pi = px and torch_ptr(topk_idx, known.k_shape, dev, dtype=i32, align=4)
         pg = None
         if pi and topk_weights is not None:
-            pg = torch_ptr(topk_weights, (T, K), dev, dtype=torch.float32, align=4)
+            pg = torch_ptr(topk_weights, known.k_shape, dev, dtype=torch.float32, align=4)
             pi = pg and pi
-        pw = pi and torch_ptr(w, wshape, dev)
-        po = pw and torch_ptr(out, (cap, self.ffn), dev)
-        pc = po and torch_ptr(layout.counts, (El,), dev, dtype=torch.int32, align=4)
-        pf = pc and torch_ptr(layout.offsets, (El + 1,), dev, dtype=torch.int32, align=4)
-        pr = pf and torch_ptr(layout.rows, (cap, 3), dev, dtype=torch.int32, align=4)
-        pl = pr and torch_ptr(layout.weights, (cap,), dev, dtype=torch.float32, align=4)
-        if not pl:
-            return None
-        seen, sizes = self._unshared.get(T) or self._unshared.setdefault(T, (set(), (
-            2 * cap * self.ffn, 4 * El, 4 * El + 4, 12 * cap, 4 * cap, 2 * T * self.hidden,
-            4 * T * K, 4 * T * K, 2 * El * self.hidden * self.ffn)))
-        if not unshared(seen, (po, pc, pf, pr, pl, px, pi, pg, pw), sizes, 5):
-            return None                   # the checked path names the overlap
-        return T, px, pi, pg, pw, po, (pc, pf, pr, pl)
+        pw = pi and torch_ptr(w, self.w_shape, dev)
+        po = pw and torch_ptr(out, self._out_shape, dev)
+        pl = (po and layout.experts == self.local_experts and layout.capacity == self.capacity
+              and torch_ptr(layout.buffer, self._lay_shape, dev, dtype=i32, align=4))
+        if not pl or not unshared(known.seen, (po, pl, px, pi, pg, pw), known.sizes, 2):
+            return None                   # the checked path names what is wrong
+        _, b1, b2, b3 = self._lay_bytes
+        return px, pi, pg, pw, po, (pl, pl + b1, pl + b2, pl + b3), known.cfg
 
     def _new_layout(self, like, torch):
-        cap, El = self.capacity, self.local_experts
+        words = self._lay_words
         if torch:
-            import torch as t
-            kw = dict(device=like.device)
-            return MoeLayout(t.empty(El, dtype=t.int32, **kw),
-                             t.empty(El + 1, dtype=t.int32, **kw),
-                             t.empty((cap, 3), dtype=t.int32, **kw),
-                             t.empty(cap, dtype=t.float32, **kw))
-        return MoeLayout(cuda.device_array(El, np.int32), cuda.device_array(El + 1, np.int32),
-                         cuda.device_array((cap, 3), np.int32),
-                         cuda.device_array(cap, np.float32))
+            t = sys.modules["torch"]
+            buf = t.empty(words, dtype=t.int32, device=like.device)
+        else:
+            buf = cuda.device_array(words, np.int32)
+        return MoeLayout(buf, self.local_experts, self.capacity)
 
-    def _layout_operands(self, layout, torch, dev):
-        """The layout's four arrays, checked (Operands)."""
+    def _layout_operand(self, layout, torch, dev):
+        """The layout's buffer, checked (an Operand)."""
         if not isinstance(layout, MoeLayout):
-            raise MkValueError(f"{self.name}: layout must be the MoeLayout of an earlier call")
-        cap, El = self.capacity, self.local_experts
-        ops = []
-        for field, shape, dt in (("counts", (El,), "int32"), ("offsets", (El + 1,), "int32"),
-                                 ("rows", (cap, 3), "int32"), ("weights", (cap,), "float32")):
-            o = operand(getattr(layout, field), self.name, f"layout.{field}", dtypes=(dt,),
-                        shape=shape, device_id=dev, align=4)
-            if o.torch != torch:
-                raise MkValueError(f"{self.name}: layout.{field} must be a PyTorch tensor "
-                                   "exactly when x is")
-            ops.append(o)
-        return ops
+            raise MkValueError(f"{self.name}: layout must be a MoeLayout (the one an earlier "
+                               f"call returned), not {type(layout).__name__}")
+        El, cap = self.local_experts, self.capacity
+        if (layout.experts, layout.capacity) != (El, cap):
+            raise MkValueError(f"{self.name}: layout is for {layout.experts} experts and "
+                               f"capacity {layout.capacity}; this op has {El} experts per "
+                               f"rank and capacity {cap}")
+        b = operand(layout.buffer, self.name, "layout.buffer", dtypes=("int32",),
+                    shape=(self._lay_words,), device_id=dev, align=4)
+        if b.torch != torch:
+            raise MkValueError(f"{self.name}: layout.buffer must be a PyTorch tensor exactly "
+                               "when x is")
+        return b
 
-    def _run(self, T, x, topk, weights, w, out, lay, stream):
-        """Bind the parameters and launch: w as it is, the experts' tensor maps with it, this
-        T's cfg."""
-        L = self.launch
-        with L.lock:                      # one call at a time binds and launches
+    def _run(self, x, topk, weights, w, out, lay, cfg, stream):
+        """Bind the parameters and launch: w as it is, the experts' tensor maps with it, the
+        cfg of this call's token count."""
+        with self.launch.lock:            # one call at a time binds and launches
             self.streams.enter(stream)
-            L.binder("x", "topk", "weights", "wt", "tmtable", "out", "counts", "offsets",
-                     "rows_out", "weights_out", "cfg")(
-                stream, x, topk, weights if weights is not None else self._no_weights_ptr, w,
-                self.tmaps(w, stream) if self.build.tma else self._no_maps_ptr, out, *lay,
-                self._cfg_param(T, weights is not None, stream))
+            self._go(stream, x, topk, weights if weights is not None else self._no_weights_ptr,
+                     w, self.tmaps(w, stream) if self.build.tma else self._no_maps_ptr, out,
+                     *lay, cfg)
 
-    def _cfg_param(self, T, weighted, stream):
+    def _token_count(self, T, weighted, stream):
+        """What calls with ``T`` tokens, weighted or not, share: their cfg (a small device
+        array each, made by the first such call) and the hot path's shapes and overlap memory
+        (:func:`arrays.unshared`)."""
         key = (T, weighted)
-        if key not in self._cfgs:         # one small array per token count met so far
+        if key not in self._cfgs:
             if is_capturing(stream):
                 raise MkError(f"{self.name}: a first call with {T} tokens inside a CUDA graph "
                               "capture; call once with this many tokens before capturing")
             dev = cuda.to_device(pack(CFG_FIELDS, **self._cfg, tokens=T, weighted=weighted))
-            self._cfgs[key] = (dev, param(dev))
-        return self._cfgs[key][1]
+            H, K, El = self.hidden, self.top_k, self.local_experts
+            sizes = (2 * self.capacity * self.ffn, 4 * self._lay_words, 2 * T * H, 4 * T * K,
+                     4 * T * K, 2 * El * H * self.ffn)
+            self._cfgs[key] = _TokenCount(dev, param(dev), (T, H), (T, K), set(), sizes)
+        return self._cfgs[key]
 
     def _counters(self):
         """With the adaptive split, the work queues' tickets (each call draws
