@@ -130,6 +130,9 @@ class Operand:
         """The elements of this row-major array from index ``start`` on (flat, in its own
         items) as a kernel parameter of ``dtype`` (the same item size) and ``shape``: one
         array holding several parameters (``moe_dispatch.MoeLayout``)."""
+        if not self.row_major or np.dtype(dtype).itemsize != self.itemsize:
+            raise TypeError(f"{self.name}: a part is read from a row-major array as items of "
+                            f"its own size ({self.itemsize} B), not {np.dtype(dtype)}")
         if not SIMULATOR:
             return self.ptr + start * self.itemsize
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray

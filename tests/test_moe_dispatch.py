@@ -29,13 +29,15 @@ TWO.add("test_sim_2x1_through_the_proxy", "moe_dispatch_checks.py", "calls,badid
 
 
 def test_a_layout_is_four_views_of_its_buffer():
-    """counts, offsets, rows and weights read and write the buffer's items from
-    ``MoeLayout.starts`` on (weights as float32 bits), and unpack in that order."""
+    """counts, offsets, rows and weights read and write the buffer's items from where
+    ``MoeLayout.parts`` says (weights as float32 bits), unpack and index in that order; a
+    buffer that is not an array is refused."""
     import numpy as np
-    from mknumba import MoeLayout
+    from mknumba import MkValueError, MoeLayout
     El, cap = 3, 5
     buf = np.arange(MoeLayout.words(El, cap), dtype=np.int32)
     assert MoeLayout.words(El, cap) == 2 * El + 1 + 4 * cap
+    assert [p[1] for p in MoeLayout.parts(El, cap)] == [0, 3, 7, 22]
     lay = MoeLayout(buf, El, cap)
     counts, offsets, rows, weights = lay
     assert counts.tolist() == [0, 1, 2] and offsets.tolist() == [3, 4, 5, 6]
@@ -45,7 +47,10 @@ def test_a_layout_is_four_views_of_its_buffer():
     lay.weights[:] = 0.5
     lay.rows[1, 2] = -1
     assert (buf[22:].view(np.float32) == 0.5).all() and buf[12] == -1
-    assert MoeLayout.starts(El, cap) == (0, 3, 7, 22)
+    assert len(lay) == 4 and lay[1].tolist() == lay.offsets.tolist()
+    assert "experts=3, capacity=5" in repr(lay)
+    with pytest.raises(MkValueError, match="MoeLayout: buffer must be a device array"):
+        MoeLayout([0] * 27, El, cap)
 
 
 def _passes(out, check, n):

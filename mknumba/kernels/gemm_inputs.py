@@ -197,6 +197,9 @@ class SlotMaps(TensorMaps):
         row = self.row((b_ptr, b_kn), stream)
         return row, row + 8 * self.ROW
 
+    def __call__(self, *args, **kwargs):
+        raise TypeError("SlotMaps rows are keyed by B alone: call pair(b_ptr, stream, b_kn)")
+
 
 class NoTensorMaps:
     """The SIMT tile reads A and B directly: one zero row (of ``words``) stands in for the

@@ -222,6 +222,8 @@ class Launch:
         base = ctypes.addressof(self._buffer)
         for v, off in zip(self._cvals, offsets):
             ctypes.memmove(base + off, ctypes.addressof(v), ctypes.sizeof(v))
+        # the per-call pointers; written only by bind() and the binders' go, whose memory of
+        # the last binds (_last_bind) relies on it
         self._data = {name: ctypes.c_void_p.from_buffer(self._buffer, offsets[i])
                       for name, i in self._slots.items()}
         self._size = ctypes.c_size_t(end)

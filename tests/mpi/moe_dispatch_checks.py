@@ -127,7 +127,7 @@ def poisoned(op, A):
     out = A.poisoned((op.capacity, op.ffn))
     El, cap = op.local_experts, op.capacity
     buf = np.full(mk.MoeLayout.words(El, cap), -1, np.int32)
-    buf[mk.MoeLayout.starts(El, cap)[3]:].view(np.float32)[:] = np.nan     # the weights
+    buf[mk.MoeLayout.parts(El, cap)[3][1]:].view(np.float32)[:] = np.nan     # the weights
     return out, mk.MoeLayout(A.dev(buf), El, cap)
 
 

@@ -19,10 +19,16 @@ from ..tensor_maps import MapTable, tensor_map
 from .kernel import CFG_FIELDS, Q_COMM, Q_COMPUTE, build, flag_words, lay_words, meta_words
 from .plan import MoeDispatchGemmPlan
 
+
+#: The kernel's parameters for the layout's four parts (``MoeLayout.parts``), in their order.
+LAYOUT_PARAMS = ("counts", "offsets", "rows_out", "weights_out")
+
+
 class MoeLayout:
     """What a combine step needs to send the rows back, beside ``out``: one int32 device array
     ``buffer`` of :meth:`words` ``(experts, capacity)`` items (``experts``: the op's experts per
-    rank; ``capacity``: its rows), seen as four arrays, each a view of ``buffer`` made when read:
+    rank; ``capacity``: its rows), seen as four arrays (:meth:`parts`), each a view of
+    ``buffer`` made when read:
 
     - counts [experts] int32: rows per local expert;
     - offsets [experts + 1] int32: expert e's rows are out[offsets[e]:offsets[e + 1]],
@@ -33,51 +39,53 @@ class MoeLayout:
       no topk_weights (whatever this rank's call passed).
 
     Rows past offsets[-1] are not written. An op writes ``buffer`` (one array to check per
-    call); ``MoeLayout(buffer, experts, capacity)`` wraps an array of the caller's, and
-    ``counts, offsets, rows, weights = layout`` unpacks one."""
+    call); ``MoeLayout(buffer, experts, capacity)`` wraps a device array of the caller's, and
+    ``counts, offsets, rows, weights = layout`` unpacks one (``layout[i]`` reads one)."""
 
     __slots__ = ("buffer", "experts", "capacity")
 
     def __init__(self, buffer, experts, capacity):
+        if not (hasattr(buffer, "dtype") and hasattr(buffer, "shape")):
+            raise MkValueError(f"MoeLayout: buffer must be a device array (int32, "
+                               f"MoeLayout.words(experts, capacity) items), not "
+                               f"{type(buffer).__name__}")
         self.buffer, self.experts, self.capacity = buffer, int(experts), int(capacity)
 
     @staticmethod
-    def words(experts, capacity):
+    def parts(experts, capacity):
+        """``(name, start, dtype, shape)`` of counts, offsets, rows and weights, in the
+        buffer's order (start in items; weights as float32 bits)."""
+        E, C = experts, capacity
+        return (("counts", 0, np.int32, (E,)), ("offsets", E, np.int32, (E + 1,)),
+                ("rows", 2 * E + 1, np.int32, (C, 3)),
+                ("weights", 2 * E + 1 + 3 * C, np.float32, (C,)))
+
+    @classmethod
+    def words(cls, experts, capacity):
         """Items of the buffer of a layout for ``experts`` local experts and ``capacity``
         rows."""
-        return 2 * experts + 1 + 4 * capacity
+        _, start, _, (n,) = cls.parts(experts, capacity)[-1]      # weights come last
+        return start + n
 
-    @staticmethod
-    def starts(experts, capacity):
-        """Where counts, offsets, rows and weights start in the buffer (items)."""
-        return 0, experts, 2 * experts + 1, 2 * experts + 1 + 3 * capacity
-
-    def _view(self, i, shape, float32=False):
-        start = self.starts(self.experts, self.capacity)[i]
-        n = shape[0] * (shape[1] if len(shape) > 1 else 1)
-        part = self.buffer[start:start + n]
-        if float32:
+    def __getitem__(self, i):
+        _, start, dtype, shape = self.parts(self.experts, self.capacity)[i]
+        part = self.buffer[start:start + int(np.prod(shape))]
+        if dtype is np.float32:
             part = part.view(sys.modules["torch"].float32 if is_torch(part) else np.float32)
         return part.reshape(shape) if len(shape) > 1 else part
 
-    @property
-    def counts(self):
-        return self._view(0, (self.experts,))
+    def __len__(self):
+        return 4
 
-    @property
-    def offsets(self):
-        return self._view(1, (self.experts + 1,))
+    counts = property(lambda self: self[0])
+    offsets = property(lambda self: self[1])
+    rows = property(lambda self: self[2])
+    weights = property(lambda self: self[3])
 
-    @property
-    def rows(self):
-        return self._view(2, (self.capacity, 3))
-
-    @property
-    def weights(self):
-        return self._view(3, (self.capacity,), float32=True)
-
-    def __iter__(self):
-        return iter((self.counts, self.offsets, self.rows, self.weights))
+    def __repr__(self):
+        words = self.words(self.experts, self.capacity)
+        return (f"MoeLayout({type(self.buffer).__name__} of {words} int32, "
+                f"experts={self.experts}, capacity={self.capacity})")
 
 
 #: What the calls with one token count share (``MoeDispatchGemm._token_count``).
@@ -130,8 +138,8 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             (self.local_experts, ffn, hidden)
         # the layout: one buffer of this many int32, its four parts from these byte offsets
         self._lay_words = MoeLayout.words(self.local_experts, self.capacity)
-        self._lay_bytes = tuple(4 * i for i in MoeLayout.starts(self.local_experts,
-                                                                 self.capacity))
+        self._lay_parts = MoeLayout.parts(self.local_experts, self.capacity)
+        self._lay_bytes = tuple(4 * start for _, start, _, _ in self._lay_parts)
         self._lay_shape, self._out_shape = (self._lay_words,), (self.capacity, ffn)
         self.build, self.threads, self._kernel = build(kn_kind(self.kind, self.name)
                                                        if self.w_kn else self.kind,
@@ -205,15 +213,15 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                 hist=cuda.to_device(np.zeros(3 * self.experts + 1, np.int32)),
                 lay=cuda.to_device(np.zeros(lay_words(El, W, self.tiles_m), np.int32)),
                 lflags=self.lflags, tile_flags=self.tile_flags, out=Slot((cap, F)),
-                counts=Slot((El,)), offsets=Slot((El + 1,)), rows_out=Slot((cap, 3)),
-                weights_out=Slot((cap,)), cfg=Slot((len(CFG_FIELDS),)),
+                cfg=Slot((len(CFG_FIELDS),)),
                 order=cuda.to_device(self.order), rail=cuda.to_device(rail), ring=ring, head=head,
                 tail=tail, frame=self.frame.words,
                 timeout_ns=comm.timeout_ns, err=self.err, rank=comm.rank, queue=self.queue,
-                ctl=self.ctl),
+                ctl=self.ctl, **{name: Slot(shape) for name, (_, _, _, shape)
+                                 in zip(LAYOUT_PARAMS, self._lay_parts)}),
                 self.grid, self.threads, self.build.smem_bytes)   # one block per SM: co-resident
-            self._go = self.launch.binder("x", "topk", "weights", "wt", "tmtable", "out", "counts",
-                                          "offsets", "rows_out", "weights_out", "cfg")
+            self._go = self.launch.binder("x", "topk", "weights", "wt", "tmtable", "out",
+                                          *LAYOUT_PARAMS, "cfg")
 
     # -- calls ------------------------------------------------------------------------------------
     def out_shape(self):
@@ -244,7 +252,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
     def _call(self, x, topk_idx, w, topk_weights, out, layout, stream):
         """A call with every check."""
         dev = self.comm.device_id
-        H, F, K, El = self.hidden, self.ffn, self.top_k, self.local_experts
+        H, F, K = self.hidden, self.ffn, self.top_k
         X = operand(x, self.name, "x", shape=(None, H), device_id=dev)
         T = X.shape[0]
         if T > self.max_tokens:
@@ -272,14 +280,12 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             layout = self._new_layout(x, X.torch)
         Lb = self._layout_operand(layout, X.torch, dev)
         refuse_overlap(self.name, (O, Lb), (X, I, Wg, Wt))
-        cap = self.capacity
-        parts = zip(MoeLayout.starts(El, cap), (np.int32, np.int32, np.int32, np.float32),
-                    ((El,), (El + 1,), (cap, 3), (cap,)))
         cfg = self._token_count(T, Wg is not None, stream).cfg
         self._run(X.as_param(np.uint64, (T * H // 4,)), I.as_param(np.int32, (T * K,)),
                   Wg.as_param(np.float32, (T * K,)) if Wg is not None else None,
-                  Wt.as_param(np.uint16, self.w_shape), O.as_param(np.uint16, (cap, F)),
-                  [Lb.part(*p) for p in parts], cfg, stream)
+                  Wt.as_param(np.uint16, self.w_shape), O.as_param(np.uint16, self._out_shape),
+                  [Lb.part(start, dtype, shape) for _, start, dtype, shape in self._lay_parts],
+                  cfg, stream)
         return out, layout
 
     def _hot_ptrs(self, x, topk_idx, w, topk_weights, out, layout):
@@ -357,7 +363,9 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
             H, K, El = self.hidden, self.top_k, self.local_experts
             sizes = (2 * self.capacity * self.ffn, 4 * self._lay_words, 2 * T * H, 4 * T * K,
                      4 * T * K, 2 * El * H * self.ffn)
-            self._cfgs[key] = _TokenCount(dev, param(dev), (T, H), (T, K), set(), sizes)
+            # setdefault: a call made at once on another thread keeps the record it binds
+            return self._cfgs.setdefault(key, _TokenCount(dev, param(dev), (T, H), (T, K),
+                                                          set(), sizes))
         return self._cfgs[key]
 
     def _counters(self):
