@@ -243,9 +243,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         if (out is not None and isinstance(layout, MoeLayout) and stream is None
                 and not self.freed and self.comm.proxy is None
                 and is_torch(x)):                               # the hot path: tensors
-            ptrs = self._hot_ptrs(x, topk_idx, w, topk_weights, out, layout)
-            if ptrs is not None and not self.err[ERR_SET]:
-                self._run(*ptrs, stream_handle(None, self.comm.device_id))
+            if self._hot_call(x, topk_idx, w, topk_weights, out, layout):
                 return out, layout
         return self._checked_call(self._call, x, topk_idx, w, topk_weights, out, layout, stream)
 
@@ -288,16 +286,16 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                   cfg, stream)
         return out, layout
 
-    def _hot_ptrs(self, x, topk_idx, w, topk_weights, out, layout):
-        """``(x, topk_idx, topk_weights or None, w, out, layout's four parts, cfg)`` as
-        addresses when every tensor is exactly what the plan expects and a call with T tokens,
-        weighted or not as this one, ran before (:meth:`_token_count`); else None, and the
-        call takes the checked path."""
+    def _hot_call(self, x, topk_idx, w, topk_weights, out, layout):
+        """The call on the hot path: launched (True) when every tensor is exactly what the
+        plan expects, a call with T tokens, weighted or not as this one, ran before
+        (:meth:`_token_count`) and no error is pending; else False, and the call takes the
+        checked path, which names what is wrong."""
         if x.dim() != 2:
-            return None
+            return False
         known = self._cfgs.get((x.shape[0], topk_weights is not None))
         if known is None:
-            return None
+            return False
         torch = sys.modules["torch"]
         i32, dev = torch.int32, self.comm.device_id
         px = torch_ptr(x, known.x_shape, dev)
@@ -310,10 +308,13 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         po = pw and torch_ptr(out, self._out_shape, dev)
         pl = (po and layout.experts == self.local_experts and layout.capacity == self.capacity
               and torch_ptr(layout.buffer, self._lay_shape, dev, dtype=i32, align=4))
-        if not pl or not unshared(known.seen, (po, pl, px, pi, pg, pw), known.sizes, 2):
-            return None                   # the checked path names what is wrong
+        if (not pl or not unshared(known.seen, (po, pl, px, pi, pg, pw), known.sizes, 2)
+                or self.err[ERR_SET]):
+            return False
         _, b1, b2, b3 = self._lay_bytes
-        return px, pi, pg, pw, po, (pl, pl + b1, pl + b2, pl + b3), known.cfg
+        self._run(px, pi, pg, pw, po, (pl, pl + b1, pl + b2, pl + b3), known.cfg,
+                  stream_handle(None, dev))
+        return True
 
     def _new_layout(self, like, torch):
         words = self._lay_words
