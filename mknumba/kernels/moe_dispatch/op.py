@@ -225,7 +225,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
 
     # -- calls ------------------------------------------------------------------------------------
     def out_shape(self):
-        return (self.capacity, self.ffn)
+        return self._out_shape
 
     def __call__(self, x, topk_idx, w, topk_weights=None, out=None, layout=None, stream=None):
         """x: this rank's tokens [T, hidden] bf16 (T <= max_tokens, 0 allowed); topk_idx
@@ -250,7 +250,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
     def _call(self, x, topk_idx, w, topk_weights, out, layout, stream):
         """A call with every check."""
         dev = self.comm.device_id
-        H, F, K = self.hidden, self.ffn, self.top_k
+        H, K = self.hidden, self.top_k
         X = operand(x, self.name, "x", shape=(None, H), device_id=dev)
         T = X.shape[0]
         if T > self.max_tokens:
@@ -272,8 +272,8 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         stream = stream_handle(stream, dev if X.torch else None)
         outputs_in_capture(self.name, stream, out=out, layout=layout)
         if out is None:
-            out = new_output(x, X.torch, (self.capacity, F))
-        O = operand(out, self.name, "out", shape=(self.capacity, F), device_id=dev)
+            out = new_output(x, X.torch, self._out_shape)
+        O = operand(out, self.name, "out", shape=self._out_shape, device_id=dev)
         if layout is None:
             layout = self._new_layout(x, X.torch)
         Lb = self._layout_operand(layout, X.torch, dev)
@@ -336,7 +336,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                                f"capacity {layout.capacity}; this op has {El} experts per "
                                f"rank and capacity {cap}")
         b = operand(layout.buffer, self.name, "layout.buffer", dtypes=("int32",),
-                    shape=(self._lay_words,), device_id=dev, align=4)
+                    shape=self._lay_shape, device_id=dev, align=4)
         if b.torch != torch:
             raise MkValueError(f"{self.name}: layout.buffer must be a PyTorch tensor exactly "
                                "when x is")
