@@ -26,15 +26,8 @@ elif [ "${1:-}" != none ]; then
   tests_rc=${PIPESTATUS[0]}
 fi
 
-: > "$OUT/sanitizer.log"
-# compute-sanitizer on a two-rank fused run (both ops, 3 calls): memcheck, then racecheck.
-[ "${SANITIZE:-1}" = 0 ] || for tool in memcheck racecheck; do
-  MKNUMBA_ALLOW_SHARED_GPU=1 MKNUMBA_TIMEOUT_S=300 timeout 400 mpirun --allow-run-as-root \
-    --oversubscribe -x MKNUMBA_ALLOW_SHARED_GPU -x MKNUMBA_TIMEOUT_S -x PYTHONPATH -n 2 \
-    compute-sanitizer --tool $tool --print-limit 20 --error-exitcode 9 \
-    $PY -m mpi4py tests/mpi/fused_checks.py both 1024 512 256 3 torch > "$OUT/sanitizer_$tool.log" 2>&1
-  echo "compute-sanitizer $tool: exit $? ($(grep -cE 'ERROR SUMMARY: 0 errors|RACECHECK SUMMARY: 0 hazards' "$OUT/sanitizer_$tool.log")/2 ranks clean)" | tee -a "$OUT/sanitizer.log"
-done
+# compute-sanitizer memcheck and racecheck of two-rank runs of the five fused kernels
+[ "${SANITIZE:-1}" = 0 ] || bash benchmarks/sanitize.sh > /dev/null
 
 MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x PYTHONPATH"
 : > "$OUT/bench.log"
@@ -55,6 +48,6 @@ for b in benchmarks/bench_${2:-*}.py; do
   fi || echo "FAILED $name (exit $?)" | tee -a "$OUT/bench.log"
 done
 $PY benchmarks/report.py "$OUT"/*.json
-cat "$OUT/sanitizer.log"
+cat "$OUT/sanitizer.log" 2>/dev/null
 echo "tests exit code: $tests_rc"
 exit $tests_rc
