@@ -3,18 +3,22 @@
     mpirun -n 2 python benchmarks/bench_host_cost.py --out benchmarks/results/host_cost.json
 
 Host cost is the wall time the calling thread spends in one call (the work is queued on the
-stream, not waited for): the mean over ``--calls`` back-to-back calls after warm-up, queued
-behind a kernel that holds the stream (``torch.cuda._sleep``) until the burst is in, so that
-nothing of the calls runs meanwhile: the host's time alone, not the GPU's (two ranks sharing
-one GPU slice it between their contexts) nor a full launch queue. A graph
+stream, not waited for): the mean over a burst of ``--calls`` back-to-back calls after a
+short warm-up, queued behind a kernel that holds the stream (``torch.cuda._sleep``) until the
+burst is in, so that nothing of the calls runs meanwhile: the host's time alone, not the GPU's
+(two ranks sharing one GPU slice it between their contexts) nor a full launch queue. Every
+op's variants take turns, one burst each per round, for ``--rounds`` rounds; ``host_us`` is
+the best burst, ``host_us_median`` the median (the host's speed drifts over a run). A graph
 record (``graph: true``) is the host time of one ``CUDAGraph.replay()`` of a captured call; a
 ``fresh_out: true`` record, of calls whose output alternates between two arrays, for each op of
 ours in each graph launch mode (``kernels.launch.set_graph_launch``; the record's
 ``graph_launch``): the default first, then "always" (its launches through the op's one-node
 graph) and "stable" (``cuLaunchKernel`` for every call whose addresses changed).
 Ranks may share a GPU (``MKNUMBA_ALLOW_SHARED_GPU=1``): only the host side is timed. Records:
-``kernel: "host_cost"`` with ``op``, ``host_us`` and ``graph`` (docs/design.md §8); the slowest
-rank counts.
+``kernel: "host_cost"`` with ``op``, ``host_us`` and ``graph`` (docs/design.md §8), and
+``host_cpu_us``, the calling thread's CPU time per call, best burst (well below ``host_us``:
+the thread waited for its core); the slowest rank counts. The share of the
+machine's CPU time stolen by its host while timing is printed last.
 
 ``--profile DIR``: instead, where each op's host time goes: rank 0 runs ``--calls`` calls of
 each op with fresh outputs under cProfile (after warm-up, the default graph launch mode) and
@@ -23,6 +27,7 @@ calls took the checked path (``arrays.operand`` calls per call: 0 on the hot pat
 adds its own cost to every Python call, so the shares, not the microseconds, are the finding.
 """
 import os
+import statistics
 import time
 
 os.environ.setdefault("MKNUMBA_ALLOW_SHARED_GPU", "1")   # host timing only
@@ -48,33 +53,25 @@ def warm_up(fn, mpi):
 
 def burst(fn, calls, mpi, prof=None):
     """Host seconds of ``calls`` back-to-back calls of ``fn``, queued behind a kernel that holds
-    the stream until the burst is in; then finished on every rank. ``prof``: a cProfile
-    profiler, enabled for the calls alone."""
+    the stream until the burst is in; then finished on every rank: (wall, this thread's CPU
+    time). ``prof``: a cProfile profiler, enabled for the calls alone."""
     import torch
     torch.cuda._sleep(GATE_CYCLES)
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     if prof is not None:
         prof.enable()
     for _ in range(calls):
         fn()
     if prof is not None:
         prof.disable()
-    s = time.perf_counter() - t0
+    s, cpu = time.perf_counter() - t0, time.thread_time() - c0
     torch.cuda.synchronize()
     mpi.Barrier()
-    return s
+    return s, cpu
 
 
-def host_us(fn, calls, mpi):
-    """Mean host microseconds per call of ``fn`` (slowest rank), after warm-up."""
-    warm_up(fn, mpi)
-    # best of five bursts: a burst can hit a GC pause
-    best = min(burst(fn, calls, mpi) for _ in range(5)) / calls * 1e6
-    return mpi.allreduce(best, op=common._max())
-
-
-def graph_us(fn, calls, mpi):
-    """Host microseconds per replay of a CUDA graph holding one call of ``fn``."""
+def captured(fn):
+    """``replay`` of a CUDA graph holding one call of ``fn`` (warmed up on a side stream)."""
     import torch
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -85,7 +82,37 @@ def graph_us(fn, calls, mpi):
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return host_us(g.replay, calls, mpi)
+    return g.replay
+
+
+def interleaved_us(variants, rounds, calls, mpi):
+    """Per variant (``fn``, graph launch mode), host microseconds per call, the slowest rank's:
+    (best wall, best CPU, median wall) over ``rounds`` bursts, one burst of each variant per
+    round, each after a short warm-up. The host's speed drifts over hundreds of milliseconds
+    (benchmarks/NOTES.md, fortieth session), longer than consecutive bursts of one variant
+    take; taken in turn, every variant meets the same fast and slow stretches."""
+    bursts = [[] for _ in variants]
+    for _ in range(rounds):
+        for i, (fn, mode) in enumerate(variants):
+            set_graph_launch(mode)
+            warm_up(fn, mpi)
+            bursts[i].append(burst(fn, calls, mpi))
+    out = []
+    for b in bursts:
+        mine = (min(w for w, _ in b), min(c for _, c in b), statistics.median(w for w, _ in b))
+        out.append(tuple(mpi.allreduce(v / calls * 1e6, op=common._max()) for v in mine))
+    return out
+
+
+def _cpu_stat():
+    """The machine's (steal, total) CPU jiffies so far (/proc/stat; zeros where it is not):
+    a virtual machine's host running something else on our cores shows as steal."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
 
 
 def _alternating(call, outs):
@@ -123,7 +150,8 @@ def profile(cases, calls, path, mpi):
 def main():
     args = common.parse_args(ranks="2 shared", extra=[
         (("--calls",), dict(type=int, default=100)),
-        (("--profile",), dict(default=None, help="a directory: profile, do not time"))])
+        (("--profile",), dict(default=None, help="a directory: profile, do not time")),
+        (("--rounds",), dict(type=int, default=12, help="bursts of each variant, in turn"))])
     import torch
     comm = mk.init()
     torch.cuda.set_device(comm.device_id)
@@ -187,25 +215,27 @@ def main():
     if args.profile:
         profile(cases, args.calls, os.path.join(args.profile, "host_profile.txt"), mpi)
         cases = []
-    records = []
+    stat0 = _cpu_stat()
     default = graph_launch()
     modes = [default] + [m for m in ("always", "stable") if m != default]
+    variants = []                  # (name, in_graph, fresh_out, mode, fn)
     for name, call, outs, graph in cases:
         same = (lambda call=call, o=outs and outs[0]: call(o))
+        variants.append((name, False, False, default, same))
+        if graph:
+            set_graph_launch(default)
+            variants.append((name, True, False, default, captured(same)))
         ours = name.startswith("mk.")
-        variants = [(same, False, False, default)] + \
-            ([(same, True, False, default)] if graph else []) + \
-            [(_alternating(call, outs), False, True, m) for m in (modes if ours else modes[:1])
-             if outs]
-        for fn, in_graph, fresh, mode in variants:
-            set_graph_launch(mode)
-            us = (graph_us if in_graph else host_us)(fn, args.calls, mpi)
-            records.append(common.record(
-                "host_cost", {"m": M, "n": N, "k": K}, dtype="bfloat16", world=W,
-                topology=topo, transport=None, ours_ms=None, baseline=None, baseline_ms=None,
-                floor_ms=None, op=name, host_us=us, graph=in_graph, fresh_out=fresh,
-                graph_launch=mode))
-        set_graph_launch(default)
+        variants += [(name, False, True, m, _alternating(call, outs))
+                     for m in (modes if ours else modes[:1]) if outs]
+    timed = interleaved_us([(v[4], v[3]) for v in variants], args.rounds, args.calls, mpi)
+    set_graph_launch(default)
+    records = [common.record(
+        "host_cost", {"m": M, "n": N, "k": K}, dtype="bfloat16", world=W, topology=topo,
+        transport=None, ours_ms=None, baseline=None, baseline_ms=None, floor_ms=None, op=name,
+        host_us=us, host_cpu_us=cpu_us, host_us_median=median_us, graph=in_graph,
+        fresh_out=fresh, graph_launch=mode)
+        for (name, in_graph, fresh, mode, _), (us, cpu_us, median_us) in zip(variants, timed)]
     for op in (rs, ar, ag, agg, ring, moe):
         op.synchronize()
         op.free()
@@ -213,7 +243,11 @@ def main():
         common.write(records, args.out)
         for r in records:
             print(f"host_cost {r['op']:<32} graph={int(r['graph'])} fresh_out="
-                  f"{int(r['fresh_out'])} {r['graph_launch']:<6} {r['host_us']:7.2f} us")
+                  f"{int(r['fresh_out'])} {r['graph_launch']:<6} {r['host_us']:7.2f} us "
+                  f"(CPU {r['host_cpu_us']:6.2f}, median {r['host_us_median']:6.2f})")
+        steal = [b - a for a, b in zip(stat0, _cpu_stat())]
+        print(f"steal: {100 * steal[0] / max(steal[1], 1):.1f}% of the machine's CPU time "
+              "while timing (/proc/stat)")
     dist.destroy_process_group()
     comm.finalize()
 
