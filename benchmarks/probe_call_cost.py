@@ -12,7 +12,7 @@ import time
 import torch
 import mknumba as mk
 from mknumba.arrays import operand
-from mknumba.kernels.launch import stream_handle
+from mknumba.kernels.streams import stream_handle
 from mknumba.kernels import gemm as G
 M, N, K = 2048, 2048, 512
 a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import mknumba as mk  # noqa: E402
 from mknumba.arrays import torch_ptr  # noqa: E402
 from mknumba.errors import ERR_SET  # noqa: E402
-from mknumba.kernels.launch import stream_handle  # noqa: E402
+from mknumba.kernels.streams import stream_handle  # noqa: E402
 
 M, N, K = 2048, 2048, 512
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 import mknumba as mk
-from mknumba.kernels.launch import stream_handle
+from mknumba.kernels.streams import stream_handle
 
 cu = ctypes.CDLL("libcuda.so.1")
 vp = ctypes.c_void_p

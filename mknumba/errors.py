@@ -66,7 +66,7 @@ KIND_ERRORS = {KIND_TIMEOUT: MkTimeoutError, KIND_CAPACITY: MkCapacityError,
 #: kinds whose launch still ended consistently on every rank (a bad input was left out and
 #: reported): the record is cleared once raised, so after synchronize() raised it the op
 #: takes the next call (raised by a call instead, that call is not launched on this rank:
-#: ``kernels.launch.OpLifetime._end_calls``)
+#: ``kernels.lifetime.OpLifetime._end_calls``)
 CLEARED_ONCE_RAISED = (KIND_EXPERT,)
 
 

@@ -31,7 +31,7 @@ __all__ = ["ld_acquire", "ld_acquire_sys", "st_release", "st_release_sys", "st_r
            "acquire", "release", "record", "pack_bf16x2", "add_bf16x2",
            "epoch_of", "epoch_of_host", "next_epoch_host", "FRAME_WORDS", "FRAME_CLOSED"]
 
-#: An op's call counter on its GPU (``kernels.launch.Frame``, ``roles.blocks.begin``): one
+#: An op's call counter on its GPU (``kernels.lifetime.Frame``, ``roles.blocks.begin``): one
 #: uint64 of tickets, one per block of every launch so far.
 FRAME_WORDS = 1
 #: The counter's top bit: the op has ended on this rank (``Frame.close``), so a launch that

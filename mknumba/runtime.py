@@ -267,7 +267,7 @@ class Comm:
                           "`with mk.init()` block): init a new one")
 
     def adopt(self, op):
-        """An op planned on this Comm (``kernels.launch.OpLifetime``): :meth:`finalize`, which
+        """An op planned on this Comm (``kernels.lifetime.OpLifetime``): :meth:`finalize`, which
         frees every symmetric buffer, frees the op too, so that a later call raises MkError
         rather than launching on freed memory."""
         self._check_open()

@@ -247,7 +247,7 @@ def test_a_binder_repeating_its_last_values_keeps_the_slots_right(monkeypatch):
     assert slots() == [1, 1, 3] and refreshed[-1] is True
 
 
-# ---- calls on two streams during a capture (CPU check of kernels.launch.StreamOrder) ---------
+# ---- calls on two streams during a capture (CPU check of kernels.streams.StreamOrder) --------
 def test_call_beside_a_capture_is_refused_and_ends_the_op(monkeypatch):
     """A call on another stream while the op's calls are being captured is refused
     (MkValueError naming both streams) before any driver call, and the refusal ends a fused
@@ -258,11 +258,11 @@ def test_call_beside_a_capture_is_refused_and_ends_the_op(monkeypatch):
     handles; whether a stream captures is stubbed, and so is the frame."""
     from mknumba import MkError
     from mknumba.errors import MkValueError
-    from mknumba.kernels import launch
+    from mknumba.kernels import lifetime, streams
 
     capturing = {0x10}
-    monkeypatch.setattr(launch, "SIMULATOR", False)
-    monkeypatch.setattr(launch, "is_capturing", lambda stream: stream in capturing)
+    monkeypatch.setattr(streams, "SIMULATOR", False)
+    monkeypatch.setattr(streams, "is_capturing", lambda stream: stream in capturing)
 
     class Comm:
         size = 2
@@ -270,7 +270,7 @@ def test_call_beside_a_capture_is_refused_and_ends_the_op(monkeypatch):
         def adopt(self, op):
             pass
 
-    class Op(launch.OpLifetime):
+    class Op(lifetime.OpLifetime):
         name, members = "SomeOp", 2
 
     class Frame:
@@ -292,7 +292,7 @@ def test_call_beside_a_capture_is_refused_and_ends_the_op(monkeypatch):
     assert closed == [0x10]              # the frame closed (off the capturing stream)
     op.streams.enter(0x10)               # the capture itself goes on
 
-    alone = launch.StreamOrder("Gemm")   # a one-GPU op's order: refused, nothing to end
+    alone = streams.StreamOrder("Gemm")   # a one-GPU op's order: refused, nothing to end
     alone.enter(0x10)
     with pytest.raises(MkValueError, match="Gemm: called on stream 0x20"):
         alone.enter(0x20)
@@ -342,7 +342,7 @@ def test_map_rows_written_in_a_capture_are_rewritten_before_their_first_eager_us
         t.row((4,), 7)
 
 
-# ---- the stream of an op's last call (CPU check of kernels.launch.StreamHandle) ----------------
+# ---- the stream of an op's last call (CPU check of kernels.streams.StreamHandle) ----------------
 def test_an_op_holds_the_stream_object_of_its_last_call(monkeypatch):
     """A stream object's handle keeps the object alive (a dropped numba or CuPy stream is
     destroyed, and the op uses its last stream after the call); it reads as the plain handle;
@@ -350,9 +350,9 @@ def test_an_op_holds_the_stream_object_of_its_last_call(monkeypatch):
     import gc
     import weakref
 
-    from mknumba.kernels import launch
+    from mknumba.kernels import streams
 
-    monkeypatch.setattr(launch, "SIMULATOR", False)
+    monkeypatch.setattr(streams, "SIMULATOR", False)
 
     class CupyLike:
         def __init__(self, ptr):
@@ -360,9 +360,9 @@ def test_an_op_holds_the_stream_object_of_its_last_call(monkeypatch):
 
     s = CupyLike(0x1234)
     alive = weakref.ref(s)
-    h = launch.stream_handle(s)
+    h = streams.stream_handle(s)
     assert h == 0x1234 and hash(h) == hash(0x1234) and f"{h:#x}" == "0x1234"
-    order = launch.StreamOrder("SomeOp")
+    order = streams.StreamOrder("SomeOp")
     order.enter(h)                       # the first call: nothing to order behind
     del s, h
     gc.collect()
@@ -370,8 +370,8 @@ def test_an_op_holds_the_stream_object_of_its_last_call(monkeypatch):
     order.last = None
     gc.collect()
     assert alive() is None               # and by nothing else
-    assert type(launch.stream_handle(CupyLike(0))) is int    # the legacy stream: nothing held
-    assert type(launch.stream_handle(0x20)) is int
+    assert type(streams.stream_handle(CupyLike(0))) is int    # the legacy stream: nothing held
+    assert type(streams.stream_handle(0x20)) is int
 
 
 # ---- a plan that fails on one rank (CPU check of OpLifetime._planning_ends) -------------------
@@ -380,7 +380,7 @@ def test_a_failed_plan_ends_the_op_and_leaves_its_comm():
     its Comm (whose finalize would otherwise tend it); one that plans is kept. The members'
     allgather is stubbed as one rank's."""
     from mknumba import MkError
-    from mknumba.kernels import launch
+    from mknumba.kernels import lifetime
 
     class Group:
         def Get_size(self):
@@ -398,7 +398,7 @@ def test_a_failed_plan_ends_the_op_and_leaves_its_comm():
         def disown(self, op):
             self.ops.remove(op)
 
-    class Op(launch.OpLifetime):
+    class Op(lifetime.OpLifetime):
         name = "SomeOp"
 
     comm = Comm()

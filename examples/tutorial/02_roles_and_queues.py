@@ -13,7 +13,8 @@ What you will learn
   * The launch frame (``kernels.launch``): parameters declared once by annotations
     (``array_type``), compiled once (``compile_kernel``), arguments converted once
     (``Launch``); a call binds one address (``bind``) and launches. The call counter lives on
-    the GPU (``Frame``): every block calls ``begin(frame)`` first and gets this call's epoch.
+    the GPU (``Frame``, ``kernels.lifetime``): every block calls ``begin(frame)`` first and
+    gets this call's epoch.
 
 What the code does
   Producers compute ``items = 2 * src`` item by item and publish one flag per item; consumers
@@ -27,7 +28,8 @@ import numpy as np
 import mknumba as mk
 from mknumba import primitives as prim
 from mknumba.errors import ROLE_COMPUTE
-from mknumba.kernels.launch import Frame, Launch, Slot, array_type, compile_kernel, param
+from mknumba.kernels.launch import Launch, Slot, array_type, compile_kernel, param
+from mknumba.kernels.lifetime import Frame
 from mknumba.roles.blocks import begin, publish, take, wait
 from numba import cuda, types
 

@@ -23,7 +23,8 @@ from mknumba._compat import SIMULATOR
 from mknumba.errors import ROLE_COMPUTE
 from mknumba.kernels.gemm import kind_for
 from mknumba.kernels.gemm_inputs import NoTensorMaps, TensorMaps
-from mknumba.kernels.launch import Frame, Launch, Slot, array_type, compile_kernel, param
+from mknumba.kernels.launch import Launch, Slot, array_type, compile_kernel, param
+from mknumba.kernels.lifetime import Frame
 from mknumba.roles import compute
 from mknumba.roles.blocks import begin, wait
 from numba import cuda, types

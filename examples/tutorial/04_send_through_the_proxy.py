@@ -28,7 +28,8 @@ import numpy as np
 import mknumba as mk
 from mknumba import primitives as prim
 from mknumba.errors import ROLE_RECV
-from mknumba.kernels.launch import Frame, Launch, Slot, array_type, compile_kernel, param
+from mknumba.kernels.launch import Launch, Slot, array_type, compile_kernel, param
+from mknumba.kernels.lifetime import Frame
 from mknumba.roles.blocks import begin, copy_tile, wait
 from mknumba.roles.send import enqueue
 from numba import cuda, types

@@ -44,8 +44,9 @@ from ..arrays import BF16, is_torch, operand, refuse_overlap, torch_ptr, unshare
 from ..errors import ERR_SET, ROLE_RECV, MkError, MkValueError, positive_ints
 from ..roles.blocks import begin, copy_tile, publish, wait
 from ..roles.send import enqueue_rail
-from .launch import (Frame, Launch, OpLifetime, Slot, array_type,
-                     compile_kernel, outputs_in_capture, stream_handle)
+from .launch import Launch, Slot, array_type, compile_kernel
+from .lifetime import Frame, OpLifetime
+from .streams import outputs_in_capture, stream_handle
 
 Flags, Ptrs, Record = array_type(np.uint32, 1), array_type(np.uint64, 1), array_type(np.int64, 1)
 Ints = array_type(np.int32, 1)

@@ -76,8 +76,9 @@ from ..roles.blocks import begin
 from ..runtime import default_timeout_ns
 from ..sched.tiles import cdiv, gemm_group_m, grouped_order, plan_grid
 from .gemm_inputs import NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
-from .launch import (Frame, Launch, Slot, StreamOrder, array_type, compile_kernel, is_capturing,
-                     outputs_in_capture, stream_handle)
+from .launch import Launch, Slot, array_type, compile_kernel
+from .lifetime import Frame
+from .streams import StreamOrder, is_capturing, outputs_in_capture, stream_handle
 from numba import cuda, types
 
 __all__ = ["gemm", "Gemm", "split_k_for", "tail_split_for", "pp_for", "pp_shape_for",
@@ -275,7 +276,7 @@ def tms_for(kind, k):
 
 def shared_bps(known, sms, bps, op="mknumba.gemm"):
     """Blocks per SM a new plan of an op launches, whose call counter
-    (``kernels.launch.Frame``) numbers launches of ``known`` blocks (None: this is the op's
+    (``kernels.lifetime.Frame``) numbers launches of ``known`` blocks (None: this is the op's
     first plan, which sets it): the kernel's own ``bps`` (what fits on an SM) where that gives
     the same grid, else the counter's. Fewer blocks than fit are all co-resident; more than
     fit are right for whole tiles only (no block waits on another: the extra ones run when
@@ -473,7 +474,7 @@ def _make_kernel(build, threads, split):
         tmaps: the tensor maps of a and b, a pair per slice (sm90); flags uint32[(slices + 1)
         * tiles]: [0, tiles) := epoch when tile t is done (nothing in the kernel reads
         them: whole tiles record them with plain stores), the rest the slices' (split_units);
-        frame: the op's call counter (``kernels.launch.Frame``); order int32: the work units
+        frame: the op's call counter (``kernels.lifetime.Frame``); order int32: the work units
         (split_order of sched.grouped_order, with the tail split's ``tail``); slices of kc
         (split_slices), each tile's fold in ``parts`` units (fold_parts_for); a fold unit waits
         at most timeout_ns, then records the error in err (int64[ERR_WORDS], mapped)."""

@@ -19,7 +19,8 @@ from numba import cuda
 from .. import _compat  # noqa: F401
 from ..errors import MkError, MkValueError
 from ..roles import compute
-from .launch import Launch, Slot, compile_kernel, is_capturing, param
+from .launch import Launch, Slot, compile_kernel, param
+from .streams import is_capturing
 from .tensor_maps import MAP_WORDS, MapTable, tensor_map
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from numba import cuda
 
 from ..errors import MkError, MkValueError
-from .launch import is_capturing
+from .streams import is_capturing
 
 MAP_WORDS = 16      # one CUtensorMap, in uint64 words
 

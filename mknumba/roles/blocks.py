@@ -13,7 +13,7 @@ from .. import primitives as prim
 @cuda.jit(device=True)
 def begin(frame):
     """Every block of a launch calls this first, with all its threads: ``(epoch, call)`` of
-    this launch, from the op's call counter ``frame`` (uint64 tickets, ``kernels.launch.Frame``).
+    this launch, from the op's call counter ``frame`` (uint64 tickets, ``kernels.lifetime.Frame``).
 
     Thread 0 takes the next ticket; launches of one op run one after another, so launch c (1,
     2, ...) holds tickets [(c - 1) * grid, c * grid) and ``call = ticket // grid + 1``. Nothing

@@ -232,7 +232,7 @@ class GraphCapture:
         self.kw = {}
         if self.torch is None:
             from cuda.bindings import driver as drv
-            from mknumba.kernels.launch import stream_handle
+            from mknumba.kernels.streams import stream_handle
             self.drv, self.stream = drv, cuda.stream()
             self.handle = drv.CUstream(stream_handle(self.stream))
             self.kw = dict(stream=self.stream)
@@ -1055,11 +1055,11 @@ def _refused(fn, words, error=mk.MkValueError):
 
 @contextlib.contextmanager
 def capturing():
-    """Every stream reads as being captured into a CUDA graph (``launch.is_capturing``, as
+    """Every stream reads as being captured into a CUDA graph (``streams.is_capturing``, as
     every mknumba module imported it), so that what an op refuses inside a capture can be
     checked in the simulator, which has no graphs. Only for calls refused before a launch."""
-    from mknumba.kernels import launch
-    real = launch.is_capturing
+    from mknumba.kernels import streams
+    real = streams.is_capturing
     mods = [m for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith(
         "mknumba") and getattr(m, "is_capturing", None) is real]
     for m in mods:
@@ -1138,7 +1138,7 @@ def check_graph(comm, opts, A):
 def check_cugraph(comm, opts, A):
     """mk.gemm on a numba stream, captured and replayed through cuda.bindings."""
     from cuda.bindings import driver as drv
-    from mknumba.kernels.launch import stream_handle
+    from mknumba.kernels.streams import stream_handle
     gm, gn, gk = opts["gm"], opts["gn"], opts["gk"]
     replays = opts["calls"]
 
@@ -1231,7 +1231,7 @@ def check_dropped(comm, opts, A):
     numba's pending deallocations run): each op's next call on another stream is ordered
     behind the dropped one, then ``synchronize()`` waits on it, then ``free()`` (mk.Gemm, the
     fused ops, AllGather; numba arrays), every result checked. The op holds the stream of
-    its last call (``launch.StreamHandle``): a destroyed stream's handle names freed driver
+    its last call (``streams.StreamHandle``): a destroyed stream's handle names freed driver
     state (a Comm's finalize crashed on one in ``replayed``)."""
     import gc
 

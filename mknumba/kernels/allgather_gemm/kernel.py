@@ -346,7 +346,7 @@ def make_kernel(build, threads, adaptive=False):
         words (read only when cfg[C_COLLECT]); tile_flags uint32 [tiles]; order int32 [tiles]
         (``sched.tiles.gather_order``); shards int32 [world]: world ranks in arrival order;
         rail int32: the rail peers' world ranks; ring/head/tail: the proxy's command ring;
-        frame: the op's call counter (``kernels.launch.Frame``); err: the error record;
+        frame: the op's call counter (``kernels.lifetime.Frame``); err: the error record;
         trace int64 [TRACE_EVENTS, items] (written only when cfg[C_TRACE]); the adaptive
         build's queue uint32 [QUEUES] (the compute and communication queues' ticket counters)
         and ctl uint64 [roles.controller.CTL_WORDS] (its measurements).

@@ -10,8 +10,9 @@ from ..gemm_inputs import (LayoutLaunches, NoTensorMaps, SlotMaps, TensorMaps, b
                            b_shape)
 from ...roles.controller import CTL_LOG, CTL_WORDS
 from ...timeline import Timeline, Traced, decision_log, role_of, segments_from_log, spans
-from ..launch import (Frame, OpLifetime, Slot, outputs_in_capture, pack, param,
-                      stream_handle)
+from ..launch import Slot, pack, param
+from ..lifetime import Frame, OpLifetime
+from ..streams import outputs_in_capture, stream_handle
 from .kernel import CFG_FIELDS, Q_COMM, Q_COMPUTE, QUEUES, TRACE_EVENTS, TRACE_ROWS, build
 from .plan import AllGatherGemmPlan
 

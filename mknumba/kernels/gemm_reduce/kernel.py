@@ -425,7 +425,7 @@ def make_kernel(build, threads, adaptive=False):
         memory as bf16 bits [out rows, n], where a folding compute role writes); stage/recv:
         tile-major uint64 [2 * slots * bm * bn/4]; flags uint32; tables int32 (sched.reduce);
         ring/head/tail: the proxy's command ring (``roles.send``); frame: the op's call counter
-        (``kernels.launch.Frame``); trace int64 [TRACE_EVENTS, items] (written only when
+        (``kernels.lifetime.Frame``); trace int64 [TRACE_EVENTS, items] (written only when
         cfg[C_TRACE]); queue uint32 [QUEUES]: the reduce, pull and (adaptive) compute work
         queues' ticket counters; ctl uint64 [roles.controller.CTL_WORDS]: the controller's
         measurements (adaptive, cfg[C_ADAPTIVE]: blocks [0, C_REDUCE_END) are flexible)."""

@@ -12,8 +12,9 @@ from ...roles.controller import CTL_WORDS
 from ...timeline import (Timeline, Traced, decision_log, role_of, segments_from_log,
                          spans)
 from ..gemm_inputs import LayoutLaunches, NoTensorMaps, TensorMaps, b_kn, b_mode, b_shape
-from ..launch import (Frame, OpLifetime, Slot, outputs_in_capture, pack, param,
-                      stream_handle)
+from ..launch import Slot, pack, param
+from ..lifetime import Frame, OpLifetime
+from ..streams import outputs_in_capture, stream_handle
 from .kernel import (CFG_FIELDS, CTL_LOG, Q_COMPUTE, Q_PULL, Q_REDUCE, QUEUES, TRACE_EVENTS,
                      TRACE_ROWS, build)
 from .plan import GemmReducePlan

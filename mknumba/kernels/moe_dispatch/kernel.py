@@ -598,7 +598,7 @@ def make_kernel(build, threads, adaptive=False):
         [capacity, 3] (source rank, token, top-k slot), weights_out fp32 [capacity]; order
         int32 [tiles_m * tiles_n]; rail int32: the rail peers' world ranks; ring/head/tail:
         the proxy's command ring (between nodes); frame: the op's call counter
-        (``kernels.launch.Frame``); err: the error record; the adaptive build's queue uint32
+        (``kernels.lifetime.Frame``); err: the error record; the adaptive build's queue uint32
         [QUEUES] (the compute and pull queues' ticket counters) and ctl uint64
         [roles.controller.CTL_WORDS] (its measurements).
 

@@ -12,9 +12,9 @@ from ...errors import ERR_SET, MkError, MkValueError
 from ...roles.controller import CTL_WORDS, QUEUES
 from ...roles.compute import kn_kind
 from ..gemm_inputs import b_map
-from ..launch import (Frame, Launch, OpLifetime, Slot, compile_kernel,
-                      is_capturing, outputs_in_capture, pack, param,
-                      stream_handle)
+from ..launch import Launch, Slot, compile_kernel, pack, param
+from ..lifetime import Frame, OpLifetime
+from ..streams import is_capturing, outputs_in_capture, stream_handle
 from ..tensor_maps import MapTable, tensor_map
 from .kernel import CFG_FIELDS, Q_COMM, Q_COMPUTE, build, flag_words, lay_words, meta_words
 from .plan import MoeDispatchGemmPlan

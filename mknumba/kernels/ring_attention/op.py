@@ -13,8 +13,9 @@ from ...roles.attention import (HEAD_DIM_MAX, SM90_BUILDS, SM90_HEAD_DIMS, SM90_
                                 SM90_SMEM_BYTES, SM90_THREADS)
 from ...sched.sequence import check_layout, runs
 from ...sched.tiles import arrival_order
-from ..launch import (Frame, Launch, OpLifetime, Slot, compile_kernel,
-                      is_capturing, outputs_in_capture, pack, param, stream_handle)
+from ..launch import Launch, Slot, compile_kernel, pack, param
+from ..lifetime import Frame, OpLifetime
+from ..streams import is_capturing, outputs_in_capture, stream_handle
 from ...roles.controller import CTL_LOG, CTL_WORDS, Q_COMM, Q_COMPUTE, QUEUES
 from ...timeline import Timeline, Traced, decision_log, role_of, segments_from_log, spans
 from ..tensor_maps import MAP_WORDS, MapTable, tensor_map
