@@ -16,8 +16,8 @@ ours in each graph launch mode (``kernels.launch.set_graph_launch``; the record'
 graph) and "stable" (``cuLaunchKernel`` for every call whose addresses changed).
 Ranks may share a GPU (``MKNUMBA_ALLOW_SHARED_GPU=1``): only the host side is timed. Records:
 ``kernel: "host_cost"`` with ``op``, ``host_us`` and ``graph`` (docs/design.md §8), and
-``host_cpu_us``, the calling thread's CPU time per call, best burst (well below ``host_us``:
-the thread waited for its core); the slowest rank counts. The share of the
+``host_cpu_us``, the calling thread's CPU time per call, best burst (equal to ``host_us`` while
+the thread keeps its core; below it, the thread waited); the slowest rank counts. The share of the
 machine's CPU time stolen by its host while timing is printed last.
 
 ``--profile DIR``: instead, where each op's host time goes: rank 0 runs ``--calls`` calls of

@@ -27,7 +27,9 @@ elif [ "${1:-}" != none ]; then
 fi
 
 # compute-sanitizer memcheck and racecheck of two-rank runs of the five fused kernels
-[ "${SANITIZE:-1}" = 0 ] || bash benchmarks/sanitize.sh > /dev/null
+: > "$OUT/sanitizer.log"
+sanitize_rc=0
+[ "${SANITIZE:-1}" = 0 ] || bash benchmarks/sanitize.sh > /dev/null || sanitize_rc=$?
 
 MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x PYTHONPATH"
 : > "$OUT/bench.log"
@@ -48,6 +50,7 @@ for b in benchmarks/bench_${2:-*}.py; do
   fi || echo "FAILED $name (exit $?)" | tee -a "$OUT/bench.log"
 done
 $PY benchmarks/report.py "$OUT"/*.json
-cat "$OUT/sanitizer.log" 2>/dev/null
-echo "tests exit code: $tests_rc"
+cat "$OUT/sanitizer.log"
+echo "tests exit code: $tests_rc, compute-sanitizer exit code: $sanitize_rc"
+[ "$tests_rc" = 0 ] && exit $sanitize_rc
 exit $tests_rc

@@ -90,13 +90,14 @@ def outputs_in_capture(op, stream, **outputs):
 class StreamOrder:
     """Keeps an op's calls in one order when they come on different streams.
 
-    The call counter (:class:`Frame`) numbers launches in the order they start, so two calls of
-    one op must not run at once. A call on another stream than the last one first makes its
-    stream wait for the last call's (an event). A capturing stream takes no such dependency: a
-    graph's replays run wherever they are replayed, ordered by the caller like any other work
-    on that stream (``torch.cuda.graph`` synchronises the device before it captures). A call on
-    another stream while a capture is in progress is refused: it could run during the capture's
-    own calls. ``refused(why)``, if given, is told first (``OpLifetime._end_calls``).
+    The call counter (:class:`~mknumba.kernels.lifetime.Frame`) numbers launches in the order
+    they start, so two calls of one op must not run at once. A call on another stream than the
+    last one first makes its stream wait for the last call's (an event). A capturing stream
+    takes no such dependency: a graph's replays run wherever they are replayed, ordered by the
+    caller like any other work on that stream (``torch.cuda.graph`` synchronises the device
+    before it captures). A call on another stream while a capture is in progress is refused: it
+    could run during the capture's own calls. ``refused(why)``, if given, is told first
+    (``OpLifetime._end_calls``).
     """
 
     def __init__(self, name, refused=None):
