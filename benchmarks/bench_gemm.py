@@ -20,13 +20,13 @@ the two's repetitions alternating.
 ``benchmarks/plot_gemm_grid.py`` renders the result (geometric mean, worst points, a heat map).
 ``--split-k S``: ``Gemm(split_k=S)`` (1: no split; default: the op's rule), each record saying
 how many slices ran (``slices``); ``--shapes``: only these shapes (e.g. to sweep S on a few).
-``--pp-shapes``: the ping-pong tile shapes "auto" may choose (``kernels.gemm.PP_TILE_COST``
+``--pp-shapes``: the ping-pong tile shapes "auto" may choose (``kernels.gemm.plan.PP_TILE_COST``
 restricted to these; ``128x128``: the rule without the smaller tiles); each record names the
 tile shape its plan ran (``tile_shape``). ``--group-m``: one op per value, ``Gemm(group_m=G)``
 (the tile order's band height, ``sched.tiles.grouped_order``; "auto": the op's rule), timed
 in turn beside cuBLAS at every shape, each record naming its ``group_m``; ``--tile`` in
 ``--grid`` takes several builds the same way (each record names its ``tile``).
-``--fold-parts P``: a split tile's fold in at most P units (``kernels.gemm.FOLD_MAX_PARTS``;
+``--fold-parts P``: a split tile's fold in at most P units (``kernels.gemm.plan.FOLD_MAX_PARTS``;
 1: one unit a tile), each record saying how many ran (``fold_parts``).
 """
 import argparse
@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 import mknumba  # noqa: E402,F401
-import mknumba.kernels.gemm as G  # noqa: E402
+import mknumba.kernels.gemm.plan as G  # noqa: E402
 from mknumba.kernels.gemm import Gemm  # noqa: E402
 
 SQUARE = [(4096, 4096, 4096), (8192, 8192, 8192)]
@@ -186,10 +186,10 @@ def main():
                    help="--grid: one op per value, e.g. auto,1 (Gemm(group_m=G))")
     p.add_argument("--fold-parts", type=int, default=None,
                    help="--grid: a split tile's fold in at most this many units "
-                        "(kernels.gemm.FOLD_MAX_PARTS; 1: one a tile)")
+                        "(kernels.gemm.plan.FOLD_MAX_PARTS; 1: one a tile)")
     p.add_argument("--pp-shapes", default=None,
                    help="--grid: the ping-pong tile shapes 'auto' may take, e.g. 128x128,64x64 "
-                        "(default: every shape of kernels.gemm.PP_TILE_COST)")
+                        "(default: every shape of kernels.gemm.plan.PP_TILE_COST)")
     args = p.parse_args()
     args.tile = args.tile or ("auto" if args.grid else "sm90")
     if "," in args.tile and not args.grid:

@@ -13,7 +13,7 @@ import torch
 import mknumba as mk
 from mknumba.arrays import operand
 from mknumba.kernels.streams import stream_handle
-from mknumba.kernels import gemm as G
+from mknumba.kernels.gemm import op as G
 M, N, K = 2048, 2048, 512
 a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
 w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)

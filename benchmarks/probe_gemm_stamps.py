@@ -142,12 +142,12 @@ class Stamps:
     """The stamp buffer (one per process: its address is compiled into the stamped builds) and
     the stamped tile builds, registered with ``roles.compute.register_tile`` as
     ``probe:<name>``; the compute role's wait for a work item's inputs is wrapped with the
-    role-level stamps for those builds only (``kernels.gemm.split_units`` patched here)."""
+    role-level stamps for those builds only (``kernels.gemm.kernel.split_units`` patched here)."""
 
     def __init__(self, blocks, buf=None):
         """Rows for ``blocks`` blocks; ``buf``: anything with ``data_ptr()`` standing in for
         the buffer (compile checks without a GPU), else a new zeroed int64 tensor."""
-        from mknumba.kernels import gemm as G
+        from mknumba.kernels.gemm import kernel as G
         self.blocks = blocks
         if buf is None:
             import torch
@@ -375,7 +375,7 @@ def main():
                         "(row-major [k, n])")
     args = p.parse_args()
     import torch
-    from mknumba.kernels import gemm as G
+    from mknumba.kernels.gemm import op as G
     from mknumba.sched.tiles import cdiv
     faulthandler.enable()
     want = set(args.variants.split(",")) if args.variants else None

@@ -15,7 +15,7 @@ as bench_gemm.py times) of:
   it is not checked), and ``sS.fold`` = sS - sS.sl: what the folds add to the critical path.
 
 The slices-only and split1 runs patch the module's plan-time helpers inside this probe only
-(``kernels.gemm.split_order`` and ``kernels.gemm._build``); the library has no such switch.
+(``kernels.gemm.plan.split_order`` and ``kernels.gemm.op._build``); the library has no such switch.
 Full runs are checked against an fp32 reference (relative Frobenius error). Also printed: how
 many slices ``split_k_for`` picks (``rule``).
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from mknumba.kernels import gemm as G  # noqa: E402
+from mknumba.kernels.gemm import op as G  # noqa: E402
 from mknumba.sched.tiles import cdiv  # noqa: E402
 
 SHAPES = [(512, 1024, 14336), (1024, 1024, 8192), (2048, 1024, 4096), (512, 4096, 4096),

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import torch  # noqa: E402
 
-from mknumba.kernels import gemm as G  # noqa: E402
+from mknumba.kernels.gemm import op as G  # noqa: E402
 from mknumba.sched.tiles import cdiv  # noqa: E402
 from probe_split_k import layouts, measure  # noqa: E402
 

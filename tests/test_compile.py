@@ -166,7 +166,7 @@ def _link_sm90a(kernel, threads, cc, as_launched=False, cubin=False):
 def _hopper_kernel(name):
     from mknumba.roles.compute import SM90_FUSED_TILE
     if name in GEMM_BUILDS:
-        from mknumba.kernels import gemm
+        from mknumba.kernels.gemm import kernel as gemm
         build, kernel = gemm._build(*GEMM_BUILDS[name])
         return kernel, build.threads
     if name.startswith("gemm_reduce"):      # gemm_reduce_adaptive: the controller's build
@@ -377,7 +377,7 @@ def test_pingpong_desc_iter_shortens_the_k_step(fake_sm90, plain, desc_iter):
 
 
 def tail_split_order(ptx):
-    """The tail split's kernel in the linked PTX (kernels.gemm.tail_split_role): phase 1's
+    """The tail split's kernel in the linked PTX (kernels.gemm.kernel.tail_split_role): phase 1's
     tile (its four k16 MMAs, global 16-byte stores of C), a block barrier, thread 0
     invalidating the ring's 8 barriers (4 slots, full and empty) and initialising them again
     (gemm_tile.cu mk_gemm_sm90_reinit), the init fence, a block barrier, then phase 2's tile

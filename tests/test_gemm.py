@@ -131,7 +131,7 @@ def test_split_k_rule_and_order():
     units are every slice of every tile, then the fold units (bands of each tile's rows, as
     many as keep them to one round of the blocks); the simulator's block order is checked (a
     fold must not wait on a later block there)."""
-    from mknumba.kernels.gemm import (_sim_safe, fold_parts_for, split_k_for, split_order,
+    from mknumba.kernels.gemm.plan import (_sim_safe, fold_parts_for, split_k_for, split_order,
                                       split_slices)
     assert split_k_for(16, 14336, 132) == 8          # 512 x 1024: 132 // 16 slices
     assert split_k_for(32, 8192, 132) == 4           # 1024 x 1024: 128 k-steps
@@ -197,7 +197,7 @@ def test_plans_of_one_op_share_its_grid():
     counter numbers launches of one grid: a plan launches the counter's grid, fewer blocks per
     SM than fit, or more (a split then checks its kernel's fit: _Plan)."""
     from mknumba.errors import MkError
-    from mknumba.kernels.gemm import shared_bps
+    from mknumba.kernels.gemm.plan import shared_bps
     assert shared_bps(None, 132, 2) == 2          # the first plan sets the grid
     assert shared_bps(264, 132, 2) == 2           # the same grid
     assert shared_bps(132, 132, 2) == 1           # fewer than fit: co-resident
@@ -211,7 +211,7 @@ SPLIT_RUN = textwrap.dedent("""
     import os
     import numpy as np
     from numba import cuda
-    import mknumba.kernels.gemm as G
+    import mknumba.kernels.gemm.op as G       # Gemm, and _SIM_SMS: the simulated SMs
     from mknumba.arrays import from_bf16_bits as f32, to_bf16_bits as bf16
     from mknumba.errors import MkTimeoutError, MkValueError
 
@@ -318,7 +318,7 @@ def test_tail_split_rule_and_order():
     back): the last round's tiles, when at most half the blocks get one, cut into slices
     that all run at once, none shorter than SPLIT_MIN_STEPS k-steps, one slice fewer when that
     divides K evenly; the order runs the other tiles whole first."""
-    from mknumba.kernels.gemm import _sim_safe, split_order, tail_split_for
+    from mknumba.kernels.gemm.plan import _sim_safe, split_order, tail_split_for
     # 512 x 28672: 448 tiles, 3 rounds + 52
     assert tail_split_for(448, 1024, 132) == (0, 1)      # 16 k-steps: one slice's worth
     for k in (2048, 4096, 8192):
@@ -352,7 +352,7 @@ def test_auto_takes_the_pingpong_tile_where_tiles_are_few():
     blocks): where 128 x 256 tiles are at most half the blocks, up to K = 8192 and where
     split-K would take at most 7 slices; never for other builds, many tiles, or K = 14336
     (split-K's slices win there)."""
-    from mknumba.kernels.gemm import pp_for
+    from mknumba.kernels.gemm.plan import pp_for
     for m, n in ((512, 4096), (2048, 1024), (512, 1024), (1024, 1024)):   # 64 / 16 / 32 tiles
         assert all(pp_for(kind, m, n, k, 132) for k in (512, 1024, 2048, 4096)
                    for kind in ("sm90", "sm90:kn"))
@@ -370,7 +370,7 @@ def test_auto_takes_the_pingpong_tile_where_rounds_fill_poorly(monkeypatch):
     leaves blocks idle, where 128 x 128 tiles fill the rounds better, up to TMS_MAX_K (the
     tail split takes the last round beyond); on 132 blocks, of issue 23's grid only 512 x
     28672 (448 tiles, 4 rounds x 1.85 against 7 of 128 x 128)."""
-    from mknumba.kernels import gemm as G
+    from mknumba.kernels.gemm import plan as G
     grid = [(m, n, k) for m in (512, 1024, 2048, 4096, 8192, 16384)
             for n in (1024, 4096, 8192, 28672) for k in (512, 1024, 2048, 4096, 8192, 14336)]
     many = [(m, n, k) for m, n, k in grid if (m // 128) * (n // 256) > 66]
@@ -400,7 +400,7 @@ def test_auto_pingpong_shape_by_tile_count(monkeypatch):
     rounds of tiles times its cost are least (ties to the larger tile), split-K elsewhere as
     before; fewer blocks or other costs move the pick; a shape left out of PP_TILE_COST is
     never taken (the rule switched off per tile shape)."""
-    from mknumba.kernels import gemm as G
+    from mknumba.kernels.gemm import plan as G
     for (m, n), (shape, ks) in PP_PICKS.items():
         for k in (512, 1024, 2048, 4096, 8192, 14336):
             assert G.pp_for("sm90", m, n, k, 132) == (k in ks), (m, n, k)
@@ -426,7 +426,7 @@ def test_pingpong_builds_by_name(monkeypatch):
     ":kn" twin, the defines of their source, and the fused ops refuse them."""
     import types as pytypes
     from mknumba._compat import SIMULATOR
-    from mknumba.kernels import gemm as G
+    from mknumba.kernels.gemm import Gemm, plan as G
     from mknumba.kernels import gemm_inputs
     from mknumba.roles import compute
     names = {(128, 128): "sm90:pp", (128, 64): "sm90:pp:128x64", (64, 128): "sm90:pp:64x128",
@@ -443,7 +443,7 @@ def test_pingpong_builds_by_name(monkeypatch):
             assert compute.is_sm90_name(n) and compute.whole_tiles_only(n), n
             G.check_tile_name(n)
             with pytest.raises(MkValueError, match=f"tile='{n}' takes no split_k"):
-                G.Gemm(tile=n, split_k=2)
+                Gemm(tile=n, split_k=2)
     assert compute.sm90_smem_bytes(True) == compute.sm90_smem_bytes((128, 128))
     for bad in ("sm90:pp:32x64", "sm90:pp:128x128", "sm90:pp:64x256:kn", "sm90:pp:kn:64x64"):
         assert not compute.is_sm90_name(bad)
@@ -491,7 +491,7 @@ def test_pingpong_variants_by_name():
     of d (MK_PP_DESC_ITER) and r (the early ramp) in that order: whole-tile sm_90a builds; only
     d adds a define; r is the kernel's (ramp_of: the prefetch of the block's first order
     entry), refused for other tiles. "auto" names one of them per shape (pp_auto_name)."""
-    from mknumba.kernels import gemm as G
+    from mknumba.kernels.gemm import plan as G
     from mknumba.roles import compute
     for shape in compute.SM90_PINGPONG_SHAPES:
         for letters in ("d", "r", "dr"):
@@ -526,7 +526,8 @@ def test_pingpong_variants_by_name():
 TAIL_SCRIPT = SPLIT_RUN + textwrap.dedent("""
     from mknumba.roles.compute import SIMT_TILE
     from mknumba.sched.tiles import gemm_group_m, grouped_order
-    G.SPLIT_MIN_STEPS = 1      # slices of one k-step: the rule splits tiny K here
+    import mknumba.kernels.gemm.plan as rules
+    rules.SPLIT_MIN_STEPS = 1      # slices of one k-step: the rule splits tiny K here
     os.environ["MKNUMBA_TIMEOUT_S"] = "0.2"   # read when an op plans a shape (the last check)
 
     # (m, n, k, B's layout, simulated SMs, held back, tail, slices): ragged m, n and K, B as
@@ -589,7 +590,7 @@ COMPILE_SCRIPT = textwrap.dedent("""
     disp.get_current_device = lambda: type("D", (), {"compute_capability": (9, 0)})()
     from numba import types
     from numba.cuda import compiler
-    import mknumba.kernels.gemm as G
+    import mknumba.kernels.gemm.kernel as G
 
     name = sys.argv[2]
     build, kernel = G._build(name)
@@ -669,7 +670,7 @@ def test_rejects_host_arrays():
 
 
 def test_rejects_bad_shapes_and_layouts():
-    from mknumba.kernels.gemm import check_shapes, kind_for
+    from mknumba.kernels.gemm.plan import check_shapes, kind_for
     with pytest.raises(MkValueError, match="multiples of 8"):
         check_shapes(128, 100, 64)
     with pytest.raises(MkValueError, match="multiples of 8"):
@@ -704,7 +705,7 @@ def test_pingpong_build_is_its_own_shape_and_gemm_only(monkeypatch):
     from the build), a ring that fits an H200 SM's 227 KB, the library's 288 threads; the
     fused ops refuse it by name (fused_tile: mk.Gemm only)."""
     from mknumba._compat import SIMULATOR
-    from mknumba.kernels import gemm as G
+    from mknumba.kernels.gemm import plan as G
     from mknumba.roles import compute
     if SIMULATOR:
         pytest.skip("the sm_90a builds are made outside the simulator")
@@ -728,7 +729,7 @@ def test_tms_build_keeps_the_ring_and_is_whole_tiles_only(monkeypatch):
     no split-K fold (so mk.Gemm's rule never splits it), the fused ops refuse it and mk.Gemm
     refuses split_k for it before compiling anything."""
     from mknumba._compat import SIMULATOR
-    from mknumba.kernels import gemm as G
+    from mknumba.kernels.gemm import op, plan as G
     from mknumba.kernels.gemm_inputs import TensorMaps
     from mknumba.roles import compute
     smem = compute.sm90_smem_bytes(tms=True)
@@ -747,14 +748,15 @@ def test_tms_build_keeps_the_ring_and_is_whole_tiles_only(monkeypatch):
     kn = compute.tile_build("sm90:tms:kn")
     assert kn.b_kn and kn.c_map and kn.drain is not None and kn.smem_bytes == smem
     assert kn.fold is None and compute.tile_build("sm90:kn").fold is not None
-    monkeypatch.setattr(G, "kind_for", lambda tile, op="": tile)     # no GPU asked here
+    for module in (G, op):                                        # no GPU asked here
+        monkeypatch.setattr(module, "kind_for", lambda tile, op="": tile)
     for tile in ("sm90:tms", "sm90:tms:kn"):
         with pytest.raises(MkValueError, match="mknumba.Gemm only"):
             G.fused_tile(tile, "GemmReduce")
-    op = G.Gemm(tile="sm90:tms")
-    op.split_k = 2                   # past the constructor's check: the plan's own
+    gemm_op = op.Gemm(tile="sm90:tms")
+    gemm_op.split_k = 2              # past the constructor's check: the plan's own
     with pytest.raises(MkValueError, match="takes no split_k"):
-        G._Plan(op, 512, 1024, 8192, "nk", None)
+        op._Plan(gemm_op, 512, 1024, 8192, "nk", None)
 
 
 # ---- on a GPU ---------------------------------------------------------------------------------
@@ -918,7 +920,7 @@ def test_auto_pingpong_matches_fp32_reference(m, n, k, shape, layout):
     in the variant ``pp_auto_name`` names (its plan has that many tile flags; ragged m, n and K
     too): 20 calls (:func:`_twenty_calls`), every tile flag at the last call's epoch."""
     torch = pytest.importorskip("torch")
-    from mknumba.kernels import gemm as G
+    from mknumba.kernels.gemm import plan as G
     from mknumba.kernels.gemm import Gemm
     if torch.cuda.get_device_properties(0).multi_processor_count != 132:
         pytest.skip("the rule's picks named here are an H200's (132 SMs)")

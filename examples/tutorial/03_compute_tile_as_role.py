@@ -9,7 +9,7 @@ What you will learn
     every tile into one array ``c``, announced by ``flags[t]``.
   * Tile builds: ``tile_build("simt")`` runs anywhere (the simulator too); ``"sm90"`` is the
     Hopper tile (TMA + wgmma, 128 x 256) and reads A and B through tensor maps (``TensorMaps``).
-    ``kernels.gemm.kind_for("auto")`` picks the right one for this GPU; the kernel is the same.
+    ``kernels.gemm.plan.kind_for("auto")`` picks the right one for this GPU; the kernel is the same.
   * Another role in the same launch waits on those flags: here it sums each finished tile, as
     a communication role would send it. It starts on a tile as soon as that tile is done.
 
@@ -21,7 +21,7 @@ import mknumba as mk
 from mknumba import primitives as prim
 from mknumba._compat import SIMULATOR
 from mknumba.errors import ROLE_COMPUTE
-from mknumba.kernels.gemm import kind_for
+from mknumba.kernels.gemm.plan import kind_for
 from mknumba.kernels.gemm_inputs import NoTensorMaps, TensorMaps
 from mknumba.kernels.launch import Launch, Slot, array_type, compile_kernel, param
 from mknumba.kernels.lifetime import Frame

@@ -21,7 +21,7 @@ import mknumba as mk
 from mknumba import primitives as prim
 from mknumba._compat import SIMULATOR
 from mknumba.errors import ROLE_INTRA, ROLE_RECV, MkValueError
-from mknumba.kernels.gemm import kind_for
+from mknumba.kernels.gemm.plan import kind_for
 from mknumba.kernels.gemm_inputs import NoTensorMaps, TensorMaps
 from mknumba.kernels.launch import Launch, Slot, array_type, compile_kernel, param
 from mknumba.kernels.lifetime import Frame

@@ -52,9 +52,9 @@ Implementations:
   :func:`pp_name`), each ring as deep as fits (:func:`pp_stages`: 8, 8 and 13 stages). Variants
   named by letters after ``sm90:pp``: :data:`SM90_PP_VARIANTS` (``"sm90:ppd:64x64"``,
   ``"sm90:ppdr:128x64"``, ...); "auto" takes the ones measured faster
-  (``kernels.gemm.PP_AUTO_VARIANT``).
+  (``kernels.gemm.plan.PP_AUTO_VARIANT``).
 - ``SM90_TMS_TILE`` (mk.Gemm without split-K only; "auto" takes it for whole tiles at K <=
-  ``kernels.gemm.TMS_MAX_K``): ``cuda/gemm_tile.cu`` with ``MK_TMA_STORE=1``: the same ring and
+  ``kernels.gemm.plan.TMS_MAX_K``): ``cuda/gemm_tile.cu`` with ``MK_TMA_STORE=1``: the same ring and
   tile; each consumer warp's 16 x 64 chunks leave by TMA tensor stores through C's tensor map
   (``TileBuild.c_map``) from two 2 KB buffers, and no consumer waits for them, nor meets the others,
   between tiles; the tile flags go out at the block's end (``TileBuild.drain``).

@@ -45,7 +45,7 @@ def bits_f64(b):
 
 def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, join, deliver,
         shared=False, fold=None, comm_sms=None, start_at=0):
-    from mknumba.kernels.gemm import kind_for
+    from mknumba.kernels.gemm.plan import kind_for
     from mknumba.roles.compute import tile_build
     chunk = None
     if chunk_tiles:

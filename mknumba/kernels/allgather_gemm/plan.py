@@ -8,7 +8,7 @@ from numba import cuda
 from ..._compat import SIMULATOR
 from ...errors import MkValueError, positive_ints
 from ...sched.tiles import arrival_order, cdiv, default_group_m, gather_order
-from ..gemm import check_shapes, fused_tile
+from ..gemm.plan import check_shapes, fused_tile
 
 #: Bytes of a shard's part that crosses the network in one proxy command (the host proxy
 #: spends microseconds per command: ``sched.split.CHUNK_BYTES``).

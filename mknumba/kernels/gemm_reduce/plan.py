@@ -9,7 +9,7 @@ from ...errors import MkValueError, positive_ints
 from ...sched import split as sm_split
 from ...sched.reduce import ReducePlan
 from ...sched.tiles import cdiv, default_group_m
-from ..gemm import check_shapes, fused_tile
+from ..gemm.plan import check_shapes, fused_tile
 
 _SIM_SMS = 6              # the simulator's "device": compute, reduce, send, receive, pull
 

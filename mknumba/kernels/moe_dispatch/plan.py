@@ -13,7 +13,7 @@ from numba import cuda
 from ..._compat import SIMULATOR
 from ...errors import MkValueError, positive_ints
 from ...sched.tiles import cdiv
-from ..gemm import fused_tile
+from ..gemm.plan import fused_tile
 from .kernel import CHUNK_ROWS
 
 #: Tokens of a rank's x behind one flag (the paper's 16-token units): receivers pull a row as
