@@ -14,8 +14,9 @@ as bench_gemm.py times) of:
   same plan with the folds left out of the work order (the slices alone; C is not written, so
   it is not checked), and ``sS.fold`` = sS - sS.sl: what the folds add to the critical path.
 
-The slices-only and split1 runs patch the module's plan-time helpers inside this probe only
-(``kernels.gemm.plan.split_order`` and ``kernels.gemm.op._build``); the library has no such switch.
+The slices-only and split1 runs patch the op module's plan-time helpers inside this probe only
+(``kernels.gemm.op.split_order`` and ``kernels.gemm.op._build``: the names ``_Plan`` calls);
+the library has no such switch.
 Full runs are checked against an fp32 reference (relative Frobenius error). Also printed: how
 many slices ``split_k_for`` picks (``rule``).
 """
@@ -42,9 +43,9 @@ def slices_only():
     """Plans made inside leave every fold out of the work order."""
     orig = G.split_order
 
-    def no_folds(order, slices, tail=None):
-        units = orig(order, slices, tail)          # the folds: the last (tail or all) tiles
-        return units if slices == 1 else units[:len(units) - (tail or len(order))]
+    def no_folds(order, slices, tail=None, parts=1):
+        units = orig(order, slices, tail, parts)   # the folds: parts x the (tail or all) tiles
+        return units if slices == 1 else units[:len(units) - parts * (tail or len(order))]
     G.split_order = no_folds
     try:
         yield

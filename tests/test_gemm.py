@@ -131,8 +131,8 @@ def test_split_k_rule_and_order():
     units are every slice of every tile, then the fold units (bands of each tile's rows, as
     many as keep them to one round of the blocks); the simulator's block order is checked (a
     fold must not wait on a later block there)."""
-    from mknumba.kernels.gemm.plan import (_sim_safe, fold_parts_for, split_k_for, split_order,
-                                      split_slices)
+    from mknumba.kernels.gemm.plan import (_sim_safe, fold_parts_for, split_k_for,
+                                           split_order, split_slices)
     assert split_k_for(16, 14336, 132) == 8          # 512 x 1024: 132 // 16 slices
     assert split_k_for(32, 8192, 132) == 4           # 1024 x 1024: 128 k-steps
     assert split_k_for(32, 2048, 132) == 2           # 32 k-steps: 2 slices of 16

@@ -1,6 +1,6 @@
 // Probe (issue 23, the few-tile rows): split-K whose slices add up in distributed shared memory.
 //
-// mk.Gemm's split-K (kernels/gemm/kernel.py) writes each slice's partial tile to a global workspace,
+// mk.Gemm's split-K (kernels/gemm/) writes each slice's partial tile to a global workspace,
 // releases a flag, and a fold unit per tile waits for the S flags and sums the S planes on one
 // SM: a fixed cost of ~6-12 us a call (benchmarks/NOTES.md), which is why "auto" runs whole
 // ping-pong tiles at 512 x 1024 and the like, at 0.64-0.86x cuBLAS. Here the S slices of one

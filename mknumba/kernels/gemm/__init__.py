@@ -14,19 +14,19 @@ a plan per shape, the prepared launch, calls).
 
 Tile implementations: ``"sm90"`` (TMA + wgmma, Hopper, 128 x 256 tiles), ``"sm90:pp"`` (the
 ping-pong schedule, 128 x 128 tiles, ``roles.compute.SM90_PINGPONG_TILE``; no split-K; "auto"
-takes it where 128 x 256 tiles are few and K <= ``PP_MAX_K``, or fill their rounds poorly and
-K <= ``TMS_MAX_K``: ``plan.pp_for``; also in 128 x 64, 64 x 128 and 64 x 64 tiles,
-``"sm90:pp:<BM>x<BN>"``, which "auto" takes there by the tiles' count: ``plan.pp_shape_for``,
-in the variant ``PP_AUTO_VARIANT`` names: ``plan.pp_auto_name``), ``"sm90:tms"`` (the sm90
+takes it where 128 x 256 tiles are few and K <= ``plan.PP_MAX_K``, or fill their rounds poorly
+and K <= ``plan.TMS_MAX_K``: ``plan.pp_for``; also in 128 x 64, 64 x 128 and 64 x 64 tiles,
+``"sm90:pp:<BM>x<BN>"``, which "auto" takes there by the tiles' count: ``plan.pp_shape_for``, in
+the variant ``plan.PP_AUTO_VARIANT`` names: ``plan.pp_auto_name``), ``"sm90:tms"`` (the sm90
 tile whose epilogue leaves by TMA tensor stores it does not wait for,
 ``roles.compute.SM90_TMS_TILE``; no split-K: its tile flags go out at each block's end, after
-its stores completed; "auto" takes it for unsplit shapes with K <= ``TMS_MAX_K``) or
+its stores completed; "auto" takes it for unsplit shapes with K <= ``plan.TMS_MAX_K``) or
 ``"simt"`` (the generic twin: the CUDA simulator and GPUs without sm_90a), each reading B as
 given: [n, k] (or a ``w.T`` view of one), or row-major [k, n] through its ``":kn"`` build
-(``kernels.gemm_inputs``). Calls go through the launch frame (``kernels.launch``): planned
-once per shape and layout of B, then an address bind and one driver launch. The plans of one
-op may run different kernels ("auto": the ping-pong, tensor-store or default build by shape;
-B's two layouts), but all launch the grid of its call counter (``plan.shared_bps``).
+(``kernels.gemm_inputs``). Calls go through the launch frame (``kernels.launch``): planned once
+per shape and layout of B, then an address bind and one driver launch. The plans of one op may
+run different kernels ("auto": the ping-pong, tensor-store or default build by shape; B's two
+layouts), but all launch the grid of its call counter (``plan.shared_bps``).
 """
 from .op import Gemm, gemm
 from .plan import pp_auto_name, pp_for, pp_shape_for, split_k_for, tail_split_for

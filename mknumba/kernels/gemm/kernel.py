@@ -1,20 +1,21 @@
 """The persistent GEMM kernel: the compute role over whole tiles, split-K's units, or both.
 
 Split-K (``plan.split_k_for``): when the output has few tiles for the compute blocks and K is
-long, each tile's K is cut into ``s`` slices. The work units are then (tile t, slice j), each
-computing its slice into plane ``1 + j`` of a bf16 workspace and publishing ``flags[(1 + j) *
-tiles + t] = epoch``, and then the tile's fold, which reads no K: it waits for the tile's ``s``
-flags and sums the planes into C (an fp32 sum, rounded once: the build's ``fold``,
-``roles.compute``'s fold contract; the sm_90a one reads them with many 16-byte loads in flight
-per thread, ``fold_planes`` in ``roles/cuda/gemm_common.cuh``). A tile's fold is cut into
-``parts`` units, each a band of its rows (``plan.fold_parts_for``: as many as keep the folds of
-all tiles to one round of the blocks), so that the sum runs on as many SMs as the slices did
-(512 x 1024 x 8192 in 8 slices on an H100: 22.8 us, against 28.1 with one unit a tile;
-benchmarks/NOTES.md). A fold takes no slice of its own because the compute role waits before a
-tile starts: its slice would begin only once the others were done. The folds come after every
-slice in the order (``plan.split_order``), and a block takes a unit only after its last one, so
-a fold waits on units that run or ran, never on one queued behind it; and after a fold a block
-runs only folds, which touch no ring slot, so the sm_90a ring's phases (``seq * k_iters``,
+long (with "auto", past ``plan.PP_MAX_K`` or into more than ``plan.PP_MAX_SLICES`` slices: else
+the ping-pong tiles run instead), each tile's K is cut into ``s`` slices. The work units are
+then (tile t, slice j), each computing its slice into plane ``1 + j`` of a bf16 workspace and
+publishing ``flags[(1 + j) * tiles + t] = epoch``, and then the tile's fold, which reads no K:
+it waits for the tile's ``s`` flags and sums the planes into C (an fp32 sum, rounded once: the
+build's ``fold``, ``roles.compute``'s fold contract; the sm_90a one reads them with many 16-byte
+loads in flight per thread, ``fold_planes`` in ``roles/cuda/gemm_common.cuh``). A tile's fold is
+cut into ``parts`` units, each a band of its rows (``plan.fold_parts_for``: as many as keep the
+folds of all tiles to one round of the blocks), so that the sum runs on as many SMs as the
+slices did (512 x 1024 x 8192 in 8 slices on an H100: 22.8 us, against 28.1 with one unit a
+tile; benchmarks/NOTES.md). A fold takes no slice of its own because the compute role waits
+before a tile starts: its slice would begin only once the others were done. The folds come after
+every slice in the order (``plan.split_order``), and a block takes a unit only after its last
+one, so a fold waits on units that run or ran, never on one queued behind it; and after a fold a
+block runs only folds, which touch no ring slot, so the sm_90a ring's phases (``seq * k_iters``,
 equal ``k_iters`` for every slice) stay right.
 
 Tail split (``plan.tail_split_for``): when the tiles outnumber the compute blocks, the last
@@ -145,7 +146,7 @@ def tile_or_fold(build):
 
 def tail_split_role(build):
     """The tail split's compute role (module docstring), called as
-    ``roles.compute.make_compute_role``'s: with ``order`` = :func:`split_order` with a
+    ``roles.compute.make_compute_role``'s: with ``order`` = ``plan.split_order`` with a
     ``tail``, it runs the whole tiles first (the unsplit role), then, after a block barrier, the
     tail's units (the split role, its tile state started afresh: ``build.reinit``). The tail's
     length follows from the order's: ``tiles - tail + (slices + parts) * tail`` units."""
@@ -188,15 +189,16 @@ def _make_kernel(build, threads, split):
                     frame: Words64, order: Ints, compute_blocks: types.int64, tiles: types.int64,
                     slices: types.int64, kc: types.int64, parts: types.int64,
                     timeout_ns: types.uint64, err: Record):
-        """a [m, k], b [n, k] (or [k, n] with a ":kn" tile build), c [m, n]: bf16 bits;
-        ws: the split's workspace [slices + 1, m, n] (one slice: c as [1, m, n], never read);
-        tmaps: the tensor maps of a and b, a pair per slice (sm90); flags uint32[(slices + 1)
-        * tiles]: [0, tiles) := epoch when tile t is done (nothing in the kernel reads
-        them: whole tiles record them with plain stores), the rest the slices' (split_units);
-        frame: the op's call counter (``kernels.lifetime.Frame``); order int32: the work units
-        (split_order of sched.grouped_order, with the tail split's ``tail``); slices of kc
-        (split_slices), each tile's fold in ``parts`` units (fold_parts_for); a fold unit waits
-        at most timeout_ns, then records the error in err (int64[ERR_WORDS], mapped)."""
+        """a [m, k], b [n, k] (or [k, n] with a ":kn" tile build), c [m, n]: bf16 bits; ws:
+        the split's workspace [slices + 1, m, n] (one slice: c as [1, m, n], never read);
+        tmaps: the tensor maps of a and b, a pair per slice (sm90); flags uint32[(slices +
+        1) * tiles]: [0, tiles) := epoch when tile t is done (nothing in the kernel reads
+        them: whole tiles record them with plain stores), the rest the slices'
+        (split_units); frame: the op's call counter (``kernels.lifetime.Frame``); order
+        int32: the work units (plan.split_order of sched.grouped_order, with the tail
+        split's ``tail``); slices of kc (plan.split_slices), each tile's fold in ``parts``
+        units (plan.fold_parts_for); a fold unit waits at most timeout_ns, then records the
+        error in err (int64[ERR_WORDS], mapped)."""
         smem = cuda.shared.array(0, dtype=_BYTE)
         ramp(order, cuda.blockIdx.x)   # an early-ramp build: the block's first unit, into L1
         epoch, call = begin(frame)

@@ -1,6 +1,7 @@
-"""The host op: :class:`Gemm` plans each shape once (:class:`_Plan`: the kernel the rules of
-``plan`` pick, its order table and flags, the tensor maps, the prepared launch), and a call
-binds its arrays' addresses and launches; :func:`gemm` is the same as a function.
+"""The host op: :class:`Gemm` plans each shape and layout of B once per GPU (:class:`_Plan`: the
+kernel the rules of ``plan`` pick, its order table and flags, the tensor maps, the prepared
+launch), and a call binds its arrays' addresses and launches; :func:`gemm` is the same as a
+function.
 """
 import threading
 

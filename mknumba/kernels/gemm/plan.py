@@ -2,9 +2,10 @@
 slices and fold units, the tail split, the grid every plan of an op shares, and the ``tile=``
 names an op takes.
 
-Everything here is decided once per shape, when an op plans it (``op._Plan``); the kernels
-themselves (``kernel``) take the choices as arguments. The measurements behind each rule are in
-benchmarks/NOTES.md.
+The rules are applied once per shape and layout of B, when an op plans it (``op._Plan``); the
+kernels themselves (``kernel``) take the choices as arguments. The checks of shapes and ``tile=``
+names are here too, and the fused ops share them (``check_shapes``, ``fused_tile``). The
+measurements behind each rule are in benchmarks/NOTES.md.
 """
 import numpy as np
 from numba import cuda
@@ -37,7 +38,7 @@ FOLD_MAX_PARTS = 8
 
 
 def fold_parts_for(tiles, blocks, bm):
-    """Fold units per split tile (each a band of ``bm / parts`` rows, see the module
+    """Fold units per split tile (each a band of ``bm / parts`` rows, see ``kernel``'s
     docstring): the most of 1, 2, 4, ... up to :data:`FOLD_MAX_PARTS` whose units, ``tiles *
     parts``, are no more than the compute blocks, and whose bands are no thinner than
     :data:`FOLD_MIN_ROWS` rows. Each unit waits for all of its tile's slices, so units beyond

@@ -167,7 +167,7 @@ __device__ __forceinline__ uint4 add_planes_v4(uint4 v, unsigned long long adden
     return pack_bf16x8(f);
 }
 
-// A split-K fold's band of rows (kernels/gemm/kernel.py: a sum of partials only, no K of its own, so no
+// A split-K fold's band of rows (kernels/gemm/: a sum of partials only, no K of its own, so no
 // product to add them to): rows [row0, row0 + rows) and columns [col0, +BN) bounded by n :=
 // planes 1..adds of ``addend`` ([P, m, n], plane_elems apart) summed in fp32, rounded once, into
 // ``out`` (its first row is row0, ldc elements per row). Threads tid < THREADS each take one

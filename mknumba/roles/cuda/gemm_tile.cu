@@ -277,7 +277,7 @@ extern "C" __device__ int mk_gemm_sm90_tile(unsigned long long smem, unsigned lo
 #endif
 }
 
-// A split-K fold's unit (kernels/gemm/kernel.py), every thread of the block: rows [c_row0, c_row0 + rows)
+// A split-K fold's unit (kernels/gemm/), every thread of the block: rows [c_row0, c_row0 + rows)
 // of tile column tile_n (its BN columns, bounded by m and n) := the sum of planes 1..adds of
 // ``addend`` ([P, m, n] bf16), rounded once, into ``c`` (whose first row is c_row0, ldc elements
 // per row). It reads no K and touches no ring slot or barrier of the ring: the consumers read
