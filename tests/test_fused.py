@@ -324,6 +324,17 @@ def test_gpu_1x2_hundred_calls_torch():
 
 
 @pytest.mark.gpu
+def test_gpu_one_rank_torch_calls():
+    """One rank: the ops run the plain GEMM into ``out``, from the second call on through
+    mk.Gemm's hot path (``GemmReduce.__call__``): six calls of fresh tensors, a ragged m, the
+    outputs poisoned, each result against a float64 reference."""
+    out = run_mpi("fused_checks.py", 1, "both", 1000, 776, 264, 6, "torch", simulator=False,
+                  env=GPU_ENV)
+    _passes(out, 2)
+    assert out.count("solo=1") == 2, out[-2000:]
+
+
+@pytest.mark.gpu
 def test_gpu_1x2_reduce_scatter_fold_hundred_calls():
     """Each owner computes its row block last and adds the delivered partials in the GEMM
     epilogue: 100 back-to-back calls, torch tensors."""

@@ -100,20 +100,29 @@ class Gemm:
         ``stream``). bf16 as ``torch.bfloat16``, ``ml_dtypes.bfloat16`` or its bits as
         uint16/int16.
         """
-        hot = self._hot
-        if hot is not None and out is not None and stream is None and b_layout == hot[0]:
-            _, plan, dev, b_shape, b_strides = hot      # the last call's, with tensors
-            pa = torch_ptr(a, (plan.m, plan.k), dev) if is_torch(a) else None
-            pb = pa and torch_ptr(b, b_shape, dev, b_strides)
-            pc = pb and torch_ptr(out, (plan.m, plan.n), dev)
-            if (pc and unshared(plan.unshared, (pc, pa, pb), plan.sizes, 1)
-                    and current_device() == dev and not (plan.slices > 1 and plan.err[ERR_SET])):
-                s = stream_handle(None, dev)
-                with plan.launch.lock:
-                    self.streams.enter(s)
-                    plan.run(pa, pb, pc, s)
-                return out
+        if out is not None and stream is None and self._hot_call(a, b, b_layout, out):
+            return out
         return self._call(a, b, b_layout, out, stream)
+
+    def _hot_call(self, a, b, b_layout, out):
+        """The hot path: launched (True) when the tensors are exactly what the last call with
+        tensors had (its plan, B's layout, shape and strides, the GPU) and no split's fold
+        timed out; else False, and the caller takes the checked path."""
+        hot = self._hot
+        if hot is None or b_layout != hot[0]:
+            return False
+        _, plan, dev, b_shape, b_strides = hot      # the last call's, with tensors
+        pa = torch_ptr(a, (plan.m, plan.k), dev) if is_torch(a) else None
+        pb = pa and torch_ptr(b, b_shape, dev, b_strides)
+        pc = pb and torch_ptr(out, (plan.m, plan.n), dev)
+        if not (pc and unshared(plan.unshared, (pc, pa, pb), plan.sizes, 1)
+                and current_device() == dev and not (plan.slices > 1 and plan.err[ERR_SET])):
+            return False
+        s = stream_handle(None, dev)
+        with plan.launch.lock:
+            self.streams.enter(s)
+            plan.run(pa, pb, pc, s)
+        return True
 
     def _call(self, a, b, b_layout, out, stream):
         """A call with every check (the first of a shape, or anything but the hot path)."""

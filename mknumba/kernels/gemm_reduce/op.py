@@ -201,6 +201,9 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         array of bf16 bits out (on ``stream``). ``out=None``: a new array, or with
         ``shared_out`` the shared output (:meth:`output`). b is read as it is at the call, in
         either layout (no copy; the first call with a w.T view compiles its kernel)."""
+        if (out is not None and stream is None and self.solo and not self.freed
+                and self._solo_gemm._hot_call(a, b, "kn", out)):
+            return out    # one rank: the GEMM's hot path (its plans are this op's shape)
         if (out is not None and stream is None and not self.solo and not self.freed
                 and self.comm.proxy is None and is_torch(a)):     # the hot path: tensors
             dev, (m, n, k) = self.comm.device_id, (self.m, self.n, self.k)
