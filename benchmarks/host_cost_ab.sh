@@ -15,12 +15,11 @@ source "$(dirname "$0")/gpu_env.sh"
 base=$(cd "$1" && pwd)
 here=$PWD
 rounds=${ROUNDS:-2}
-mpi=(mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE
-     -x PYTHONUNBUFFERED -x MKNUMBA_ALLOW_SHARED_GPU -n "${RANKS:-2}")
+mpi=($MPIRUN -n "${RANKS:-2}")
 for r in $(seq 1 "$rounds"); do
   for tree in "$base" "$here"; do
     tag=$([ "$tree" = "$here" ] && echo this || echo base)
-    (cd "$tree" && timeout 300 "${mpi[@]}" -x PYTHONPATH="$tree" python3 \
+    (cd "$tree" && PYTHONPATH="$tree" timeout 300 "${mpi[@]}" python3 \
        benchmarks/bench_host_cost.py --out "$OUT/host_${tag}_$r.json" \
        > "$OUT/host_${tag}_$r.log" 2>&1)
   done

@@ -31,7 +31,6 @@ fi
 sanitize_rc=0
 [ "${SANITIZE:-1}" = 0 ] || bash benchmarks/sanitize.sh > /dev/null || sanitize_rc=$?
 
-MPIRUN="mpirun --allow-run-as-root --oversubscribe --bind-to none -x NCCL_NVLS_ENABLE -x PYTHONUNBUFFERED -x PYTHONPATH"
 : > "$OUT/bench.log"
 for b in benchmarks/bench_${2:-*}.py; do
   name=$(basename "$b" .py); name=${name#bench_}

@@ -27,10 +27,9 @@ tools=("$@")
 for tool in "${tools[@]}"; do
   for name in "${!runs[@]}"; do
     log="$OUT/sanitizer_${tool}_$name.log"
-    ( timeout "${SANITIZE_TIMEOUT_S:-500}" mpirun --allow-run-as-root --oversubscribe \
-        --bind-to none -x MKNUMBA_ALLOW_SHARED_GPU -x MKNUMBA_TIMEOUT_S -x PYTHONPATH \
-        -x NCCL_NVLS_ENABLE -n 2 compute-sanitizer --tool "$tool" --print-limit 20 \
-        --error-exitcode 9 $PY -m mpi4py ${runs[$name]} > "$log" 2>&1
+    ( timeout "${SANITIZE_TIMEOUT_S:-500}" $MPIRUN -x MKNUMBA_TIMEOUT_S -n 2 \
+        compute-sanitizer --tool "$tool" --print-limit 20 --error-exitcode 9 \
+        $PY -m mpi4py ${runs[$name]} > "$log" 2>&1
       echo $? > "$codes/${tool}_$name" ) &
   done
   wait
