@@ -165,10 +165,11 @@ def test_sim_1x2_both_kernels(deliver, shared, fold, request):
 
 def test_sim_one_rank_is_the_plain_gemm():
     """One rank has nothing to reduce: the ops run the plain GEMM into ``out`` (fused_checks
-    traces runs of 3 calls or fewer, which keeps the fused kernel: 4 calls here)."""
+    traces runs of 3 calls or fewer, which keeps the fused kernel: 4 calls here), every call
+    with numba arrays through its checked path (the hot path takes tensors)."""
     out = run_mpi("fused_checks.py", 1, "both", 64, 32, 8, 4, "numba")
     _passes(out, 2)
-    assert out.count("solo=1") == 2, out[-2000:]
+    assert out.count("solo=1") == 2 and out.count("checked_calls=4 ") == 2, out[-2000:]
 
 
 for _mode in ("ordered", "completion"):
@@ -326,12 +327,13 @@ def test_gpu_1x2_hundred_calls_torch():
 @pytest.mark.gpu
 def test_gpu_one_rank_torch_calls():
     """One rank: the ops run the plain GEMM into ``out``, from the second call on through
-    mk.Gemm's hot path (``GemmReduce.__call__``): six calls of fresh tensors, a ragged m, the
-    outputs poisoned, each result against a float64 reference."""
-    out = run_mpi("fused_checks.py", 1, "both", 1000, 776, 264, 6, "torch", simulator=False,
+    mk.Gemm's hot path (``GemmReduce.__call__``; only the first call takes its checked path):
+    six calls of fresh tensors, ragged n and k, the outputs poisoned, each result against a
+    float64 reference."""
+    out = run_mpi("fused_checks.py", 1, "both", 1024, 776, 264, 6, "torch", simulator=False,
                   env=GPU_ENV)
     _passes(out, 2)
-    assert out.count("solo=1") == 2, out[-2000:]
+    assert out.count("solo=1 ") == 2 and out.count("checked_calls=1 ") == 2, out[-2000:]
 
 
 @pytest.mark.gpu

@@ -59,6 +59,14 @@ def run(comm, Op, m, n, k, iterations, arrays, rng, chunk_tiles, join, deliver,
             deliver=deliver, shared_out=bool(shared), fold=fold, comm_sms=comm_sms)
     if start_at:
         op._start_at(start_at)
+    op.checked_calls = 0      # one rank: the plain GEMM's calls that took its checked path
+    if op.solo:
+        gemm_call = op._solo_gemm._call
+
+        def counted(*args):
+            op.checked_calls += 1
+            return gemm_call(*args)
+        op._solo_gemm._call = counted
     rows = op.out_shape()[0]
     sent, outs = [], []
     for it in range(iterations):
@@ -183,7 +191,7 @@ def main():
                   f"{comm.local_size} m={m} n={n} k={k} calls={iterations} "
                   f"join={int(op.join)} deliver={int(op.deliver)} solo={int(op.solo)} "
                   f"direct={int(op.direct)} fold={int(op.fold)} adaptive={int(op.adaptive)} "
-                  f"calls_seen={op.calls_seen} "
+                  f"calls_seen={op.calls_seen} checked_calls={op.checked_calls} "
                   f"max_rel_err={worst:.2e}",
                   flush=True)
         comm.barrier()

@@ -100,16 +100,17 @@ class Gemm:
         ``stream``). bf16 as ``torch.bfloat16``, ``ml_dtypes.bfloat16`` or its bits as
         uint16/int16.
         """
-        if out is not None and stream is None and self._hot_call(a, b, b_layout, out):
+        if stream is None and self._hot_call(a, b, b_layout, out):
             return out
         return self._call(a, b, b_layout, out, stream)
 
     def _hot_call(self, a, b, b_layout, out):
-        """The hot path: launched (True) when the tensors are exactly what the last call with
-        tensors had (its plan, B's layout, shape and strides, the GPU) and no split's fold
-        timed out; else False, and the caller takes the checked path."""
+        """The hot path (a call on the current torch stream): launched (True) when ``out`` is
+        given and the tensors are exactly what the last call with tensors had (its plan, B's
+        layout, shape and strides, the GPU) and no split's fold timed out; else False, and the
+        caller takes the checked path."""
         hot = self._hot
-        if hot is None or b_layout != hot[0]:
+        if hot is None or out is None or b_layout != hot[0]:
             return False
         _, plan, dev, b_shape, b_strides = hot      # the last call's, with tensors
         pa = torch_ptr(a, (plan.m, plan.k), dev) if is_torch(a) else None
@@ -229,9 +230,13 @@ class Gemm:
         if self.frame is None:
             return (0, 0)
         got = self.frame.read()
-        for _, _, err in self._frames.values():
-            raise_if_timed_out(err, self.name)
+        self._raise_if_timed_out(self.name)
         return got
+
+    def _raise_if_timed_out(self, what):
+        """MkTimeoutError (naming ``what``) if a split's fold timed out, on any GPU."""
+        for _, _, err in self._frames.values():
+            raise_if_timed_out(err, what)
 
 
 def _device_sms():

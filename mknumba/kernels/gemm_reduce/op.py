@@ -61,6 +61,7 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         self.err = comm.new_error_record()
         if self.solo:         # one rank: the plain GEMM into ``out`` (plan.py), no call counter
             self._solo_gemm = Gemm(tile=tile, group_m=group_m)
+            self._solo_gemm.streams = self.streams    # its calls are this op's: _wait
             self.shared = (cuda.device_array(self.m * self.n // 4, np.uint64)
                            if self.shared_out else None)
             return
@@ -201,7 +202,7 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
         array of bf16 bits out (on ``stream``). ``out=None``: a new array, or with
         ``shared_out`` the shared output (:meth:`output`). b is read as it is at the call, in
         either layout (no copy; the first call with a w.T view compiles its kernel)."""
-        if (out is not None and stream is None and self.solo and not self.freed
+        if (stream is None and self.solo and not self.freed
                 and self._solo_gemm._hot_call(a, b, "kn", out)):
             return out    # one rank: the GEMM's hot path (its plans are this op's shape)
         if (out is not None and stream is None and not self.solo and not self.freed
@@ -219,6 +220,13 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
                           stream_handle(None, dev))
                 return out
         return self._checked_call(self._call, a, b, out, stream)
+
+    def _check_error(self, what):
+        """:meth:`OpLifetime._check_error`, and on one rank the plain GEMM's records too (a
+        split-K fold that timed out)."""
+        super()._check_error(what)
+        if self.solo:
+            self._solo_gemm._raise_if_timed_out(what)
 
     def _call(self, a, b, out, stream):
         """A call with every check."""
