@@ -51,10 +51,11 @@ def warm_up(fn, mpi):
     mpi.Barrier()
 
 
-def burst(fn, calls, mpi, prof=None):
+def burst(fn, calls, mpi=None, prof=None):
     """Host seconds of ``calls`` back-to-back calls of ``fn``, queued behind a kernel that holds
-    the stream until the burst is in; then finished on every rank: (wall, this thread's CPU
-    time). ``prof``: a cProfile profiler, enabled for the calls alone."""
+    the stream until the burst is in; then finished (on every rank of ``mpi``, if given):
+    (wall, this thread's CPU time). ``prof``: a cProfile profiler, enabled for the calls
+    alone."""
     import torch
     torch.cuda._sleep(GATE_CYCLES)
     t0, c0 = time.perf_counter(), time.thread_time()
@@ -66,7 +67,8 @@ def burst(fn, calls, mpi, prof=None):
         prof.disable()
     s, cpu = time.perf_counter() - t0, time.thread_time() - c0
     torch.cuda.synchronize()
-    mpi.Barrier()
+    if mpi is not None:
+        mpi.Barrier()
     return s, cpu
 
 

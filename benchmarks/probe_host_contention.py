@@ -5,29 +5,19 @@
     taskset -c 2 python benchmarks/probe_host_contention.py c2 & taskset -c 9 ... c9
 
 torch.matmul, mk.Gemm and torch.add at 2048 x 2048 x 512 (bf16), each as the best of ten bursts
-of 100 calls queued behind a ~30 ms kernel (as ``bench_host_cost.py`` times): wall and the
+of 100 calls queued behind a ~30 ms kernel (``bench_host_cost.burst``): wall and the
 calling thread's CPU time per call, printed with TAG. Ranks sharing one GPU (the two-rank runs
 of ``bench_host_cost.py`` on a one-GPU machine) are two such processes.
 """
 import sys
-import time
 
 import torch
 
 import mknumba as mk
+from bench_host_cost import burst
 
 M, N, K = 2048, 2048, 512
-
-
-def burst(fn, calls=100):
-    """(wall, CPU) microseconds per call of ``calls`` calls queued behind a sleeping kernel."""
-    torch.cuda._sleep(60_000_000)
-    t0, c0 = time.perf_counter(), time.thread_time()
-    for _ in range(calls):
-        fn()
-    per_call = ((time.perf_counter() - t0) / calls * 1e6, (time.thread_time() - c0) / calls * 1e6)
-    torch.cuda.synchronize()
-    return per_call
+CALLS = 100
 
 
 def main():
@@ -43,9 +33,9 @@ def main():
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
-        bursts = [burst(fn) for _ in range(10)]
-        print(f"{tag} {name:<14} wall {min(b[0] for b in bursts):6.2f} "
-              f"cpu {min(b[1] for b in bursts):6.2f} us", flush=True)
+        bursts = [burst(fn, CALLS) for _ in range(10)]      # (wall, CPU) seconds
+        print(f"{tag} {name:<14} wall {min(b[0] for b in bursts) / CALLS * 1e6:6.2f} "
+              f"cpu {min(b[1] for b in bursts) / CALLS * 1e6:6.2f} us", flush=True)
 
 
 if __name__ == "__main__":
