@@ -169,21 +169,30 @@ class Comm:
         if self.proxy is not None:
             self.proxy.transport.flags_set(arrays, epoch)
 
-    def agree(self, what, fields, scope="world"):
+    def agree(self, what, fields, scope="world", failed=None):
         """Collective over ``scope``: every rank must pass the same ``fields`` (a dict of what
         the op was planned with, in the caller's terms); else MkValueError names the ranks and
-        the fields that differ, on every rank."""
+        the fields that differ, on every rank. ``failed``: the exception this rank's own
+        checks raised (its ``fields`` may be empty, then not compared): raised here, unless
+        the fields differ, and the others raise MkValueError naming this rank and its error."""
         self._check_open()
         group, _ = self._group(scope)
-        everyone = group.allgather(dict(fields))
+        why = None if failed is None else f"{type(failed).__name__}: {failed}"
+        said = group.allgather((why, dict(fields)))
         me = group.Get_rank()
-        for r, theirs in enumerate(everyone):
-            if theirs != fields:
+        for r, (_, theirs) in enumerate(said):
+            if fields and theirs and theirs != fields:
                 diff = ", ".join(f"{key}: {fields.get(key)!r} here, {theirs.get(key)!r} there"
                                  for key in sorted(set(fields) | set(theirs))
                                  if fields.get(key) != theirs.get(key))
                 raise MkValueError(f"{what}: ranks planned it differently (this is rank {me} "
                                    f"of the {scope}, against rank {r}): {diff}")
+        if failed is not None:
+            raise failed
+        for r, (theirs, _) in enumerate(said):
+            if theirs is not None:
+                raise MkValueError(f"{what}: rank {r} of the {scope} refused to plan it "
+                                   f"({theirs}); so does this rank ({me})")
 
     def new_error_record(self):
         """A zeroed int64[8] record in mapped host memory that kernels fill on a timeout."""

@@ -399,20 +399,19 @@ def test_ranks_must_plan_the_same_exchange():
     from mknumba.kernels.gemm_rs import GemmReduceScatter
     from mknumba.runtime import Comm
     op = SimpleNamespace(name="GemmReduceScatter", m=256, n=64, k=16, bm=32, bn=32,
-                         chunk_tiles=4, deliver=True, fold=False, shared_out=False)
+                         chunk_tiles=4, group_m=2, deliver=True, fold=False, shared_out=False)
 
-    def fake_comm(theirs):
+    def agree(theirs):
+        """Comm.agree of this op's fields, the other rank's made from ours by ``theirs``."""
         group = SimpleNamespace(Get_rank=lambda: 0,
-                                allgather=lambda mine: [mine, theirs(mine)])
+                                allgather=lambda mine: [mine, (mine[0], theirs(mine[1]))])
         comm = SimpleNamespace(_group=lambda scope: (group, (0, 1)), _check_open=lambda: None)
-        comm.agree = lambda *a, **kw: Comm.agree(comm, *a, **kw)
-        return comm
-    GemmReduceScatter._check_agreement(op, fake_comm(lambda mine: mine))
+        Comm.agree(comm, op.name, GemmReduceScatter._agreement(op))
+    agree(lambda mine: mine)
     with pytest.raises(mknumba.MkValueError,
                        match=r"rank 0 of the world, against rank 1\): deliver: True here, "
                              r"False there"):
-        GemmReduceScatter._check_agreement(op, fake_comm(lambda mine: dict(mine,
-                                                                           deliver=False)))
+        agree(lambda mine: dict(mine, deliver=False))
 
 
 @pytest.mark.parametrize("direct", [False, True])

@@ -167,16 +167,60 @@ class AllGather(OpLifetime):
     def __init__(self, comm, shape, dtype, *, scope="node", send_blocks=None, recv_blocks=None,
                  forward_blocks=None, tile=None, threads=None):
         self._plan_on(comm)
+        group, ranks = comm._group(scope)
+        with self._planning_starts(scope) as agreed:
+            self._plan(comm, shape, dtype, scope, group, agreed, tile, threads, send_blocks,
+                       recv_blocks, forward_blocks)
+        # the symmetric buffers span one node (NVLink); the proxy carries the rest
+        buf_scope = "node" if comm.nodes > 1 else scope
+        self.stage = comm.alloc_symmetric((2 * self.members * self.words,), self.word,
+                                          buf_scope)
+        self.flags = comm.alloc_flags(self.members * self.tiles, buf_scope)
+        self._buffers, self._epoch_flags = [self.stage, self.flags], [self.flags.local]
+        nbytes = self.words * self.word.itemsize
+        self._hot_sizes = (self.members * nbytes, nbytes)     # out, x: arrays.unshared
+        self._unshared = set()
+        z32 = np.zeros(1, np.uint32)
+        if self.remote:
+            wins = (comm.proxy.register(self.stage), comm.proxy.register(self.flags))
+            ring, head, tail = comm.proxy.device_args()
+            rail = np.array(comm.rail_peers, np.int32)
+        else:
+            wins = (0, 0)
+            ring, head, tail = (cuda.mapped_array(12, np.uint32), cuda.to_device(z32),
+                                cuda.mapped_array(1, np.uint32))
+            rail = np.zeros(1, np.int32)
+        with self._planning_ends(group):
+            self.err = comm.new_error_record()
+            grid = self.send_blocks + self.forward_blocks + self.recv_blocks
+            self.frame = Frame(grid)
+            self._torch_dtype = None
+            if self.word not in _KERNELS:
+                _KERNELS[self.word] = make_kernel(self.word)
+            kernel = _KERNELS[self.word]
+            compiled, _ = compile_kernel(kernel, self.threads, 0)
+            self.launch = Launch(kernel, compiled, dict(
+                shard=Slot((self.words,)), out=Slot((self.members * self.words,)),
+                stage=self.stage.local, stage_ptrs=self.stage.ptrs, flags=self.flags.local,
+                flag_ptrs=self.flags.ptrs, rail=cuda.to_device(rail), ring=ring, head=head,
+                tail=tail, frame=self.frame.words, me=self.me, members=self.members,
+                local=comm.local_rank, g=comm.local_size,
+                n_rail=len(comm.rail_peers) if self.remote else 0, tile=self.tile,
+                wbytes=self.word.itemsize, n_send=self.send_blocks, n_fwd=self.forward_blocks,
+                win_stage=wins[0], win_flags=wins[1], timeout_ns=comm.timeout_ns, err=self.err,
+                rank=comm.rank), grid, self.threads, 0)
+
+    def _plan(self, comm, shape, dtype, scope, group, agreed, tile, threads, send_blocks,
+              recv_blocks, forward_blocks):
+        """Check every argument and resolve the options (sets the attributes the op reads);
+        ``agreed``: what every member must ask for alike (``OpLifetime._planning_starts``)."""
         given = tuple(np.atleast_1d(shape).tolist())
         try:
             dtype_name = str(np.dtype(dtype))
         except TypeError:
             dtype_name = None
-        group, ranks = comm._group(scope)
-        # first, before any check that could fail on some ranks only and leave the others
-        # waiting in a collective: every member must ask for the same exchange
-        comm.agree(self.name, dict(shape=given, dtype=dtype_name or repr(dtype), tile=tile),
-                   scope)
+        # every member must ask for the same exchange, in the caller's terms
+        agreed.update(shape=given, dtype=dtype_name or repr(dtype), tile=tile)
         if dtype_name is None:
             raise MkValueError(f"AllGather: dtype {dtype!r} is not a NumPy dtype")
         if not given or any(not isinstance(s, int) or s <= 0 for s in given):
@@ -212,47 +256,9 @@ class AllGather(OpLifetime):
         for name, value in positive_ints("AllGather", **given).items():
             setattr(self, name, defaults[name][0 if SIMULATOR else 1] if value is None
                     else value)
-        tiles = -(-self.words // self.tile)
+        self.tiles = -(-self.words // self.tile)
         if not fwd:
             self.forward_blocks = 0
-        # the symmetric buffers span one node (NVLink); the proxy carries the rest
-        buf_scope = "node" if comm.nodes > 1 else scope
-        self.stage = comm.alloc_symmetric((2 * self.members * self.words,), self.word,
-                                          buf_scope)
-        self.flags = comm.alloc_flags(self.members * tiles, buf_scope)
-        self._buffers, self._epoch_flags = [self.stage, self.flags], [self.flags.local]
-        nbytes = self.words * self.word.itemsize
-        self._hot_sizes = (self.members * nbytes, nbytes)     # out, x: arrays.unshared
-        self._unshared = set()
-        z32 = np.zeros(1, np.uint32)
-        if self.remote:
-            wins = (comm.proxy.register(self.stage), comm.proxy.register(self.flags))
-            ring, head, tail = comm.proxy.device_args()
-            rail = np.array(comm.rail_peers, np.int32)
-        else:
-            wins = (0, 0)
-            ring, head, tail = (cuda.mapped_array(12, np.uint32), cuda.to_device(z32),
-                                cuda.mapped_array(1, np.uint32))
-            rail = np.zeros(1, np.int32)
-        with self._planning_ends(group):
-            self.err = comm.new_error_record()
-            grid = self.send_blocks + self.forward_blocks + self.recv_blocks
-            self.frame = Frame(grid)
-            self._torch_dtype = None
-            if self.word not in _KERNELS:
-                _KERNELS[self.word] = make_kernel(self.word)
-            kernel = _KERNELS[self.word]
-            compiled, _ = compile_kernel(kernel, self.threads, 0)
-            self.launch = Launch(kernel, compiled, dict(
-                shard=Slot((self.words,)), out=Slot((self.members * self.words,)),
-                stage=self.stage.local, stage_ptrs=self.stage.ptrs, flags=self.flags.local,
-                flag_ptrs=self.flags.ptrs, rail=cuda.to_device(rail), ring=ring, head=head,
-                tail=tail, frame=self.frame.words, me=self.me, members=self.members,
-                local=comm.local_rank, g=comm.local_size,
-                n_rail=len(comm.rail_peers) if self.remote else 0, tile=self.tile,
-                wbytes=self.word.itemsize, n_send=self.send_blocks, n_fwd=self.forward_blocks,
-                win_stage=wins[0], win_flags=wins[1], timeout_ns=comm.timeout_ns, err=self.err,
-                rank=comm.rank), grid, self.threads, 0)
 
     def __call__(self, x, out=None, stream=None):
         """x: [*shape] on this rank's GPU -> out: [members, *shape] (same kind and dtype).

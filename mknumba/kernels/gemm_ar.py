@@ -11,7 +11,8 @@ symmetric buffer, from which that GPU copies it into its output. Roles and waits
 :mod:`mknumba.kernels.gemm_reduce`.
 
     op = mk.GemmAllReduce(comm, m, n, k_local, shared_out=True)
-    out = op(a, b)          # op.output(torch=True): valid until the next call
+    out = op(a, b)          # op.output(torch=True): valid until the next call, which may
+                            # not read it (it writes it): feed a copy to the next layer
 
 With ``shared_out`` the op owns a symmetric output and the owner writes each finished tile
 straight into every local GPU's copy of it: no copy at the end (1.23x instead of 1.15x over

@@ -134,6 +134,34 @@ class OpLifetime:
             comm.adopt(self)
 
     @contextlib.contextmanager
+    def _planning_starts(self, scope="world"):
+        """Plan time, after :meth:`_plan_on`: ``with`` around every check of the op's
+        arguments, up to its first collective step. The body puts what every member must plan
+        alike (in the caller's terms) into the dict it is given, and the members compare those
+        on leaving it (``Comm.agree`` over ``scope``). A member whose checks raised takes part
+        all the same, so every member raises, naming it, instead of leaving the others waiting
+        in the agreement (or in the next collective) for it."""
+        agreed, failed = {}, None
+        try:
+            yield agreed
+        except Exception as e:        # noqa: BLE001 (raised again below, on this rank too)
+            failed = e
+        try:
+            if self.comm is not None:
+                self.comm.agree(self.name, agreed, scope, failed=failed)
+            elif failed is not None:
+                raise failed
+        except Exception as e:
+            self._planning_failed(f"{type(e).__name__}: {e}")
+            raise
+
+    def _planning_failed(self, why):
+        """An op whose planning failed takes no calls and leaves its Comm."""
+        self.freed, self._ended = True, f"its planning failed ({why})"
+        if self.comm is not None:
+            self.comm.disown(self)
+
+    @contextlib.contextmanager
     def _planning_ends(self, group=None):
         """Plan time, last: ``with`` around everything after the plan's last collective step
         (the kernel's compile and link among it). Every member leaves it together, so no
@@ -159,9 +187,7 @@ class OpLifetime:
                                  "it takes no calls here either")
                 why = f"rank {r}'s planning failed"
         if failed is not None:
-            self.freed, self._ended = True, f"its planning failed ({why})"
-            if self.comm is not None:
-                self.comm.disown(self)
+            self._planning_failed(why)
             raise failed
 
     def _check_live(self):

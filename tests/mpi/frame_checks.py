@@ -667,9 +667,40 @@ def check_disagree(comm, opts, A):
     _refused(lambda: mk.AllGather(comm, (8,), "bogus"), ["AllGather", "'bogus'", "dtype"])
     _refused(lambda: mk.RingAttention(comm, 1, 8, 2, 1, 16, send_blocks=1 + (comm.rank > 0)),
              ["RingAttention", "send_blocks:"])
+    from mknumba.kernels.gemm_rs import GemmReduceScatter
+    m, n = opts["m"], opts["n"]
+    # the tile order, which the network's final lists take to be every node's
+    _refused(lambda: GemmReduceScatter(comm, m, n, k, group_m=1 + (comm.rank > 0)),
+             ["GemmReduceScatter", "group_m:"])
+    check_one_refuses(comm, opts)
     comm.barrier()      # every rank raised (nobody waits in a collective), and the comm works
     say("disagree", comm, "dtype shape AllGatherGemm:k AllGather:2.5,bogus "
-        "RingAttention:send_blocks")
+        "RingAttention:send_blocks GemmReduceScatter:group_m one-refuses")
+
+
+def check_one_refuses(comm, opts):
+    """An option only the last rank gets wrong (none of them compared between ranks, or
+    checked before the comparison) is refused on that rank, naming it, and on every other
+    rank, naming that rank: none is left waiting in a collective of the op's planning."""
+    from mknumba.kernels.gemm_ar import GemmAllReduce
+    m, n, k, W = opts["m"], opts["n"], opts["k"], comm.size
+    last = comm.rank == W - 1
+
+    def bad(value, good=None):
+        return value if last else good
+    cases = [
+        ("GemmAllReduce", "group_m",
+         lambda: GemmAllReduce(comm, m, n, k, group_m=bad(-1))),
+        ("AllGatherGemm", "comm_sms",
+         lambda: mk.AllGatherGemm(comm, m, n, k, comm_sms=bad(1.5))),
+        ("RingAttention", "threads",
+         lambda: mk.RingAttention(comm, 1, 8, 2, 1, 16, threads=bad(1.5))),
+        ("MoeDispatchGemm", "w_layout",
+         lambda: mk.MoeDispatchGemm(comm, 32, 32, 2 * W, 2, 4, w_layout=bad("bogus", "ehf"))),
+        ("AllGather", "threads",
+         lambda: mk.AllGather(comm, (opts["ag"],), "float32", threads=bad(0)))]
+    for name, option, make in cases:
+        _refused(make, [name, option] if last else [name, f"rank {W - 1} ", "refused to plan"])
 
 
 # ---- dtypes -----------------------------------------------------------------------------------
@@ -751,6 +782,8 @@ def check_overlap(comm, opts, A):
         _refused(lambda: op(A.dev(a_bits), A.dev(b_bits)), [op.name, "refused here"],
                  mk.MkError)
         op.free()
+    if opts["fused"] and comm.local_size > 1:
+        check_shared_output_input(comm, opts, A)
     agg = mk.AllGatherGemm(comm, m, n, k)
     b, out = _shared_views(A, opts, key, (0, (k, n)), (k * n - 8, (m, n)))
     _refused(lambda: agg(A.dev(rand_bits(opts, (m // comm.size, k), *key, 4)), b, out=out),
@@ -768,6 +801,24 @@ def check_overlap(comm, opts, A):
     ag.free()
     comm.barrier()
     say("overlap", comm, "gemm fused AllGatherGemm AllGather(in place)")
+
+
+def check_shared_output_input(comm, opts, A):
+    """With delivery the owners write every GPU's shared output on every call (``direct``),
+    whatever the call's ``out``: the last result fed back as the next call's ``a`` (a chained
+    layer) would be overwritten by the peers while this GPU reads it. Refused, naming it."""
+    from mknumba.kernels.gemm_ar import GemmAllReduce
+    m, n, k = opts["m"], opts["n"], opts["k"]
+    op = GemmAllReduce(comm, m, n, k, shared_out=True, deliver=True)
+    assert op.direct, "shared_out with delivery on one node: the owners write it directly"
+    a_bits, b_bits = fused_inputs(comm, opts, (15,))
+    y = op(A.dev(a_bits), A.dev(b_bits))            # out=None: the shared output
+    a = (y.view(-1)[:m * k].view(m, k) if A.kind == "torch" else
+         y.reshape(m * n)[:m * k].reshape(m, k))    # the result's first elements as the next a
+    out = A.dev(np.full((m, n), 0x7FC0, np.uint16))
+    _refused(lambda: op(a, A.dev(b_bits), out=out),
+             [op.name, "a shares memory with the shared output"])
+    op.free()
 
 
 # ---- options ----------------------------------------------------------------------------------

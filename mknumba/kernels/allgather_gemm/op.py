@@ -57,8 +57,14 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
     def __init__(self, comm, m, n, k, dtype="bfloat16", *, gathered=False, comm_sms=None,
                  collect_sms=None, part_rows=None, tile="auto", group_m=None, trace=False):
         self._plan_on(comm)
-        self._plan(comm, m, n, k, dtype, gathered, comm_sms, collect_sms, part_rows, tile,
-                   group_m, trace)
+        with self._planning_starts() as agreed:
+            # every rank must ask for the same exchange (the buffers, flags and offsets it
+            # writes into on other GPUs follow from these), in the caller's terms; the SM
+            # split and ``gathered`` are each rank's own
+            agreed.update(op=self.name, m=m, n=n, k=k, dtype=str(dtype).split(".")[-1],
+                          tile=tile, part_rows=part_rows)
+            self._plan(comm, m, n, k, dtype, gathered, comm_sms, collect_sms, part_rows, tile,
+                       group_m, trace)
         self._hot_sizes = (2 * self.m * self.n, 2 * self.shard * self.k, 2 * self.k * self.n)
         self._unshared = set()        # the hot path's address sets seen apart (arrays.unshared)
         self._collected = False

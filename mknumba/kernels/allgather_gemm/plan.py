@@ -29,11 +29,6 @@ class AllGatherGemmPlan:
     def _plan(self, comm, m, n, k, dtype, gathered, comm_sms, collect_sms, part_rows, tile,
               group_m, trace=False):
         """Resolve every option and the role split (sets the attributes the op reads)."""
-        # first, before any check that could fail on some ranks only and leave the others
-        # waiting in a collective: every rank must ask for the same exchange
-        self._check_agreement(comm, dict(op=self.name, m=m, n=n, k=k,
-                                         dtype=str(dtype).split(".")[-1], tile=tile,
-                                         part_rows=part_rows))
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
         m, n, k, group_m = positive_ints(self.name, m=m, n=n, k=k, group_m=group_m).values()
@@ -121,9 +116,3 @@ class AllGatherGemmPlan:
         fixed = send if nodes > 1 else 0
         self.init_comm = min(max(1, comm - fixed), self.ncomm)
         return fixed
-
-    def _check_agreement(self, comm, fields):
-        """Collective: every rank must plan the same exchange (the buffers, flags and offsets
-        it writes into on other GPUs follow from these), in the caller's terms. The SM split
-        and ``gathered`` are each rank's own."""
-        comm.agree(self.name, fields)

@@ -4,7 +4,8 @@ import numpy as np
 from numba import cuda
 
 from ..._compat import SIMULATOR
-from ...arrays import is_torch, new_output, operand, refuse_overlap, torch_ptr, unshared
+from ...arrays import (is_torch, new_output, operand, refuse_overlap, shared_bytes, torch_ptr,
+                       unshared)
 from ...errors import ERR_SET, MkError, MkValueError
 from ...sched.reduce import nonempty
 from ..gemm import Gemm
@@ -52,10 +53,14 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
                  tile="auto", group_m=None, trace=False, join=None, deliver=None,
                  shared_out=False, fold=None):
         self._plan_on(comm)
-        self._plan(comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, join,
-                   deliver, shared_out, fold)
+        with self._planning_starts() as agreed:
+            self._plan(comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, join,
+                       deliver, shared_out, fold)
+            agreed.update(self._agreement())
         self._views = {}      # the shared output as the caller's array type
-        self._hot_sizes = (2 * self.out_rows * self.n, 2 * self.m * self.k, 2 * self.k * self.n)
+        # the hot path's spans: out, the shared output (where every call writes it), a, b
+        self._hot_sizes = (2 * self.out_rows * self.n, 2 * self.m * self.n, 2 * self.m * self.k,
+                           2 * self.k * self.n)
         self._unshared = set()        # the hot path's address sets seen apart (arrays.unshared)
         self._buffers = []
         self.err = comm.new_error_record()
@@ -116,7 +121,8 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
                                      self.chunk_count, self.chunk_ready)]
         else:
             z64, z32 = np.zeros(1, np.uint64), np.zeros(1, np.uint32)
-            dev = [cuda.to_device(z64), cuda.to_device(z64)] + [cuda.to_device(z32) for _ in range(4)]
+            dev = ([cuda.to_device(z64), cuda.to_device(z64)]
+                   + [cuda.to_device(z32) for _ in range(4)])
             ring, head, tail = (cuda.mapped_array(12, np.uint32), cuda.to_device(z32),
                                 cuda.mapped_array(1, np.uint32))
         with self._planning_ends():
@@ -174,11 +180,12 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
 
     def output(self, torch=False):
         """The shared output (``shared_out=True``): [m, n] bf16 on this GPU, as a PyTorch
-        tensor (``torch=True``) or a numba array of bf16 bits (uint16), no copy. Each call
-        into it overwrites it: read it before the next call (in stream order, as that call's
-        kernel only starts after earlier work on the stream), and not after :meth:`free`. The
-        owners write it directly only with delivery or between nodes (``op.direct``); else it
-        is an ordinary output, filled by the copy at the end."""
+        tensor (``torch=True``) or a numba array of bf16 bits (uint16), no copy. Read it
+        before the next call (in stream order, as that call's kernel only starts after earlier
+        work on the stream), and not after :meth:`free`. With delivery or between nodes
+        (``op.direct``) the owners write it directly, on every call whatever its ``out``: so
+        no array of a call may lie in it (a copy may; such a call is refused). Else it is an
+        ordinary output, filled by the copy at the end of a call into it."""
         if not self.shared_out:
             raise MkValueError(f"{self.name}: planned without shared_out=True")
         self._check_live()      # not after free() or the Comm's finalize: its memory is gone
@@ -214,7 +221,8 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
             if pa and not pb:
                 pb, mode = torch_ptr(b, (k, n), dev), "kn"
             pc = pb and torch_ptr(out, (self.out_rows, n), dev)
-            if (pc and unshared(self._unshared, (pc, pa, pb), self._hot_sizes, 1)
+            ps = self._shared_ptr if self.direct and pc != self._shared_ptr else None
+            if (pc and unshared(self._unshared, (pc, ps, pa, pb), self._hot_sizes, 2)
                     and not self.err[ERR_SET]):
                 self._run(pa, pb, mode, pc, pc, pc == self._shared_ptr,
                           stream_handle(None, dev))
@@ -248,6 +256,7 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
             raise MkValueError(f"{self.name}: out must be a PyTorch tensor exactly when the "
                                "inputs are")
         refuse_overlap(self.name, (O,), (A, B))
+        self._refuse_shared(O, A, B)
         if self.solo:
             return self._solo_gemm(a, b, out=out, stream=stream)
         m, n, k, rows = self.m, self.n, self.k, self.out_rows
@@ -257,6 +266,23 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
                   O.as_param(np.uint64, (rows * n // 4,)), O.as_param(np.uint16, (rows, n)),
                   O.ptr == self._shared_ptr, st)
         return out
+
+    def _refuse_shared(self, out, *inputs):
+        """MkValueError if an array of the call shares memory with the shared output while
+        the call writes it elsewhere: with ``direct`` the owners write every local GPU's shared
+        output on every call, whatever its ``out``, so an input there (the last call's result,
+        fed to the next layer) would be overwritten while the call reads it."""
+        if not self.direct or out.ptr == self._shared_ptr:
+            return      # written only where out says (refuse_overlap covers it)
+        shared = (self._shared_ptr, 2 * self.m * self.n)
+        hit = shared_bytes([shared], [(x.ptr, x.nbytes) for x in (*inputs, out)])
+        if hit is not None:
+            name = (*inputs, out)[hit[1]].name
+            raise MkValueError(
+                f"{self.name}: {name} shares memory with the shared output (op.output()), which "
+                f"every call writes on every GPU of the node (shared_out with "
+                f"{'delivery' if self.deliver else 'several nodes'}), also when out is another "
+                f"array; give {name} memory of its own (e.g. a copy of the last result)")
 
     def _run(self, a, b, mode, out_words, out_c, into_shared, stream):
         """Bind the parameters (``Operand.as_param``: addresses on the GPU) and launch the

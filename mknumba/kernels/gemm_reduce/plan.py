@@ -78,8 +78,6 @@ class GemmReducePlan:
         # the owners write the shared output of every local GPU (sum_local's push target)
         self.direct = self.shared_out and not self.solo and G > 1 and (self.deliver or nodes > 1)
         self._roles(sms, G, nodes)
-        if not self.solo:
-            self._check_agreement(comm)
 
     def _roles(self, sms, G, nodes):
         """Split the held-back SMs between the communication roles (block index order)."""
@@ -150,14 +148,15 @@ class GemmReducePlan:
         return self._option(deliver, nodes == 1 and G > 1, recorded,
                             "deliver=True needs one node of several GPUs")
 
-    def _check_agreement(self, comm):
-        """Collective: every rank must plan the same exchange (the flags and buffers it writes
-        into on other GPUs follow from these), in the caller's terms first; SM splits and
-        joining are each rank's own."""
-        comm.agree(self.name, dict(op=self.name, m=self.m, n=self.n, dtype="bfloat16",
-                                   tile=(self.bm, self.bn), chunk_tiles=self.chunk_tiles,
-                                   deliver=self.deliver, fold=self.fold,
-                                   shared_out=self.shared_out))
+    def _agreement(self):
+        """What every rank must plan alike (``OpLifetime._planning_starts``): the exchange
+        (the flags and buffers it writes into on other GPUs follow from these), in the
+        caller's terms first, and ``group_m`` (the order of the tiles, which the network's
+        final lists take to be the same on every node); SM splits and joining are each
+        rank's own."""
+        return dict(op=self.name, m=self.m, n=self.n, dtype="bfloat16", tile=(self.bm, self.bn),
+                    chunk_tiles=self.chunk_tiles, group_m=self.group_m, deliver=self.deliver,
+                    fold=self.fold, shared_out=self.shared_out)
 
     def _fold(self, fold, recorded):
         """Whether the owner of a ReduceScatter tile adds the other local GPUs' delivered

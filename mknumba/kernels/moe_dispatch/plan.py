@@ -42,12 +42,6 @@ class MoeDispatchGemmPlan:
     def _plan(self, comm, hidden, ffn, experts, top_k, max_tokens, dtype, capacity, w_layout,
               comm_sms, tile, unit_tokens=None):
         """Resolve every option and the role split (sets the attributes the op reads)."""
-        # first, before any check that could fail on some ranks only and leave the others
-        # waiting in a collective: every rank must plan the same exchange
-        comm.agree(self.name, dict(op=self.name, hidden=hidden, ffn=ffn, experts=experts,
-                                   top_k=top_k, max_tokens=max_tokens,
-                                   dtype=str(dtype).split(".")[-1], tile=tile,
-                                   unit_tokens=unit_tokens))
         if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
             raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
         hidden, ffn, experts, top_k, max_tokens = positive_ints(

@@ -56,80 +56,80 @@ class RingAttention(Traced, OpLifetime):
         if comm is None:
             self.name = "mknumba.attention"     # what one-GPU callers called
         self._plan_on(comm)
-        dims = positive_ints(self.name, batch=batch, seq_local=seq_local, heads=heads,
-                             kv_heads=kv_heads, head_dim=head_dim)
-        self.batch, self.seq, self.heads, self.kv_heads, self.d = dims.values()
-        send_blocks, threads, compute_blocks = positive_ints(
-            self.name, send_blocks=send_blocks, threads=threads,
-            compute_blocks=compute_blocks).values()
-        if self.heads % self.kv_heads:
-            raise MkValueError(f"{self.name}: heads={heads} must be a multiple of "
-                               f"kv_heads={kv_heads}")
-        if self.d % 8 or self.d > HEAD_DIM_MAX:
-            raise MkValueError(f"{self.name}: head_dim={head_dim} is not supported: a multiple "
-                               f"of 8, at most {HEAD_DIM_MAX}")
-        check_layout(layout, self.seq, self.name)
-        if comm_sms not in (None, "adaptive"):
-            raise MkValueError(f"{self.name}: comm_sms={comm_sms!r}: None (the static split, "
-                               "send_blocks blocks) or 'adaptive'")
-        self.adaptive = comm_sms == "adaptive"
-        self.tracing = bool(trace)
-        if self.tracing and not self.adaptive:
-            raise MkValueError(f"{self.name}: trace=True stamps the adaptive build "
-                               "(comm_sms='adaptive'); the static build has no stamps")
-        self.causal, self.layout = bool(causal), layout
-        self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.d)
-        b, s, h, hk, d = self.batch, self.seq, self.heads, self.kv_heads, self.d
-        # out, lse, q, k, v: bf16 but lse (fp32), for the hot path's arrays.unshared
-        self._hot_sizes = (2 * b * s * h * d, 4 * b * h * s, 2 * b * s * h * d,
-                           2 * b * s * hk * d, 2 * b * s * hk * d)
-        self._unshared = set()
-        self.world = comm.size if comm is not None else 1
-        self.me = comm.rank if comm is not None else 0
-        self.nodes = comm.nodes if comm is not None else 1
-        self.local = comm.local_rank if comm is not None else 0
-        self.g = comm.local_size if comm is not None else 1
-        if comm is not None:
-            comm.agree(self.name, dict(dims, causal=self.causal, layout=layout,
-                                       scale=self.scale, send_blocks=send_blocks))
-        self.device = comm.device_id if comm is not None else (
-            None if SIMULATOR else cuda.get_current_device().id)
-        self.tile = self._tile_for(tile)
-        sm90 = self.tile in SM90_BUILDS
-        # q, k, v: the sm90 tile reads them by TMA (16-byte aligned tensor maps), the SIMT twin
-        # 8 bytes at a time; out asks 8 bytes in both builds (no TMA map on it)
-        self.align = 16 if sm90 else 8
-        if sm90:
-            if threads is not None:
-                raise MkValueError(f"{self.name}: threads= sets the SIMT twin's rows per block; "
-                                   f"the sm90 tile runs {SM90_THREADS} threads")
-            self.threads, smem, rows = SM90_THREADS, SM90_SMEM_BYTES, SM90_ROWS
-        else:
-            self.threads, smem = int(threads or (8 if SIMULATOR else 128)), 0
-            rows = self.threads
-        self.words = self.batch * self.seq * self.kv_heads * self.d // 4   # of K, and of V
-        self.parts = 0
-        if self.world > 1:    # parts of a slice, each a flag; none of them empty
-            chunk = -(-self.words // int(send_blocks or (1 if SIMULATOR else 8)))
-            self.parts = -(-self.words // chunk)
-        tiles = self.batch * self.heads * -(-self.seq // rows)
-        sms = 2 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
-        comm_blocks = self.parts * (2 if self.nodes > 1 else 1)
-        # adaptive: the pushes inside the node are the compute blocks' (ncomm items), only the
-        # send (to the proxy) and forward blocks between nodes stay fixed
-        self.ncomm = self.parts if self.adaptive and self.g > 1 else 0
-        if self.adaptive:
-            comm_blocks = 2 * self.parts if self.nodes > 1 else 0
-        self.tiles = tiles
-        # the sm90 tile takes a whole SM (shared memory): one block per SM beside the movers
-        fit = max(1, sms - comm_blocks) if sm90 else 4 * sms
-        self.compute_blocks = int(compute_blocks or min(tiles + self.ncomm, fit))
-        # flexible blocks that start pushing: as many as the static split's send blocks
-        self.init_comm = min(self.parts, self.ncomm, self.compute_blocks - 1) \
-            if self.adaptive else 0
-        self.role_blocks = dict(send=self.parts if comm_blocks else 0,
-                                forward=self.parts if comm_blocks and self.nodes > 1 else 0,
-                                compute=self.compute_blocks)
+        with self._planning_starts() as agreed:     # what every rank must plan alike
+            dims = positive_ints(self.name, batch=batch, seq_local=seq_local, heads=heads,
+                                 kv_heads=kv_heads, head_dim=head_dim)
+            self.batch, self.seq, self.heads, self.kv_heads, self.d = dims.values()
+            send_blocks, threads, compute_blocks = positive_ints(
+                self.name, send_blocks=send_blocks, threads=threads,
+                compute_blocks=compute_blocks).values()
+            if self.heads % self.kv_heads:
+                raise MkValueError(f"{self.name}: heads={heads} must be a multiple of "
+                                   f"kv_heads={kv_heads}")
+            if self.d % 8 or self.d > HEAD_DIM_MAX:
+                raise MkValueError(f"{self.name}: head_dim={head_dim} is not supported: a multiple "
+                                   f"of 8, at most {HEAD_DIM_MAX}")
+            check_layout(layout, self.seq, self.name)
+            if comm_sms not in (None, "adaptive"):
+                raise MkValueError(f"{self.name}: comm_sms={comm_sms!r}: None (the static split, "
+                                   "send_blocks blocks) or 'adaptive'")
+            self.adaptive = comm_sms == "adaptive"
+            self.tracing = bool(trace)
+            if self.tracing and not self.adaptive:
+                raise MkValueError(f"{self.name}: trace=True stamps the adaptive build "
+                                   "(comm_sms='adaptive'); the static build has no stamps")
+            self.causal, self.layout = bool(causal), layout
+            self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.d)
+            b, s, h, hk, d = self.batch, self.seq, self.heads, self.kv_heads, self.d
+            # out, lse, q, k, v: bf16 but lse (fp32), for the hot path's arrays.unshared
+            self._hot_sizes = (2 * b * s * h * d, 4 * b * h * s, 2 * b * s * h * d,
+                               2 * b * s * hk * d, 2 * b * s * hk * d)
+            self._unshared = set()
+            self.world = comm.size if comm is not None else 1
+            self.me = comm.rank if comm is not None else 0
+            self.nodes = comm.nodes if comm is not None else 1
+            self.local = comm.local_rank if comm is not None else 0
+            self.g = comm.local_size if comm is not None else 1
+            agreed.update(dims, causal=self.causal, layout=layout, scale=self.scale,
+                          send_blocks=send_blocks)
+            self.device = comm.device_id if comm is not None else (
+                None if SIMULATOR else cuda.get_current_device().id)
+            self.tile = self._tile_for(tile)
+            sm90 = self.tile in SM90_BUILDS
+            # q, k, v: the sm90 tile reads them by TMA (16-byte aligned tensor maps), the SIMT twin
+            # 8 bytes at a time; out asks 8 bytes in both builds (no TMA map on it)
+            self.align = 16 if sm90 else 8
+            if sm90:
+                if threads is not None:
+                    raise MkValueError(f"{self.name}: threads= sets the SIMT twin's rows per "
+                                       f"block; the sm90 tile runs {SM90_THREADS} threads")
+                self.threads, smem, rows = SM90_THREADS, SM90_SMEM_BYTES, SM90_ROWS
+            else:
+                self.threads, smem = int(threads or (8 if SIMULATOR else 128)), 0
+                rows = self.threads
+            self.words = self.batch * self.seq * self.kv_heads * self.d // 4   # of K, and of V
+            self.parts = 0
+            if self.world > 1:    # parts of a slice, each a flag; none of them empty
+                chunk = -(-self.words // int(send_blocks or (1 if SIMULATOR else 8)))
+                self.parts = -(-self.words // chunk)
+            tiles = self.batch * self.heads * -(-self.seq // rows)
+            sms = 2 if SIMULATOR else cuda.get_current_device().MULTIPROCESSOR_COUNT
+            comm_blocks = self.parts * (2 if self.nodes > 1 else 1)
+            # adaptive: the pushes inside the node are the compute blocks' (ncomm items), only the
+            # send (to the proxy) and forward blocks between nodes stay fixed
+            self.ncomm = self.parts if self.adaptive and self.g > 1 else 0
+            if self.adaptive:
+                comm_blocks = 2 * self.parts if self.nodes > 1 else 0
+            self.tiles = tiles
+            # the sm90 tile takes a whole SM (shared memory): one block per SM beside the movers
+            fit = max(1, sms - comm_blocks) if sm90 else 4 * sms
+            self.compute_blocks = int(compute_blocks or min(tiles + self.ncomm, fit))
+            # flexible blocks that start pushing: as many as the static split's send blocks
+            self.init_comm = min(self.parts, self.ncomm, self.compute_blocks - 1) \
+                if self.adaptive else 0
+            self.role_blocks = dict(send=self.parts if comm_blocks else 0,
+                                    forward=self.parts if comm_blocks and self.nodes > 1 else 0,
+                                    compute=self.compute_blocks)
         self._allocate()
         with self._planning_ends():
             kernel = make_kernel(self.tile, self.adaptive)
