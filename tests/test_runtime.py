@@ -141,3 +141,20 @@ def test_timeout_bound_is_checked(monkeypatch):
         default_timeout_ns()
     monkeypatch.setenv("MKNUMBA_TIMEOUT_S", "7")
     assert default_timeout_ns() == 7_000_000_000
+
+
+def test_ops_take_only_a_comm():
+    """An op of several ranks planned on anything but the Comm of mk.init() (None, an mpi4py
+    communicator) is refused by name, before any collective (it raised a bare
+    AttributeError); RingAttention also runs on one GPU (comm=None), and refuses a causal
+    that is not a bool (bool("no") is True)."""
+    from mknumba.kernels.gemm_ar import GemmAllReduce
+    for make, name in [(lambda c: mk.AllGather(c, (4,), "float32"), "AllGather"),
+                       (lambda c: GemmAllReduce(c, 64, 32, 8), "GemmAllReduce"),
+                       (lambda c: mk.AllGatherGemm(c, 64, 32, 8), "AllGatherGemm"),
+                       (lambda c: mk.MoeDispatchGemm(c, 32, 32, 2, 1, 4), "MoeDispatchGemm")]:
+        for comm in (None, object()):
+            with pytest.raises(mk.MkValueError, match=f"{name}: comm must be the Comm"):
+                make(comm)
+    with pytest.raises(mk.MkValueError, match="causal must be True or False, got 'no'"):
+        mk.RingAttention(None, 1, 8, 2, 1, 16, causal="no")

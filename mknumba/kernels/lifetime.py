@@ -121,11 +121,16 @@ class OpLifetime:
     record), ``frame`` (its :class:`Frame`), ``_buffers`` (its symmetric buffers) and
     ``_epoch_flags`` (its epoch flag arrays on this GPU)."""
 
-    def _plan_on(self, comm):
-        """Plan time, first: the op lives on ``comm`` (None: a one-GPU op) until :meth:`free`
-        or ``comm.finalize()``, which frees it too (``Comm.adopt``). ``freed``: the op takes
-        no more calls (also after a call this rank could not launch: ``_ended``). Its calls
-        keep one order across streams (``streams``)."""
+    def _plan_on(self, comm, one_gpu=False):
+        """Plan time, first: the op lives on ``comm`` (None: a one-GPU op, where ``one_gpu``
+        allows it) until :meth:`free` or ``comm.finalize()``, which frees it too
+        (``Comm.adopt``). ``freed``: the op takes no more calls (also after a call this rank
+        could not launch: ``_ended``). Its calls keep one order across streams
+        (``streams``)."""
+        from ..runtime import Comm
+        if not (isinstance(comm, Comm) or comm is None and one_gpu):
+            raise MkValueError(f"{self.name}: comm must be the Comm that mk.init() returned, "
+                               f"got {type(comm).__name__}")
         self.comm, self.freed, self.finalized, self._ended = comm, False, False, None
         self.frame = None        # set once planned (a plan that raises before leaves none)
         me = weakref.ref(self)           # (no cycle: a dropped op is freed at once)

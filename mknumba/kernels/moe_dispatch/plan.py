@@ -103,7 +103,7 @@ class MoeDispatchGemmPlan:
         self.adaptive = comm_sms == "adaptive"
         if comm_sms is None or self.adaptive:
             comm_sms = need if SIMULATOR else DEFAULT_COMM_SMS
-        comm_sms = int(comm_sms)
+        comm_sms = positive_ints(self.name, comm_sms=comm_sms)["comm_sms"]
         if comm_sms < need:
             raise MkValueError(f"{self.name}: comm_sms={comm_sms} must be at least {need} "
                                f"(pack{', forward' if need == 3 else ''} and pull)")

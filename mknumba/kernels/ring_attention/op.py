@@ -55,7 +55,7 @@ class RingAttention(Traced, OpLifetime):
                  compute_blocks=None, comm_sms=None, trace=False):
         if comm is None:
             self.name = "mknumba.attention"     # what one-GPU callers called
-        self._plan_on(comm)
+        self._plan_on(comm, one_gpu=True)
         with self._planning_starts() as agreed:     # what every rank must plan alike
             dims = positive_ints(self.name, batch=batch, seq_local=seq_local, heads=heads,
                                  kv_heads=kv_heads, head_dim=head_dim)
@@ -78,6 +78,8 @@ class RingAttention(Traced, OpLifetime):
             if self.tracing and not self.adaptive:
                 raise MkValueError(f"{self.name}: trace=True stamps the adaptive build "
                                    "(comm_sms='adaptive'); the static build has no stamps")
+            if causal not in (True, False):      # not bool(): "no" would mean causal
+                raise MkValueError(f"{self.name}: causal must be True or False, got {causal!r}")
             self.causal, self.layout = bool(causal), layout
             self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.d)
             b, s, h, hk, d = self.batch, self.seq, self.heads, self.kv_heads, self.d
