@@ -21,7 +21,7 @@ import numpy as np
 from numba import cuda
 
 from ._compat import SIMULATOR
-from .errors import ERR_WORDS, MkError, MkValueError, raise_if_timed_out
+from .errors import ERR_WORDS, MkError, MkValueError, positive_ints, raise_if_timed_out
 from .symmem import SymmetricBuffer
 from .topology import make_topology
 
@@ -70,18 +70,32 @@ class Comm:
     """
 
     def __init__(self, mpi_comm=None, gpus_per_node=None, timeout_s=None, transport=None):
-        self.timeout_ns = default_timeout_ns(timeout_s)
         MPI = _mpi()
+        failed = None            # this rank's bad argument: every rank refuses the init
+        try:
+            self.timeout_ns = default_timeout_ns(timeout_s)
+            env = os.environ.get("MKNUMBA_GPUS_PER_NODE")
+            if gpus_per_node is None and env:
+                gpus_per_node = positive_ints("mk.init", MKNUMBA_GPUS_PER_NODE=(
+                    int(env) if env.strip().isdigit() else env))["MKNUMBA_GPUS_PER_NODE"]
+        except MkValueError as e:
+            failed = e
         self.mpi = (mpi_comm or MPI.COMM_WORLD).Dup()
         self.simulator = SIMULATOR
         host = socket.gethostname()
-        if gpus_per_node is None and os.environ.get("MKNUMBA_GPUS_PER_NODE"):
-            gpus_per_node = int(os.environ["MKNUMBA_GPUS_PER_NODE"])
         # Every rank must agree on the job's shape before anything is allocated.
-        asks = self.mpi.allgather((host, gpus_per_node))
-        if len({g for _, g in asks}) != 1:
-            raise MkValueError(f"ranks disagree on gpus_per_node: {[g for _, g in asks]}")
-        self.topology = make_topology(self.mpi.Get_rank(), [h for h, _ in asks], gpus_per_node)
+        asks = self.mpi.allgather((host, gpus_per_node, failed and str(failed)))
+        refused = [(r, why) for r, (_, _, why) in enumerate(asks) if why]
+        if refused:
+            self.mpi.Free()
+            if failed is not None:
+                raise failed
+            raise MkValueError(f"mk.init: rank {refused[0][0]} refused its arguments "
+                               f"({refused[0][1]}); so does this rank")
+        if len({g for _, g, _ in asks}) != 1:
+            raise MkValueError(f"ranks disagree on gpus_per_node: {[g for _, g, _ in asks]}")
+        self.topology = make_topology(self.mpi.Get_rank(), [h for h, _, _ in asks],
+                                      gpus_per_node)
         t = self.topology
         self.rank, self.size = t.rank, t.size
         self.node, self.nodes = t.node, t.nodes

@@ -194,6 +194,10 @@ def check_validation(comm):
         expect_value_error(lambda: comm.alloc_symmetric((4 + comm.rank,), np.float32, "world"),
                            "different", "rank 1")
     expect_value_error(lambda: mk.init(timeout_s=-1), "timeout")
+    if comm.size > 1:             # one rank's bad bound: every rank refuses (none waits)
+        last = comm.rank == comm.size - 1
+        expect_value_error(lambda: mk.init(timeout_s=-1 if last else None),
+                           "timeout" if last else f"rank {comm.size - 1} refused")
     if comm.size > 1:
         expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, scope="world",
                                                 tile=4 + comm.rank % 2), "differently", "tile")
