@@ -30,6 +30,19 @@ BF16 = ("bfloat16", "uint16", "int16")
 _BF16_HINT = ("bfloat16 (torch.bfloat16, ml_dtypes.bfloat16, or its bits as uint16/int16)")
 
 
+def dtype_name(dtype):
+    """The name of an element type as a caller spells it: a string ("bfloat16"), a NumPy
+    dtype or scalar type (ml_dtypes.bfloat16 too) or a PyTorch dtype (torch.bfloat16)."""
+    return (getattr(dtype, "__name__", None) or str(dtype)).split(".")[-1]
+
+
+def check_bf16(op, dtype):
+    """MkValueError naming ``op`` unless ``dtype`` (any spelling: :func:`dtype_name`) is
+    bfloat16, the element type the fused GEMMs are planned for."""
+    if dtype_name(dtype) not in ("bfloat16", "bf16"):
+        raise MkValueError(f"{op}: dtype must be bfloat16, got {dtype}")
+
+
 def to_bf16_bits(x):
     """NumPy floats -> bf16 bits (uint16), rounded to nearest even; NaN stays NaN."""
     u = np.ascontiguousarray(x, np.float32).view(np.uint32)

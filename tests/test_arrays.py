@@ -86,3 +86,20 @@ def test_positive_ints():
     for bad in (0, -1, 1.5, "2", float("inf"), float("nan"), [1]):
         with pytest.raises(MkValueError, match="Op: a must be a positive integer"):
             positive_ints("Op", a=bad)
+
+
+def test_plan_dtype_spellings():
+    """The fused ops' dtype= takes bfloat16 as a string, NumPy's ml_dtypes type (the class,
+    which they refused as "<class 'ml_dtypes.bfloat16'>") or its dtype; anything else is
+    refused naming the op."""
+    import ml_dtypes
+    import numpy as np
+    import pytest
+    import mknumba as mk
+    from mknumba.arrays import check_bf16, dtype_name
+    for d in ("bfloat16", "bf16", ml_dtypes.bfloat16, np.dtype(ml_dtypes.bfloat16)):
+        check_bf16("SomeOp", d)
+        assert dtype_name(d) in ("bfloat16", "bf16")
+    for d in (np.uint16, np.float16, "float32"):
+        with pytest.raises(mk.MkValueError, match="SomeOp: dtype must be bfloat16"):
+            check_bf16("SomeOp", d)

@@ -4,7 +4,8 @@ import numpy as np
 from numba import cuda
 
 from ..._compat import SIMULATOR
-from ...arrays import is_torch, new_output, operand, refuse_overlap, torch_ptr, unshared
+from ...arrays import (dtype_name, is_torch, new_output, operand, refuse_overlap, torch_ptr,
+                       unshared)
 from ...errors import ERR_SET, MkError, MkValueError
 from ..gemm_inputs import (LayoutLaunches, NoTensorMaps, SlotMaps, TensorMaps, b_kn, b_mode,
                            b_shape)
@@ -61,7 +62,7 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
             # every rank must ask for the same exchange (the buffers, flags and offsets it
             # writes into on other GPUs follow from these), in the caller's terms; the SM
             # split and ``gathered`` are each rank's own
-            agreed.update(op=self.name, m=m, n=n, k=k, dtype=str(dtype).split(".")[-1],
+            agreed.update(op=self.name, m=m, n=n, k=k, dtype=dtype_name(dtype),
                           tile=tile, part_rows=part_rows)
             self._plan(comm, m, n, k, dtype, gathered, comm_sms, collect_sms, part_rows, tile,
                        group_m, trace)

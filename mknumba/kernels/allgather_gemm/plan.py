@@ -6,6 +6,7 @@ Everything here is decided once, when the op is built; a call only binds its arr
 from numba import cuda
 
 from ..._compat import SIMULATOR
+from ...arrays import check_bf16
 from ...errors import MkValueError, positive_ints
 from ...sched.tiles import arrival_order, cdiv, default_group_m, gather_order
 from ..gemm.plan import check_shapes, fused_tile
@@ -29,8 +30,7 @@ class AllGatherGemmPlan:
     def _plan(self, comm, m, n, k, dtype, gathered, comm_sms, collect_sms, part_rows, tile,
               group_m, trace=False):
         """Resolve every option and the role split (sets the attributes the op reads)."""
-        if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
-            raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
+        check_bf16(self.name, dtype)
         m, n, k, group_m = positive_ints(self.name, m=m, n=n, k=k, group_m=group_m).values()
         W = comm.size
         if m % W:

@@ -5,6 +5,7 @@ Everything here is decided once, when the op is built; a call only binds its arr
 from numba import cuda
 
 from ..._compat import SIMULATOR
+from ...arrays import check_bf16
 from ...errors import MkValueError, positive_ints
 from ...sched import split as sm_split
 from ...sched.reduce import ReducePlan
@@ -24,8 +25,7 @@ class GemmReducePlan:
     def _plan(self, comm, m, n, k, dtype, comm_sms, chunk_bytes, tile, group_m, trace, join,
               deliver, shared_out, fold):
         """Resolve every option and the role split (sets the attributes the op reads)."""
-        if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
-            raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
+        check_bf16(self.name, dtype)
         m, n, k, group_m, chunk_bytes = positive_ints(
             self.name, m=m, n=n, k=k, group_m=group_m, chunk_bytes=chunk_bytes).values()
         check_shapes(m, n, k, self.name)

@@ -7,7 +7,8 @@ from collections import namedtuple
 import numpy as np
 from numba import cuda
 
-from ...arrays import is_torch, new_output, operand, refuse_overlap, torch_ptr, unshared
+from ...arrays import (dtype_name, is_torch, new_output, operand, refuse_overlap, torch_ptr,
+                       unshared)
 from ...errors import ERR_SET, MkError, MkValueError
 from ...roles.controller import CTL_WORDS, QUEUES
 from ...roles.compute import kn_kind
@@ -130,7 +131,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         with self._planning_starts() as agreed:
             # every rank must plan the same exchange, in the caller's terms
             agreed.update(op=self.name, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k,
-                          max_tokens=max_tokens, dtype=str(dtype).split(".")[-1], tile=tile,
+                          max_tokens=max_tokens, dtype=dtype_name(dtype), tile=tile,
                           unit_tokens=unit_tokens)
             self._plan(comm, hidden, ffn, experts, top_k, max_tokens, dtype, capacity, w_layout,
                        comm_sms, tile, unit_tokens)

@@ -11,6 +11,7 @@ import numpy as np
 from numba import cuda
 
 from ..._compat import SIMULATOR
+from ...arrays import check_bf16
 from ...errors import MkValueError, positive_ints
 from ...sched.tiles import cdiv
 from ..gemm.plan import fused_tile
@@ -42,8 +43,7 @@ class MoeDispatchGemmPlan:
     def _plan(self, comm, hidden, ffn, experts, top_k, max_tokens, dtype, capacity, w_layout,
               comm_sms, tile, unit_tokens=None):
         """Resolve every option and the role split (sets the attributes the op reads)."""
-        if str(dtype).split(".")[-1] not in ("bfloat16", "bf16"):
-            raise MkValueError(f"{self.name}: dtype must be bfloat16, got {dtype}")
+        check_bf16(self.name, dtype)
         hidden, ffn, experts, top_k, max_tokens = positive_ints(
             self.name, hidden=hidden, ffn=ffn, experts=experts, top_k=top_k,
             max_tokens=max_tokens).values()
