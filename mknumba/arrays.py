@@ -274,7 +274,7 @@ def unshared(seen, ptrs, sizes, outputs):
     arrays."""
     if ptrs in seen:
         return True
-    spans = [(p, n) for p, n in zip(ptrs, sizes) if p]
+    spans = [(p, n) if p else (0, 0) for p, n in zip(ptrs, sizes)]    # None: no bytes
     if shared_bytes(spans[:outputs], spans[outputs:]) is not None:
         return False
     if len(seen) >= 64:       # a bounded memory of address sets

@@ -78,7 +78,9 @@ class Comm:
             if gpus_per_node is None and env:
                 gpus_per_node = positive_ints("mk.init", MKNUMBA_GPUS_PER_NODE=(
                     int(env) if env.strip().isdigit() else env))["MKNUMBA_GPUS_PER_NODE"]
-        except MkValueError as e:
+            gpus_per_node = positive_ints("mk.init", gpus_per_node=gpus_per_node)[
+                "gpus_per_node"]
+        except Exception as e:     # noqa: BLE001 (raised below, after every rank knows)
             failed = e
         self.mpi = (mpi_comm or MPI.COMM_WORLD).Dup()
         self.simulator = SIMULATOR

@@ -103,3 +103,11 @@ def test_plan_dtype_spellings():
     for d in (np.uint16, np.float16, "float32"):
         with pytest.raises(mk.MkValueError, match="SomeOp: dtype must be bfloat16"):
             check_bf16("SomeOp", d)
+
+
+def test_unshared_counts_outputs_among_absent_arrays():
+    """A None address (no array) keeps its place: the first ``outputs`` places are the
+    outputs whether or not one is absent (inputs that overlap each other are fine)."""
+    from mknumba.arrays import unshared
+    assert unshared(set(), (1000, None, 5000, 5010), (100, 100, 50, 50), 2)
+    assert not unshared(set(), (1000, None, 5000, 1050), (100, 100, 50, 50), 2)

@@ -158,3 +158,25 @@ def test_ops_take_only_a_comm():
                 make(comm)
     with pytest.raises(mk.MkValueError, match="causal must be True or False, got 'no'"):
         mk.RingAttention(None, 1, 8, 2, 1, 16, causal="no")
+
+
+def test_attention_cache_refuses_what_planning_refuses():
+    """mk.attention's plan cache keys a causal that is not a bool apart (it was bool(causal):
+    "no" found the causal plan), and a scale that is not finite is refused (NaN was refused
+    as a disagreement of a rank with itself)."""
+    from mpi_util import run_python
+    out = run_python(textwrap.dedent("""
+        import mknumba as mk
+        from mknumba.kernels.ring_attention.op import _single
+        assert _single((1, 8, 2, 16), 1, causal=True).causal
+        for kw, words in [(dict(causal="no"), "causal must be True or False, got 'no'"),
+                          (dict(scale=float("nan")), "scale must be a finite number, got nan")]:
+            try:
+                _single((1, 8, 2, 16), 1, **kw)
+            except mk.MkValueError as e:
+                assert words in str(e), str(e)
+            else:
+                raise AssertionError(f"{kw} was planned")
+        print("refused")
+    """))
+    assert "refused" in out

@@ -149,14 +149,14 @@ class OpLifetime:
         agreed, failed = {}, None
         try:
             yield agreed
-        except Exception as e:        # noqa: BLE001 (raised again below, on this rank too)
+        except BaseException as e:    # noqa: BLE001 (raised again below, on this rank too)
             failed = e
         try:
             if self.comm is not None:
                 self.comm.agree(self.name, agreed, scope, failed=failed)
             elif failed is not None:
                 raise failed
-        except Exception as e:
+        except BaseException as e:
             self._planning_failed(f"{type(e).__name__}: {e}")
             raise
 

@@ -82,6 +82,8 @@ class RingAttention(Traced, OpLifetime):
                 raise MkValueError(f"{self.name}: causal must be True or False, got {causal!r}")
             self.causal, self.layout = bool(causal), layout
             self.scale = float(scale) if scale is not None else 1.0 / math.sqrt(self.d)
+            if not math.isfinite(self.scale):
+                raise MkValueError(f"{self.name}: scale must be a finite number, got {scale!r}")
             b, s, h, hk, d = self.batch, self.seq, self.heads, self.kv_heads, self.d
             # out, lse, q, k, v: bf16 but lse (fp32), for the hot path's arrays.unshared
             self._hot_sizes = (2 * b * s * h * d, 4 * b * h * s, 2 * b * s * h * d,
@@ -402,7 +404,7 @@ def attention(q, k, v, causal=False, scale=None, out=None, lse=None, stream=None
 
 def _single(q_shape, kv_heads, causal=False, scale=None, tile="auto", stream=None):
     b, s, h, d = q_shape
-    key = (b, s, h, kv_heads, d, bool(causal), scale, tile,
+    key = (b, s, h, kv_heads, d, causal if causal in (True, False) else repr(causal), scale, tile,
            None if SIMULATOR else cuda.get_current_device().id)
     if key not in _SINGLE:
         if stream is not None and is_capturing(stream):   # planning allocates and compiles
