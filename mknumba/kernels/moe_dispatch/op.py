@@ -135,21 +135,20 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                           unit_tokens=unit_tokens)
             self._plan(comm, hidden, ffn, experts, top_k, max_tokens, dtype, capacity, w_layout,
                        comm_sms, tile, unit_tokens)
-            self._buffers = []
-            self._cfgs = {}               # (T, weighted) -> _TokenCount
-            self.err = comm.new_error_record()
-            self.frame = Frame(self.grid)
             self.w_kn = self.w_layout == "ehf"      # w[e] is [hidden, ffn]: B as [k, n]
-            self.w_shape = (self.local_experts, hidden, ffn) if self.w_kn else \
-                (self.local_experts, ffn, hidden)
-            # the layout: one buffer of this many int32, its four parts from these byte offsets
-            self._lay_words = MoeLayout.words(self.local_experts, self.capacity)
-            self._lay_parts = MoeLayout.parts(self.local_experts, self.capacity)
-            self._lay_bytes = tuple(4 * start for _, start, _, _ in self._lay_parts)
-            self._lay_shape, self._out_shape = (self._lay_words,), (self.capacity, ffn)
-            self.build, self.threads, self._kernel = build(kn_kind(self.kind, self.name)
-                                                           if self.w_kn else self.kind,
-                                                           self.adaptive)
+            kind = kn_kind(self.kind, self.name) if self.w_kn else self.kind   # may refuse
+        self._buffers = []
+        self._cfgs = {}               # (T, weighted) -> _TokenCount
+        self.err = comm.new_error_record()
+        self.frame = Frame(self.grid)
+        self.w_shape = (self.local_experts, hidden, ffn) if self.w_kn else \
+            (self.local_experts, ffn, hidden)
+        # the layout: one buffer of this many int32, its four parts from these byte offsets
+        self._lay_words = MoeLayout.words(self.local_experts, self.capacity)
+        self._lay_parts = MoeLayout.parts(self.local_experts, self.capacity)
+        self._lay_bytes = tuple(4 * start for _, start, _, _ in self._lay_parts)
+        self._lay_shape, self._out_shape = (self._lay_words,), (self.capacity, ffn)
+        self.build, self.threads, self._kernel = build(kind, self.adaptive)
         self._allocate(comm)
 
     def _allocate(self, comm):
