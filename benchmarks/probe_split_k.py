@@ -7,9 +7,12 @@ Per shape and layout of B, microseconds per call (median of repetitions of back-
 as bench_gemm.py times) of:
 
 - ``torch``: torch.matmul (cuBLAS) on the same operands;
-- ``unsplit``: ``Gemm(split_k=1)``, the kernel without split-K;
-- ``split1``: the split-K kernel running whole tiles (one slice: every unit a tile into C),
-  i.e. what the split kernel's code alone costs (generic stores, its registers);
+- ``auto1``: ``Gemm(split_k=1)``, what the op runs unsplit (at K <= ``TMS_MAX_K`` the
+  tensor-store tile, else the sm90 tile; the splits run the sm90 tile);
+- ``unsplit``: ``Gemm(tile="sm90", split_k=1)``, the sm90 tile's kernel without split-K;
+- ``split1``: the same tile's split-K kernel running whole tiles (one slice: every unit a
+  tile into C), i.e. what the split kernel's code alone costs (generic stores, its
+  registers);
 - per S in ``--splits``: ``sS`` the op with ``split_k=S`` (slices and folds), ``sS.sl`` the
   same plan with the folds left out of the work order (the slices alone; C is not written, so
   it is not checked), and ``sS.fold`` = sS - sS.sl: what the folds add to the critical path.
@@ -32,6 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch  # noqa: E402
 
 from mknumba.kernels.gemm import op as G  # noqa: E402
+from mknumba.roles.compute import tile_build  # noqa: E402
 from mknumba.sched.tiles import cdiv  # noqa: E402
 
 SHAPES = [(512, 1024, 14336), (1024, 1024, 8192), (2048, 1024, 4096), (512, 4096, 4096),
@@ -55,9 +59,10 @@ def slices_only():
 
 @contextlib.contextmanager
 def split_kernel_unsplit():
-    """Plans made inside run the split-K kernel even with one slice."""
+    """Plans made inside run the split-K kernel even with one slice (tile builds that have a
+    split kernel: those with a fold)."""
     orig = G._build
-    G._build = lambda kind, split=False: orig(kind, True)
+    G._build = lambda kind, split=False: orig(kind, split or tile_build(kind).fold is not None)
     try:
         yield
     finally:
@@ -123,7 +128,7 @@ def main():
     blocks = torch.cuda.get_device_properties(0).multi_processor_count   # all SMs compute
     bm, bn = 128, 256     # the sm90 tile (roles.compute.SM90_TILE)
     rows = []
-    cols = ["torch", "unsplit", "split1"] + [f"s{s}{x}" for s in splits
+    cols = ["torch", "auto1", "unsplit", "split1"] + [f"s{s}{x}" for s in splits
                                              for x in ("", ".sl", ".fold")]
     print(f"{'shape':>16} {'B':>2} {'tiles':>5} {'rule':>4} " +
           " ".join(f"{c:>8}" for c in cols) + "   (us per call; err of each full run)",
@@ -135,8 +140,9 @@ def main():
             row = dict(m=m, n=n, k=k, layout=layout, tiles=tiles, rule=rule, errs={})
             run = functools.partial(measure, row, *operands)
             run("torch", lambda a, b, out: torch.matmul(a, b, out=out))
-            run("unsplit", G.Gemm(split_k=1))
-            run("split1", G.Gemm(split_k=1), split_kernel_unsplit())
+            run("auto1", G.Gemm(split_k=1))
+            run("unsplit", G.Gemm(tile="sm90", split_k=1))
+            run("split1", G.Gemm(tile="sm90", split_k=1), split_kernel_unsplit())
             for s in splits:
                 run(f"s{s}", G.Gemm(split_k=s))
                 run(f"s{s}.sl", G.Gemm(split_k=s), slices_only(), check=False)
@@ -152,7 +158,7 @@ def main():
             json.dump(rows, f, indent=1)
     print("\nfastest split per shape beside the rule's:")
     for r in rows:
-        times = [(1, r["unsplit"])] + [(s, r[f"s{s}"]) for s in splits]
+        times = [(1, min(r["auto1"], r["unsplit"]))] + [(s, r[f"s{s}"]) for s in splits]
         best = min(times, key=lambda x: x[1])
         print(f"  {r['m']}x{r['n']}x{r['k']} {r['layout']}: best s={best[0]} "
               f"({best[1]:.1f} us), rule s={r['rule']}")

@@ -6,7 +6,8 @@
         ...
 
 Environment: ``MKNUMBA_GPUS_PER_NODE`` (pose one host as several nodes), ``MKNUMBA_TIMEOUT_S``
-(bound of every device-side wait), ``MKNUMBA_ALLOW_SHARED_GPU`` (more ranks than GPUs on a
+(bound of every device-side wait), ``MKNUMBA_HOST_TIMEOUT_S`` (bound of the host-side
+collective steps: planning an op, ``free``, ``barrier``, ``finalize``), ``MKNUMBA_ALLOW_SHARED_GPU`` (more ranks than GPUs on a
 host share them, with a note; 1: without the note, e.g. under MPS; 0: refuse),
 ``MKNUMBA_TRANSPORT`` (inter-node transport, see ``mknumba.proxy``).
 """
@@ -21,11 +22,16 @@ import numpy as np
 from numba import cuda
 
 from ._compat import SIMULATOR
-from .errors import ERR_WORDS, MkError, MkValueError, positive_ints, raise_if_timed_out
+from .errors import (ERR_WORDS, MkError, MkTimeoutError, MkValueError, positive_ints,
+                     raise_if_timed_out)
 from .symmem import SymmetricBuffer
 from .topology import make_topology
 
 _DEFAULT_TIMEOUT_S = 120.0 if SIMULATOR else 30.0  # simulated peers are Python: slow
+#: how long a rank waits on the host for the others to reach a collective step (planning an
+#: op, free, barrier, finalize): long enough for a peer's kernel compile on a loaded host,
+#: as long as PyTorch's default for a NCCL collective
+_DEFAULT_HOST_TIMEOUT_S = 600.0
 _current = None
 
 
@@ -37,16 +43,23 @@ _MAX_TIMEOUT_S = 1e7
 def default_timeout_ns(timeout_s=None):
     """The bound of every device-side wait, in ns: ``timeout_s``, else ``MKNUMBA_TIMEOUT_S``,
     else the default; a finite number of seconds, more than 0 and at most about 115 days."""
-    if timeout_s is None:
-        timeout_s = os.environ.get("MKNUMBA_TIMEOUT_S", _DEFAULT_TIMEOUT_S)
+    return int(_seconds(timeout_s, "MKNUMBA_TIMEOUT_S", _DEFAULT_TIMEOUT_S,
+                        "timeout_s (MKNUMBA_TIMEOUT_S)") * 1e9)
+
+
+def _seconds(value, env, default, what):
+    """A bound in seconds: ``value``, else the environment's ``env``, else ``default``; more
+    than 0 and at most :data:`_MAX_TIMEOUT_S`, else MkValueError naming ``what``."""
+    if value is None:
+        value = os.environ.get(env, default)
     try:
-        seconds = float(timeout_s)
+        seconds = float(value)
     except (TypeError, ValueError):
         seconds = float("nan")
     if not 0 < seconds <= _MAX_TIMEOUT_S:
-        raise MkValueError(f"timeout_s (MKNUMBA_TIMEOUT_S) must be a number of seconds in (0, "
-                           f"{_MAX_TIMEOUT_S:g}], got {timeout_s!r}")
-    return int(seconds * 1e9)
+        raise MkValueError(f"{what} must be a number of seconds in (0, {_MAX_TIMEOUT_S:g}], "
+                           f"got {value!r}")
+    return seconds
 
 
 def _mpi():
@@ -64,7 +77,8 @@ class Comm:
     Attributes: ``rank``/``size`` (world), ``node``/``nodes``, ``local_rank``/``local_size``
     (within the node; ``local_size`` is GPUs per node), ``rail_peers`` (world ranks with this
     local rank on the other nodes), ``device_id``, ``mpi`` (world communicator), ``node_comm``,
-    ``rail_comm``, ``timeout_ns``, ``simulator``, ``proxy`` (None on a single node),
+    ``rail_comm``, ``timeout_ns``, ``host_timeout_s`` (:meth:`meet`), ``simulator``, ``proxy``
+    (None on a single node),
     ``closed`` (finalized: every op planned on it is then freed, and planning or calling one
     raises MkError).
     """
@@ -74,6 +88,8 @@ class Comm:
         failed = None            # this rank's bad argument: every rank refuses the init
         try:
             self.timeout_ns = default_timeout_ns(timeout_s)
+            self.host_timeout_s = _seconds(None, "MKNUMBA_HOST_TIMEOUT_S",
+                                           _DEFAULT_HOST_TIMEOUT_S, "MKNUMBA_HOST_TIMEOUT_S")
             env = os.environ.get("MKNUMBA_GPUS_PER_NODE")
             if gpus_per_node is None and env:
                 gpus_per_node = positive_ints("mk.init", MKNUMBA_GPUS_PER_NODE=(
@@ -113,6 +129,7 @@ class Comm:
         self._buffers = []
         self._ops = weakref.WeakSet()      # the ops planned on this Comm (adopt)
         self._closed = False
+        self._lost = None          # a collective step that timed out (meet): no more steps
         self.proxy = None
         self._held_frees = None
         if self.nodes > 1:
@@ -173,6 +190,8 @@ class Comm:
     def free(self, buf):
         """Collective over the buffer's group: release a symmetric buffer early (and its proxy
         window, if it has one: then collective over the world)."""
+        self._check_open()
+        self.meet(buf.group if self.proxy is None else self.mpi, "free()")
         if self.proxy is not None:
             self.proxy.unregister(buf)
         buf.free()
@@ -190,9 +209,19 @@ class Comm:
         the op was planned with, in the caller's terms); else MkValueError names the ranks and
         the fields that differ, on every rank. ``failed``: the exception this rank's own
         checks raised (its ``fields`` may be empty, then not compared): raised here, unless
-        the fields differ, and the others raise MkValueError naming this rank and its error."""
+        the fields differ, and the others raise MkValueError naming this rank and its error.
+        The ranks of this node, members at every scope, first compare ``scope`` itself: ranks
+        that named different groups (or one that is none) raise instead of waiting in
+        different ones."""
         self._check_open()
+        self.meet(self.node_comm, f"{what}: planning")
+        scopes = self.node_comm.allgather(repr(scope))
+        if len(set(scopes)) > 1:
+            raise MkValueError(f"{what}: ranks of this node planned it over different scopes ("
+                               + ", ".join(f"rank {r}: {s}" for r, s in enumerate(scopes))
+                               + "); every member must pass the same")
         group, _ = self._group(scope)
+        self.meet(group, f"{what}: planning")
         why = None if failed is None else f"{type(failed).__name__}: {failed}"
         said = group.allgather((why, dict(fields)))
         me = group.Get_rank()
@@ -209,6 +238,30 @@ class Comm:
             if theirs is not None:
                 raise MkValueError(f"{what}: rank {r} of the {scope} refused to plan it "
                                    f"({theirs}); so does this rank ({me})")
+
+    def meet(self, group, what):
+        """Collective over ``group`` (one of this Comm's communicators), bounded: returns once
+        every member has called it, or raises MkTimeoutError after ``host_timeout_s``
+        (``MKNUMBA_HOST_TIMEOUT_S``) naming this rank and ``what``. Every host-side collective
+        step starts with it (planning an op, free, barrier, finalize), so a rank that skipped
+        one, raised before it, or waits in another ends with an error instead of a hang; the
+        Comm then takes no more collective steps (its ranks are out of step)."""
+        self._check_open()
+        if group.Get_size() == 1:
+            return
+        arrived = group.Ibarrier()
+        deadline = time.monotonic() + self.host_timeout_s
+        pause = 1e-5
+        while not arrived.Test():
+            if time.monotonic() > deadline:
+                self._lost = (f"rank {self.rank}: {what}: not every rank of its group "
+                              f"({group.Get_size()} ranks) came within {self.host_timeout_s:g} "
+                              "s (MKNUMBA_HOST_TIMEOUT_S); a rank skipped this step, raised "
+                              "before it, or waits in another (each rank must plan, free and "
+                              "finalize the same ops in the same order, over the same scope)")
+                raise MkTimeoutError(self._lost)
+            time.sleep(pause)      # releases the GIL (the proxy thread runs meanwhile)
+            pause = min(2 * pause, 5e-3)
 
     def new_error_record(self):
         """A zeroed int64[8] record in mapped host memory that kernels fill on a timeout."""
@@ -279,7 +332,7 @@ class Comm:
         """Synchronise this rank's GPU (default stream), then all ranks."""
         self._check_open()
         self.synchronize()
-        self.mpi.Barrier()
+        self.meet(self.mpi, "barrier()")
 
     @property
     def closed(self):
@@ -290,6 +343,9 @@ class Comm:
         if self._closed:
             raise MkError("this Comm was finalized (comm.finalize(), or the end of its "
                           "`with mk.init()` block): init a new one")
+        if self._lost:
+            raise MkError(f"this Comm's ranks are out of step ({self._lost}); it takes no "
+                          "more collective steps: end the job (e.g. MPI.COMM_WORLD.Abort())")
 
     def adopt(self, op):
         """An op planned on this Comm (``kernels.lifetime.OpLifetime``): :meth:`finalize`, which
@@ -311,6 +367,7 @@ class Comm:
         self.synchronize()
         for op in list(self._ops):   # each waits for its calls (the proxy still runs), then a
             op._close_frame()        # graph's replays launch nothing on the freed buffers
+        self.meet(self.mpi, "finalize()")
         proxy, self.proxy = self.proxy, None
         if proxy is not None:
             proxy.stop()     # never raises, so every rank reaches the collective frees below

@@ -405,7 +405,9 @@ def test_ranks_must_plan_the_same_exchange():
         """Comm.agree of this op's fields, the other rank's made from ours by ``theirs``."""
         group = SimpleNamespace(Get_rank=lambda: 0,
                                 allgather=lambda mine: [mine, (mine[0], theirs(mine[1]))])
-        comm = SimpleNamespace(_group=lambda scope: (group, (0, 1)), _check_open=lambda: None)
+        node = SimpleNamespace(allgather=lambda mine: [mine, mine])     # the scope
+        comm = SimpleNamespace(_group=lambda scope: (group, (0, 1)), _check_open=lambda: None,
+                               node_comm=node, meet=lambda group, what: None)
         Comm.agree(comm, op.name, GemmReduceScatter._agreement(op))
     agree(lambda mine: mine)
     with pytest.raises(mknumba.MkValueError,

@@ -13,7 +13,8 @@ from mpi_util import SharedLaunch, gpu_count, run_mpi
 
 # Checks that share one launch (one MPI start-up each); the timeout check shortens every
 # wait's bound, so it runs alone, on one node and across two (the proxy's wait), each of two
-# ranks: more ranks wait the same way.
+# ranks: more ranks wait the same way. The host_timeout check (a rank that skips a
+# collective step) runs on one node, whose pending steps it knows.
 CHECKS = "topology,allgather,validation"
 # (ranks, GPUs per node, transport): one node of 2, one of 4, two emulated nodes of 2 and of 1
 # (AllGather's world scope crosses them through the proxy: completion and ordered delivery).
@@ -23,7 +24,8 @@ LAYOUTS = [(2, None, None),
            pytest.param(2, 1, "sim:ordered", marks=pytest.mark.slow)]
 RUNS = ([pytest.param(CHECKS, *getattr(p, "values", p), marks=getattr(p, "marks", ()))
          for p in LAYOUTS] +
-        [pytest.param("timeout", 2, None, None),
+        [pytest.param("host_timeout", 2, None, None),
+         pytest.param("timeout", 2, None, None),
          pytest.param("timeout", 2, 1, "sim:ordered", marks=pytest.mark.slow)])
 
 

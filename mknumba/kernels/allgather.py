@@ -167,8 +167,8 @@ class AllGather(OpLifetime):
     def __init__(self, comm, shape, dtype, *, scope="node", send_blocks=None, recv_blocks=None,
                  forward_blocks=None, tile=None, threads=None):
         self._plan_on(comm)
-        group, ranks = comm._group(scope)
         with self._planning_starts(scope) as agreed:
+            group, _ = comm._group(scope)
             self._plan(comm, shape, dtype, scope, group, agreed, tile, threads, send_blocks,
                        recv_blocks, forward_blocks)
         # the symmetric buffers span one node (NVLink); the proxy carries the rest

@@ -184,6 +184,11 @@ class OpLifetime:
         group = group if group is not None else getattr(self.comm, "mpi", None)
         why = None if failed is None else f"{type(failed).__name__}: {failed}"
         if group is not None and group.Get_size() > 1:
+            try:
+                self.comm.meet(group, f"{self.name}: the end of planning")
+            except BaseException as e:
+                self._planning_failed(f"{type(e).__name__}: {e}")
+                raise
             said = group.allgather(why)
             others = [(r, w) for r, w in enumerate(said) if w is not None]
             if failed is None and others:

@@ -9,6 +9,7 @@ wait bound to 3 s (1 s in the simulator), so it runs alone.
 """
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -201,6 +202,51 @@ def check_validation(comm):
     if comm.size > 1:
         expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, scope="world",
                                                 tile=4 + comm.rank % 2), "differently", "tile")
+    if comm.local_size > 1:   # ranks of a node that name different scopes, or one names none
+        odd = comm.local_rank % 2 == 1
+        for other in ("world", "galaxy"):
+            expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32,
+                                                    scope=other if odd else "node"),
+                               "different scopes", repr(other))
+    comm.barrier()
+
+
+def check_host_timeout(comm):
+    """A rank that skips a collective step (here the last rank waits in a barrier while the
+    others plan an op): every rank raises MkTimeoutError after MKNUMBA_HOST_TIMEOUT_S (2 s),
+    naming its rank and its own step, instead of hanging; that Comm then refuses every
+    collective step. On a Comm of its own (one node: the others wait in the node's first
+    step), whose pending steps the ranks then complete by hand so the job can end."""
+    assert comm.nodes == 1, "one node: each rank's pending step is known"
+    os.environ["MKNUMBA_HOST_TIMEOUT_S"] = "2"
+    try:
+        lost = mk.init()
+    finally:
+        del os.environ["MKNUMBA_HOST_TIMEOUT_S"]
+    last = comm.rank == comm.size - 1
+    start = time.monotonic()
+    try:
+        if last:
+            lost.barrier()
+        else:
+            mk.AllGather(lost, (4,), np.float32)
+    except mk.MkTimeoutError as e:
+        waited = time.monotonic() - start
+        step = "barrier()" if last else "AllGather: planning"
+        assert f"rank {comm.rank}: {step}: not every rank" in str(e), str(e)
+        assert "MKNUMBA_HOST_TIMEOUT_S" in str(e), str(e)
+        assert 2 <= waited < 60, waited
+    else:
+        raise AssertionError("no MkTimeoutError")
+    try:
+        lost.barrier()
+    except mk.MkError as e:
+        assert "out of step" in str(e), str(e)
+    else:
+        raise AssertionError("a step after a timed-out one was taken")
+    # the step each rank left pending: the barrier's (world), the planning's (node)
+    from mpi4py import MPI
+    MPI.Request.Waitall([(lost.node_comm if last else lost.mpi).Ibarrier()])
     comm.barrier()
 
 
@@ -221,6 +267,8 @@ def main():
                 check_timeout(comm)
             elif check == "validation":
                 check_validation(comm)
+            elif check == "host_timeout":
+                check_host_timeout(comm)
             elif check == "raise":           # rank 0 fails while the others wait in a collective
                 if comm.rank == 0:
                     raise RuntimeError("rank 0 failed on purpose")
