@@ -22,6 +22,18 @@ from .errors import MkError, MkValueError
 _sim_tokens = itertools.count(1 << 40)  # simulated addresses: unique, never a real pointer
 
 
+def _capacity():
+    """Bytes a symmetric buffer could ever take here: the GPU's memory (in all: memory that
+    numba has yet to free counts as room), or in the simulator the size of /dev/shm."""
+    if SIMULATOR:
+        try:
+            st = os.statvfs("/dev/shm")
+        except OSError:       # no /dev/shm to measure: no bound from here
+            return float("inf")
+        return st.f_blocks * st.f_frsize
+    return cuda.current_context().get_memory_info()[1]
+
+
 class SymmetricBuffer:
     """One symmetric allocation over an MPI communicator ``group`` (see module docstring)."""
 
@@ -31,11 +43,23 @@ class SymmetricBuffer:
         self.dtype = np.dtype(dtype)
         self.index = group.Get_rank()
         self.scope_ranks = None  # world ranks of the members; set by the owner (Comm)
-        asks = group.allgather((self.shape, self.dtype.str))
-        if any(a != asks[0] for a in asks):
+        asks = group.allgather((self.shape, self.dtype.str, _capacity()))
+        if any(a[:2] != asks[0][:2] for a in asks):
             raise MkValueError("symmetric allocation: ranks asked for different buffers: "
                                + ", ".join(f"rank {i}: shape {s} dtype {d}"
-                                           for i, (s, d) in enumerate(asks)))
+                                           for i, (s, d, _) in enumerate(asks)))
+        # refused on every member alike, before any member allocates (a member whose
+        # allocation failed would leave the others waiting in the next step)
+        need = int(np.prod(self.shape)) * self.dtype.itemsize * (
+            group.Get_size() if SIMULATOR else 1)          # the simulator: one host's segments
+        for i, (_, _, room) in enumerate(asks):
+            if need > room:
+                raise MkValueError(
+                    f"symmetric allocation of shape {self.shape} {self.dtype} cannot fit: it "
+                    f"needs {need / 2**30:.3g} GiB, and rank {i} of its group has "
+                    f"{room / 2**30:.3g} GiB of " + ("shared memory (/dev/shm, where the "
+                    "simulator keeps every member's buffer)" if SIMULATOR else "GPU memory")
+                    + " in all")
         self._closed = False
         if SIMULATOR:
             self._open_shared_memory(job_tag, zero)

@@ -191,6 +191,8 @@ def check_validation(comm):
     expect_value_error(lambda: mk.AllGather(comm, (4,), np.complex64), "dtype")
     expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, scope="galaxy"), "scope")
     expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, threads=0), "threads")
+    # more than the GPU (the simulator: /dev/shm) could ever hold: refused on every rank
+    expect_value_error(lambda: mk.AllGather(comm, (10**12,), np.float32), "cannot fit")
     if comm.size > 1:
         expect_value_error(lambda: comm.alloc_symmetric((4 + comm.rank,), np.float32, "world"),
                            "different", "rank 1")
