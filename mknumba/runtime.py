@@ -7,10 +7,12 @@
 
 Environment: ``MKNUMBA_GPUS_PER_NODE`` (pose one host as several nodes), ``MKNUMBA_TIMEOUT_S``
 (bound of every device-side wait), ``MKNUMBA_HOST_TIMEOUT_S`` (bound of the host-side
-collective steps: planning an op, ``free``, ``barrier``, ``finalize``), ``MKNUMBA_ALLOW_SHARED_GPU`` (more ranks than GPUs on a
-host share them, with a note; 1: without the note, e.g. under MPS; 0: refuse),
+collective steps: planning an op, ``free``, ``barrier``, ``finalize``; see ``Comm.meet``),
+``MKNUMBA_ALLOW_SHARED_GPU`` (more ranks than GPUs on a host share them, with a note; 1:
+without the note, e.g. under MPS; 0: refuse),
 ``MKNUMBA_TRANSPORT`` (inter-node transport, see ``mknumba.proxy``).
 """
+import atexit
 import os
 import socket
 import sys
@@ -191,7 +193,8 @@ class Comm:
         """Collective over the buffer's group: release a symmetric buffer early (and its proxy
         window, if it has one: then collective over the world)."""
         self._check_open()
-        self.meet(buf.group if self.proxy is None else self.mpi, "free()")
+        windowed = self.proxy is not None and self.proxy.transport.window_of(buf) is not None
+        self.meet(self.mpi if windowed else buf.group, "free()")
         if self.proxy is not None:
             self.proxy.unregister(buf)
         buf.free()
@@ -218,7 +221,8 @@ class Comm:
         scopes = self.node_comm.allgather(repr(scope))
         if len(set(scopes)) > 1:
             raise MkValueError(f"{what}: ranks of this node planned it over different scopes ("
-                               + ", ".join(f"rank {r}: {s}" for r, s in enumerate(scopes))
+                               + ", ".join(f"rank {self.topology.node_ranks[r]}: {s}"
+                                           for r, s in enumerate(scopes))
                                + "); every member must pass the same")
         group, _ = self._group(scope)
         self.meet(group, f"{what}: planning")
@@ -244,24 +248,37 @@ class Comm:
         every member has called it, or raises MkTimeoutError after ``host_timeout_s``
         (``MKNUMBA_HOST_TIMEOUT_S``) naming this rank and ``what``. Every host-side collective
         step starts with it (planning an op, free, barrier, finalize), so a rank that skipped
-        one, raised before it, or waits in another ends with an error instead of a hang; the
-        Comm then takes no more collective steps (its ranks are out of step)."""
+        one, raised before it, or waits in another gets an error instead of a hang.
+
+        A timed-out step cannot be withdrawn (MPI has no way to cancel a collective): a late
+        rank's next step would complete against it and then wait forever. So the Comm takes
+        no more collective steps, and when this process exits the job is aborted (an exit
+        handler; ``MPI_Finalize`` would wait on the step too), which ends the late ranks."""
         self._check_open()
         if group.Get_size() == 1:
             return
         arrived = group.Ibarrier()
-        deadline = time.monotonic() + self.host_timeout_s
-        pause = 1e-5
+        start = time.monotonic()
         while not arrived.Test():
-            if time.monotonic() > deadline:
-                self._lost = (f"rank {self.rank}: {what}: not every rank of its group "
-                              f"({group.Get_size()} ranks) came within {self.host_timeout_s:g} "
-                              "s (MKNUMBA_HOST_TIMEOUT_S); a rank skipped this step, raised "
-                              "before it, or waits in another (each rank must plan, free and "
-                              "finalize the same ops in the same order, over the same scope)")
-                raise MkTimeoutError(self._lost)
-            time.sleep(pause)      # releases the GIL (the proxy thread runs meanwhile)
-            pause = min(2 * pause, 5e-3)
+            waited = time.monotonic() - start
+            if waited > self.host_timeout_s:
+                self._lose(f"rank {self.rank}: {what}: not every rank of its group "
+                           f"({group.Get_size()} ranks) came within {self.host_timeout_s:g} s "
+                           "(MKNUMBA_HOST_TIMEOUT_S); a rank skipped this step, raised before "
+                           "it, or waits in another (each rank must plan, free and finalize "
+                           "the same ops in the same order, over the same scope)")
+            # yield at first (ranks leave a barrier together), then poll every 100 us; a
+            # sleep releases the GIL, so the proxy thread runs meanwhile
+            time.sleep(0 if waited < 2e-3 else 1e-4)
+
+    def _lose(self, why):
+        """A collective step timed out (:meth:`meet`): raise MkTimeoutError, and from now on
+        refuse every step; abort the job when this process exits."""
+        self._lost = why
+        _LOST.append(self)
+        if len(_LOST) == 1:
+            atexit.register(_abort_lost)
+        raise MkTimeoutError(why)
 
     def new_error_record(self):
         """A zeroed int64[8] record in mapped host memory that kernels fill on a timeout."""
@@ -345,7 +362,8 @@ class Comm:
                           "`with mk.init()` block): init a new one")
         if self._lost:
             raise MkError(f"this Comm's ranks are out of step ({self._lost}); it takes no "
-                          "more collective steps: end the job (e.g. MPI.COMM_WORLD.Abort())")
+                          "more collective steps, and the job is aborted when this process "
+                          "exits")
 
     def adopt(self, op):
         """An op planned on this Comm (``kernels.lifetime.OpLifetime``): :meth:`finalize`, which
@@ -404,6 +422,17 @@ class Comm:
         return (f"Comm(rank={self.rank}/{self.size}, node={self.node}/{self.nodes}, "
                 f"local_rank={self.local_rank}/{self.local_size}, device={self.device_id}, "
                 f"simulator={self.simulator})")
+
+
+_LOST = []      # Comms whose ranks are out of step (Comm._lose): the job ends at exit
+
+
+def _abort_lost():
+    """At exit, after a collective step timed out: abort the job, saying why, instead of
+    waiting in ``MPI_Finalize`` on the step (and leaving late ranks waiting on this one)."""
+    comm = _LOST[0]
+    print(f"mknumba: {comm._lost}; aborting the job", file=sys.stderr, flush=True)
+    comm.mpi.Abort(1)
 
 
 def init(mpi_comm=None, *, gpus_per_node=None, timeout_s=None, transport=None):

@@ -9,9 +9,12 @@ On the GPU a buffer is a device allocation shared through CUDA IPC; under the si
 
 Allocation is collective over the group, and every member must ask for the same shape and dtype.
 """
+import collections
 import itertools
+import math
 import os
 import secrets
+import socket
 
 import numpy as np
 from numba import cuda
@@ -23,15 +26,19 @@ _sim_tokens = itertools.count(1 << 40)  # simulated addresses: unique, never a r
 
 
 def _capacity():
-    """Bytes a symmetric buffer could ever take here: the GPU's memory (in all: memory that
-    numba has yet to free counts as room), or in the simulator the size of /dev/shm."""
+    """``(bytes, where)``: what symmetric buffers could ever take here, and the memory's
+    identity (members with the same share it): the GPU's memory in all (memory that numba
+    has yet to free counts as room) and its UUID, or in the simulator the size of /dev/shm
+    and the host."""
+    host = socket.gethostname()
     if SIMULATOR:
         try:
             st = os.statvfs("/dev/shm")
         except OSError:       # no /dev/shm to measure: no bound from here
-            return float("inf")
-        return st.f_blocks * st.f_frsize
-    return cuda.current_context().get_memory_info()[1]
+            return float("inf"), host
+        return st.f_blocks * st.f_frsize, host
+    ctx = cuda.current_context()
+    return ctx.get_memory_info()[1], (host, ctx.device.uuid)
 
 
 class SymmetricBuffer:
@@ -49,17 +56,18 @@ class SymmetricBuffer:
                                + ", ".join(f"rank {i}: shape {s} dtype {d}"
                                            for i, (s, d, _) in enumerate(asks)))
         # refused on every member alike, before any member allocates (a member whose
-        # allocation failed would leave the others waiting in the next step)
-        need = int(np.prod(self.shape)) * self.dtype.itemsize * (
-            group.Get_size() if SIMULATOR else 1)          # the simulator: one host's segments
-        for i, (_, _, room) in enumerate(asks):
-            if need > room:
+        # allocation failed would leave the others waiting in the next step); members that
+        # share a GPU (or, simulated, a host's /dev/shm) need a buffer each there
+        each = math.prod(self.shape) * self.dtype.itemsize
+        sharing = collections.Counter(where for _, _, (_, where) in asks)
+        for i, (_, _, (room, where)) in enumerate(asks):
+            if each * sharing[where] > room:
                 raise MkValueError(
-                    f"symmetric allocation of shape {self.shape} {self.dtype} cannot fit: it "
-                    f"needs {need / 2**30:.3g} GiB, and rank {i} of its group has "
-                    f"{room / 2**30:.3g} GiB of " + ("shared memory (/dev/shm, where the "
-                    "simulator keeps every member's buffer)" if SIMULATOR else "GPU memory")
-                    + " in all")
+                    f"symmetric allocation of shape {self.shape} {self.dtype} cannot fit: "
+                    f"{sharing[where]} x {each / 2**30:.3g} GiB where rank {i} of its group "
+                    f"has {room / 2**30:.3g} GiB of " + (
+                        "shared memory (/dev/shm, where the simulator keeps every member's "
+                        "buffer)" if SIMULATOR else "GPU memory") + " in all")
         self._closed = False
         if SIMULATOR:
             self._open_shared_memory(job_tag, zero)

@@ -13,8 +13,7 @@ from mpi_util import SharedLaunch, gpu_count, run_mpi
 
 # Checks that share one launch (one MPI start-up each); the timeout check shortens every
 # wait's bound, so it runs alone, on one node and across two (the proxy's wait), each of two
-# ranks: more ranks wait the same way. The host_timeout check (a rank that skips a
-# collective step) runs on one node, whose pending steps it knows.
+# ranks: more ranks wait the same way.
 CHECKS = "topology,allgather,validation"
 # (ranks, GPUs per node, transport): one node of 2, one of 4, two emulated nodes of 2 and of 1
 # (AllGather's world scope crosses them through the proxy: completion and ordered delivery).
@@ -24,8 +23,7 @@ LAYOUTS = [(2, None, None),
            pytest.param(2, 1, "sim:ordered", marks=pytest.mark.slow)]
 RUNS = ([pytest.param(CHECKS, *getattr(p, "values", p), marks=getattr(p, "marks", ()))
          for p in LAYOUTS] +
-        [pytest.param("host_timeout", 2, None, None),
-         pytest.param("timeout", 2, None, None),
+        [pytest.param("timeout", 2, None, None),
          pytest.param("timeout", 2, 1, "sim:ordered", marks=pytest.mark.slow)])
 
 
@@ -77,6 +75,16 @@ def test_gpu_more_ranks_than_gpus():
     out = run_mpi("runtime_checks.py", n, "topology", simulator=False, expect_fail=True,
                   env={"MKNUMBA_ALLOW_SHARED_GPU": "0"}, gpus=0)
     assert f"{n} ranks on this host but only {n - 1} GPUs" in out, out[-3000:]
+
+
+def test_a_skipped_host_step_times_out_on_every_rank():
+    """A rank that skips a collective step: each rank raises MkTimeoutError naming its own
+    step within MKNUMBA_HOST_TIMEOUT_S (the check asserts it and prints PASS), and the job is
+    then aborted at exit, saying why, instead of waiting in MPI_Finalize."""
+    out = run_mpi("runtime_checks.py", 2, "host_timeout", expect_fail=True, timeout=300)
+    _passed(out, "host_timeout", 2)
+    assert "not every rank of its group (2 ranks) came within 2 s" in out, out[-3000:]
+    assert "; aborting the job" in out, out[-3000:]
 
 
 def test_no_mpi_is_a_clear_error(monkeypatch):
