@@ -201,6 +201,13 @@ def check_validation(comm):
         last = comm.rank == comm.size - 1
         expect_value_error(lambda: mk.init(timeout_s=-1 if last else None),
                            "timeout" if last else f"rank {comm.size - 1} refused")
+        if last:                  # the host steps' bound, from the environment
+            os.environ["MKNUMBA_HOST_TIMEOUT_S"] = "soon"
+        try:
+            expect_value_error(mk.init, "MKNUMBA_HOST_TIMEOUT_S" if last else
+                               f"rank {comm.size - 1} refused")
+        finally:
+            os.environ.pop("MKNUMBA_HOST_TIMEOUT_S", None)
     if comm.size > 1:
         expect_value_error(lambda: mk.AllGather(comm, (4,), np.float32, scope="world",
                                                 tile=4 + comm.rank % 2), "differently", "tile")
