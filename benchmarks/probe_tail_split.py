@@ -4,7 +4,8 @@
         [m,n,k[,reserved_sms] ...]
 
 Per shape and layout of B, microseconds per call (``probe_split_k.measure``: median of
-repetitions of back-to-back calls) of, in one run:
+repetitions of back-to-back calls; each column timed again in reverse order, the faster pass
+kept: ``probe_split_k.time_again``) of, in one run:
 
 - ``torch``: torch.matmul (cuBLAS) on the same operands;
 - ``off``: ``Gemm(split_k=1)``, what the op ran before the tail split ("auto": the
@@ -34,7 +35,7 @@ import torch  # noqa: E402
 
 from mknumba.kernels.gemm import op as G  # noqa: E402
 from mknumba.sched.tiles import cdiv  # noqa: E402
-from probe_split_k import layouts, measure  # noqa: E402
+from probe_split_k import layouts, measure, time_again  # noqa: E402
 
 SHAPES = [(512, 28672, 1024, 0), (512, 28672, 2048, 0), (512, 28672, 4096, 0),
           (512, 28672, 8192, 0), (4096, 28672, 4096, 0), (16384, 8192, 1024, 0),
@@ -89,6 +90,7 @@ def main():
             if not tail and idle:
                 run("forced", G.Gemm(reserved_sms=reserved), forced_tail(args.force))
                 row["forced_slices"] = args.force
+            time_again(row)
             rows.append(row)
             bad = [key for key, e in row["errs"].items() if not e <= 1e-2]   # NaN: unwritten
             print(f"{m}x{n}x{k:<6}{'r' + str(reserved) if reserved else '':>4} {layout:>2} "
