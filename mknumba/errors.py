@@ -70,11 +70,12 @@ KIND_ERRORS = {KIND_TIMEOUT: MkTimeoutError, KIND_CAPACITY: MkCapacityError,
 CLEARED_ONCE_RAISED = (KIND_EXPERT,)
 
 
-def raise_if_timed_out(rec, what=""):
+def raise_if_timed_out(rec, what="", flag_name=None):
     """Raise the error the record ``rec`` holds, if any (:data:`KIND_ERRORS`): MkTimeoutError
     describing a wait that expired, ... A kind in :data:`CLEARED_ONCE_RAISED` is cleared first
-    (every other word, then the set word: a kernel may write a new record once it is clear)."""
-    msg = describe_error_record(rec, what)
+    (every other word, then the set word: a kernel may write a new record once it is clear).
+    ``flag_name``: as :func:`describe_error_record` takes it."""
+    msg = describe_error_record(rec, what, flag_name)
     if msg:
         kind = int(rec[ERR_KIND])
         if kind in CLEARED_ONCE_RAISED:
@@ -83,8 +84,11 @@ def raise_if_timed_out(rec, what=""):
         raise KIND_ERRORS.get(kind, MkTimeoutError)(msg)
 
 
-def describe_error_record(rec, what=""):
-    """Format an error record (a length-8 int64 array) as a sentence; '' when it is clear."""
+def describe_error_record(rec, what="", flag_name=None):
+    """Format an error record (a length-8 int64 array) as a sentence; '' when it is clear.
+    ``flag_name(role, index)``: what the flag a timed-out wait watched stands for, in the
+    caller's terms (e.g. "rank 3's tile 2 of its shard"), or None where the op cannot tell
+    from these alone (an op's ``_flag_name``)."""
     rec = np.asarray(rec)
     if rec[ERR_SET] == 0:
         return ""
@@ -100,7 +104,9 @@ def describe_error_record(rec, what=""):
                 f"{int(rec[ERR_BLOCK])}): {int(rec[ERR_SEEN])} rows were routed to this rank, "
                 f"more than the {int(rec[ERR_EXPECTED])} it was planned for; nothing was "
                 "written past them. Plan with a larger capacity (or max_tokens).")
+    name = flag_name(int(rec[ERR_ROLE]), int(rec[ERR_FLAG])) if flag_name else None
     return (f"{where}rank {int(rec[ERR_RANK])}, {role} role (block "
-            f"{int(rec[ERR_BLOCK])}) timed out waiting on flag {int(rec[ERR_FLAG])} to reach epoch "
-            f"{int(rec[ERR_EXPECTED])}; it last held {int(rec[ERR_SEEN])}. A peer rank probably "
-            f"failed, was not launched, or called with other arguments.")
+            f"{int(rec[ERR_BLOCK])}) timed out waiting on flag {int(rec[ERR_FLAG])}"
+            f"{f' ({name})' if name else ''} to reach epoch {int(rec[ERR_EXPECTED])}; it last "
+            f"held {int(rec[ERR_SEEN])}. A peer rank probably failed, was not launched, or "
+            "called with other arguments.")

@@ -286,12 +286,13 @@ class Comm:
         rec[:] = 0
         return rec
 
-    def check(self, record, what=""):
+    def check(self, record, what="", flag_name=None):
         """Raise if the proxy failed, or :class:`MkTimeoutError` if a kernel wrote ``record``
-        (a dead proxy is the likelier cause of a timeout, so it is reported first)."""
+        (a dead proxy is the likelier cause of a timeout, so it is reported first).
+        ``flag_name``: see ``errors.describe_error_record``."""
         if self.proxy is not None:
             self.proxy.check()
-        raise_if_timed_out(record, what)
+        raise_if_timed_out(record, what, flag_name)
 
     # -- collective helpers and teardown ----------------------------------------------------------
     def synchronize(self, stream=0):

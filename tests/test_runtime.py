@@ -153,6 +153,56 @@ def test_timeout_bound_is_checked(monkeypatch):
     assert default_timeout_ns() == 7_000_000_000
 
 
+def test_timeout_message_names_what_the_flag_stands_for():
+    """A timed-out wait's record names the flag by index, and by what it stands for where the
+    op can tell (its ``_flag_name``); a kind other than a timeout ignores the namer."""
+    import numpy as np
+    from mknumba import errors as E
+    rec = np.zeros(E.ERR_WORDS, np.int64)
+    rec[[E.ERR_SET, E.ERR_RANK, E.ERR_ROLE, E.ERR_FLAG, E.ERR_EXPECTED, E.ERR_SEEN]] = \
+        [1, 3, E.ROLE_RECV, 9, 5, 4]
+    names = {(E.ROLE_RECV, 9): "rank 2's tile 1 of its shard"}
+    msg = E.describe_error_record(rec, "AllGather", lambda role, i: names.get((role, i)))
+    assert ("AllGather: rank 3, receive role (block 0) timed out waiting on flag 9 (rank 2's "
+            "tile 1 of its shard) to reach epoch 5; it last held 4.") in msg, msg
+    plain = E.describe_error_record(rec, "AllGather", lambda role, i: None)
+    assert "waiting on flag 9 to reach epoch 5" in plain, plain
+    with pytest.raises(mk.MkTimeoutError, match=r"flag 9 \(rank 2's tile 1"):
+        E.raise_if_timed_out(rec, "AllGather", lambda role, i: names.get((role, i)))
+    rec[E.ERR_KIND] = E.KIND_CAPACITY
+    assert "(rank 2's" not in E.describe_error_record(rec, "x", lambda role, i: "named")
+
+
+def test_ops_name_their_flags():
+    """Each op's ``_flag_name`` reads a flag index as its kernel lays the flags out (indices
+    written here from the layouts in the kernels' docstrings), and names nothing it cannot
+    tell apart."""
+    from types import SimpleNamespace as NS
+    from mknumba.errors import ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV, ROLE_SEND
+    from mknumba.kernels.allgather import AllGather
+    from mknumba.kernels.allgather_gemm import AllGatherGemm
+    from mknumba.kernels.moe_dispatch import MoeDispatchGemm
+    from mknumba.kernels.ring_attention import RingAttention
+    ag = NS(tiles=3, members=2, _member_ranks=(4, 5))        # a node of world ranks 4, 5
+    assert AllGather._flag_name(ag, ROLE_RECV, 1 * 3 + 2) == "rank 5's tile 2 of its shard"
+    assert AllGather._flag_name(ag, ROLE_SEND, 0) is None    # the proxy's ring credit
+    agg = NS(parts=4, world=2)
+    for role in (ROLE_COMPUTE, ROLE_RECV, ROLE_INTRA):
+        assert AllGatherGemm._flag_name(agg, role, 1 * 4 + 3) == "rank 1's part 3 of its rows of a"
+    assert AllGatherGemm._flag_name(agg, ROLE_SEND, 0) is None
+    moe = NS(world=2, units=3, unit=16)      # flags: counts [0, 2), units [2, 8), routing [8, 10)
+    assert MoeDispatchGemm._flag_name(moe, ROLE_INTRA, 1) == "rank 1's token counts"
+    assert MoeDispatchGemm._flag_name(moe, ROLE_INTRA, 0) == (
+        "rank 0's token counts, or this GPU's routing layout")
+    assert MoeDispatchGemm._flag_name(moe, ROLE_RECV, 2 + 1 * 3 + 2) == "rank 1's tokens 32 .. 47"
+    assert MoeDispatchGemm._flag_name(moe, ROLE_RECV, 9) == "rank 1's routing (through the proxy)"
+    assert MoeDispatchGemm._flag_name(moe, ROLE_COMPUTE, 1) is None
+    ring = NS(parts=2, world=4)              # arrive[src, k|v, part]
+    assert RingAttention._flag_name(ring, ROLE_RECV, (3 * 2 + 1) * 2 + 0) == (
+        "rank 3's V part 0 (through the proxy)")
+    assert RingAttention._flag_name(ring, ROLE_COMPUTE, 1) is None
+
+
 def test_ops_take_only_a_comm():
     """An op of several ranks planned on anything but the Comm of mk.init() (None, an mpi4py
     communicator) is refused by name, before any collective (it raised a bare

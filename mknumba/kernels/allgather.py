@@ -168,7 +168,7 @@ class AllGather(OpLifetime):
                  forward_blocks=None, tile=None, threads=None):
         self._plan_on(comm)
         with self._planning_starts(scope) as agreed:
-            group, _ = comm._group(scope)
+            group, self._member_ranks = comm._group(scope)
             self._plan(comm, shape, dtype, scope, group, agreed, tile, threads, send_blocks,
                        recv_blocks, forward_blocks)
         # the symmetric buffers span one node (NVLink); the proxy carries the rest
@@ -259,6 +259,14 @@ class AllGather(OpLifetime):
         self.tiles = -(-self.words // self.tile)
         if not fwd:
             self.forward_blocks = 0
+
+    def _flag_name(self, role, index):
+        """The receive role's waits (forward's too) watch flags[src * tiles + t]: member
+        src's tile t has arrived."""
+        src, t = divmod(index, self.tiles)
+        if role == ROLE_RECV and src < self.members:
+            return f"rank {self._member_ranks[src]}'s tile {t} of its shard"
+        return None
 
     def __call__(self, x, out=None, stream=None):
         """x: [*shape] on this rank's GPU -> out: [members, *shape] (same kind and dtype).

@@ -231,9 +231,16 @@ class OpLifetime:
         """Raise what the op's calls left in its error record (a timeout, a capacity overflow,
         an expert id out of range: MoE), or a failed proxy first (``Comm.check``)."""
         if self.comm is not None:
-            self.comm.check(self.err, what)
+            self.comm.check(self.err, what, self._flag_name)
         else:
-            raise_if_timed_out(self.err, what)
+            raise_if_timed_out(self.err, what, self._flag_name)
+
+    def _flag_name(self, role, index):
+        """What flag ``index``, which a wait of ``role`` (``errors.ROLE_*``) timed out on,
+        stands for in the caller's terms (e.g. "rank 3's tile 2 of its shard"), for the
+        timeout's message; None where the op cannot tell from these alone (several of its
+        flag arrays share the role). Ops override it."""
+        return None
 
     def _end_calls(self, why):
         """This rank raised instead of launching a call that the other ranks may have

@@ -411,7 +411,8 @@ def check_timeout(comm, opts, A):
     a, b = A.dev(a_bits), A.dev(b_bits)
     check_peer_never_calls(comm, lambda: make_op(comm, opts),
                            lambda op: op(a, b, out=A.poisoned((m, n))),
-                           ("AllGatherGemm", "rank 0", "compute role", "to reach epoch 1"),
+                           ("AllGatherGemm", "rank 0", "compute role", "of its rows of a)",
+                            "to reach epoch 1"),
                            bound_s)
 
 

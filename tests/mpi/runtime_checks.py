@@ -117,6 +117,9 @@ def check_timeout(comm):
             msg = str(e)
             assert f"rank {comm.rank}" in msg and "receive role" in msg and "flag" in msg, msg
             assert "epoch 1" in msg, msg
+            peers = [r for r in comm.topology.node_ranks if r != comm.rank]   # never called
+            assert any(f"(rank {r}'s tile " in msg for r in peers), msg
+            assert "of its shard) to reach" in msg, msg
         else:
             raise AssertionError("a wait with no sender did not time out")
         try:                                 # the op stays poisoned: later calls refuse

@@ -6,7 +6,7 @@ from numba import cuda
 from ..._compat import SIMULATOR
 from ...arrays import (dtype_name, is_torch, new_output, operand, refuse_overlap, torch_ptr,
                        unshared)
-from ...errors import ERR_SET, MkError, MkValueError
+from ...errors import ERR_SET, ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV, MkError, MkValueError
 from ..gemm_inputs import (LayoutLaunches, NoTensorMaps, SlotMaps, TensorMaps, b_kn, b_mode,
                            b_shape)
 from ...roles.controller import CTL_LOG, CTL_WORDS
@@ -305,6 +305,14 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         per_call = np.zeros(QUEUES, np.uint64)
         per_call[Q_COMPUTE], per_call[Q_COMM] = len(self.order) + flex, self.ncomm + flex
         return [(self.queue, per_call)]
+
+    def _flag_name(self, role, index):
+        """Every wait but the proxy's ring credit (send) watches flags[src * parts + p]: part
+        p of world rank src's rows of A has arrived (here, or at the forwarder)."""
+        src, p = divmod(index, self.parts)
+        if role in (ROLE_COMPUTE, ROLE_RECV, ROLE_INTRA) and src < self.world:
+            return f"rank {src}'s part {p} of its rows of a"
+        return None
 
 
 def _address(arr):

@@ -9,7 +9,7 @@ from numba import cuda
 
 from ...arrays import (dtype_name, is_torch, new_output, operand, refuse_overlap, torch_ptr,
                        unshared)
-from ...errors import ERR_SET, MkError, MkValueError
+from ...errors import ERR_SET, ROLE_INTRA, ROLE_RECV, MkError, MkValueError
 from ...roles.controller import CTL_WORDS, QUEUES
 from ...roles.compute import kn_kind
 from ..gemm_inputs import b_map
@@ -383,6 +383,22 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         per_call[Q_COMPUTE], per_call[Q_COMM] = (n + self.role_blocks["compute"]
                                                  for n in self.queue_items())
         return [(self.queue, per_call)]
+
+    def _flag_name(self, role, index):
+        """The receive and intra-node roles' waits watch ``flags`` (``kernel.flag_words``):
+        a source's counts, its 16-token units, and (through the proxy) its routing; the
+        intra-node role also waits on this GPU's layout flag, index 0 as rank 0's counts."""
+        W, units = self.world, self.units
+        if role not in (ROLE_RECV, ROLE_INTRA) or index >= W * (2 + units):
+            return None
+        if index < W:
+            return (f"rank {index}'s token counts" +
+                    (", or this GPU's routing layout" if index == 0 and role == ROLE_INTRA
+                     else ""))
+        if index < W * (1 + units):
+            src, u = divmod(index - W, units)
+            return f"rank {src}'s tokens {u * self.unit} .. {(u + 1) * self.unit - 1}"
+        return f"rank {index - W * (1 + units)}'s routing (through the proxy)"
 
     def queue_items(self):
         """The adaptive split's items per call that its queues are planned for: (tiles,

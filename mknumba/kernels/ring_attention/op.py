@@ -8,7 +8,7 @@ from numba import cuda
 
 from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand, refuse_overlap, torch_ptr, unshared
-from ...errors import ERR_SET, ERR_WORDS, MkError, MkValueError, positive_ints
+from ...errors import ERR_SET, ERR_WORDS, ROLE_RECV, MkError, MkValueError, positive_ints
 from ...roles.attention import (HEAD_DIM_MAX, SM90_BUILDS, SM90_HEAD_DIMS, SM90_ROWS,
                                 SM90_SMEM_BYTES, SM90_THREADS)
 from ...sched.sequence import check_layout, runs
@@ -329,6 +329,18 @@ class RingAttention(Traced, OpLifetime):
         per_call[Q_COMPUTE] = self.tiles + self.compute_blocks
         per_call[Q_COMM] = self.ncomm + self.compute_blocks
         return [(self.queue, per_call)]
+
+    def _flag_name(self, role, index):
+        """Between nodes the forward role's waits (receive) watch arrive[src, k|v, part]: a
+        rail peer's K or V part, landed through the proxy. (The compute role's waits watch
+        that array, another and a mailbox alike: not named.)"""
+        if role != ROLE_RECV or not self.parts:
+            return None
+        src, rest = divmod(index, 2 * self.parts)
+        hv, p = divmod(rest, self.parts)
+        if src >= self.world:
+            return None
+        return f"rank {src}'s {'KV'[hv]} part {p} (through the proxy)"
 
     # -- traces (comm_sms="adaptive", trace=True) ---------------------------------------------
     def trace_events(self):
