@@ -244,20 +244,27 @@ class Comm:
                                    f"({theirs}); so does this rank ({me})")
 
     def meet(self, group, what):
-        """Collective over ``group`` (one of this Comm's communicators), bounded: returns once
-        every member has called it, or raises MkTimeoutError after ``host_timeout_s``
-        (``MKNUMBA_HOST_TIMEOUT_S``) naming this rank and ``what``. Every host-side collective
-        step starts with it (planning an op, free, barrier, finalize), so a rank that skipped
-        one, raised before it, or waits in another gets an error instead of a hang.
+        """Collective over ``group`` (one of this Comm's communicators), bounded: every member
+        says which step it is at (``what``, e.g. ``"free()"``), and this returns once all have
+        said the same. Every host-side collective step starts with it (planning an op, free,
+        barrier, finalize), so ranks out of step get an error instead of a hang:
 
-        A timed-out step cannot be withdrawn (MPI has no way to cancel a collective): a late
-        rank's next step would complete against it and then wait forever. So the Comm takes
-        no more collective steps, and when this process exits the job is aborted (an exit
-        handler; ``MPI_Finalize`` would wait on the step too), which ends the late ranks."""
+        - members at different steps: MkError on each, naming every member's step (the
+          exchange completed: nothing is left pending);
+        - a member that never comes: MkTimeoutError after ``host_timeout_s``
+          (``MKNUMBA_HOST_TIMEOUT_S``) naming this rank and ``what``. A timed-out exchange
+          cannot be withdrawn (MPI has no way to cancel a collective), and a late rank's next
+          step would complete against it and then wait forever; so the job is aborted when
+          this process exits (an exit handler: ``MPI_Finalize`` would wait on it too).
+
+        Either way the Comm then takes no more collective steps (its ranks are out of step)."""
         self._check_open()
         if group.Get_size() == 1:
             return
-        arrived = group.Ibarrier()
+        said = np.zeros((group.Get_size(), 4 + _STEP_BYTES), np.uint8)   # world rank, step
+        mine = np.frombuffer(self.rank.to_bytes(4, "little") +
+                             what.encode()[:_STEP_BYTES].ljust(_STEP_BYTES, b" "), np.uint8)
+        arrived = group.Iallgather(mine, said)
         start = time.monotonic()
         while not arrived.Test():
             waited = time.monotonic() - start
@@ -265,20 +272,31 @@ class Comm:
                 self._lose(f"rank {self.rank}: {what}: not every rank of its group "
                            f"({group.Get_size()} ranks) came within {self.host_timeout_s:g} s "
                            "(MKNUMBA_HOST_TIMEOUT_S); a rank skipped this step, raised before "
-                           "it, or waits in another (each rank must plan, free and finalize "
-                           "the same ops in the same order, over the same scope)")
+                           "it, or waits in another group (each rank must plan, free and "
+                           "finalize the same ops in the same order, over the same scope)",
+                           abort=True)
             # yield at first (ranks leave a barrier together), then poll every 100 us; a
             # sleep releases the GIL, so the proxy thread runs meanwhile
             time.sleep(0 if waited < 2e-3 else 1e-4)
+        steps = {int.from_bytes(bytes(row[:4]), "little"):
+                 bytes(row[4:]).decode(errors="replace").rstrip() for row in said}
+        if len(set(steps.values())) > 1:
+            self._lose(f"rank {self.rank}: {what}: the ranks of its group are at different "
+                       "steps (" + ", ".join(f"rank {r}: {s!r}" for r, s in steps.items())
+                       + "); each rank must plan, free and finalize the same ops in the same "
+                       "order", abort=False)
 
-    def _lose(self, why):
-        """A collective step timed out (:meth:`meet`): raise MkTimeoutError, and from now on
-        refuse every step; abort the job when this process exits."""
+    def _lose(self, why, abort):
+        """A collective step failed (:meth:`meet`): raise, and from now on refuse every step;
+        ``abort``: a step is left pending, so abort the job when this process exits
+        (MkTimeoutError), else MkError."""
         self._lost = why
-        _LOST.append(self)
-        if len(_LOST) == 1:
-            atexit.register(_abort_lost)
-        raise MkTimeoutError(why)
+        if abort:
+            _LOST.append(self)
+            if len(_LOST) == 1:
+                atexit.register(_abort_lost)
+            raise MkTimeoutError(why)
+        raise MkError(why)
 
     def new_error_record(self):
         """A zeroed int64[8] record in mapped host memory that kernels fill on a timeout."""
@@ -363,8 +381,8 @@ class Comm:
                           "`with mk.init()` block): init a new one")
         if self._lost:
             raise MkError(f"this Comm's ranks are out of step ({self._lost}); it takes no "
-                          "more collective steps, and the job is aborted when this process "
-                          "exits")
+                          "more collective steps" + (", and the job is aborted when this "
+                                                     "process exits" if self in _LOST else ""))
 
     def adopt(self, op):
         """An op planned on this Comm (``kernels.lifetime.OpLifetime``): :meth:`finalize`, which
@@ -425,7 +443,9 @@ class Comm:
                 f"simulator={self.simulator})")
 
 
-_LOST = []      # Comms whose ranks are out of step (Comm._lose): the job ends at exit
+_LOST = []      # Comms with a timed-out step left pending (Comm._lose): the job ends at exit
+#: bytes of a step's name that ranks compare (Comm.meet): longer names are cut
+_STEP_BYTES = 96
 
 
 def _abort_lost():

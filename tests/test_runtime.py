@@ -195,11 +195,11 @@ def test_ops_name_their_flags():
     assert MoeDispatchGemm._flag_name(moe, ROLE_INTRA, 0) == (
         "rank 0's token counts, or this GPU's routing layout")
     assert MoeDispatchGemm._flag_name(moe, ROLE_RECV, 2 + 1 * 3 + 2) == "rank 1's tokens 32 .. 47"
-    assert MoeDispatchGemm._flag_name(moe, ROLE_RECV, 9) == "rank 1's routing (through the proxy)"
+    assert MoeDispatchGemm._flag_name(moe, ROLE_RECV, 9) == "rank 1's routing, through the proxy"
     assert MoeDispatchGemm._flag_name(moe, ROLE_COMPUTE, 1) is None
     ring = NS(parts=2, world=4)              # arrive[src, k|v, part]
     assert RingAttention._flag_name(ring, ROLE_RECV, (3 * 2 + 1) * 2 + 0) == (
-        "rank 3's V part 0 (through the proxy)")
+        "rank 3's V part 0, through the proxy")
     assert RingAttention._flag_name(ring, ROLE_COMPUTE, 1) is None
 
 

@@ -218,6 +218,22 @@ def check_validation(comm):
         if comm.node == 0:
             comm.free(comm.alloc_symmetric((8,), np.float32, "node"))
         comm.barrier()
+    if comm.size > 1 and comm.nodes == 1:   # ranks at different steps of one group: each
+        apart = mk.init()                    # raises, naming every rank's step (a Comm of its
+        first = comm.rank == 0               # own: it takes no more steps after)
+        try:
+            apart.barrier() if first else apart.finalize()
+        except mk.MkError as e:
+            assert "at different steps" in str(e) and "'barrier()'" in str(e), str(e)
+            assert "'finalize()'" in str(e) and not isinstance(e, mk.MkTimeoutError), str(e)
+        else:
+            raise AssertionError("ranks at different steps went on")
+        try:
+            apart.barrier()
+        except mk.MkError as e:
+            assert "out of step" in str(e) and "aborted" not in str(e), str(e)
+        else:
+            raise AssertionError("a step after a failed one was taken")
     if comm.local_size > 1:   # ranks of a node that name different scopes, or one names none
         odd = comm.local_rank % 2 == 1
         for other in ("world", "galaxy"):
@@ -233,6 +249,7 @@ def check_host_timeout(comm):
     naming its rank and its own step, instead of hanging; that Comm then refuses every
     collective step, and the job is aborted when the processes exit (the steps left pending
     cannot be withdrawn). On a Comm of its own; the job's Comm still finalizes."""
+    assert comm.nodes == 1 and comm.size > 1, "one node of 2+: the others wait in its step"
     os.environ["MKNUMBA_HOST_TIMEOUT_S"] = "2"
     try:
         lost = mk.init()

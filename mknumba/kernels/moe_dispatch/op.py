@@ -398,7 +398,7 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
         if index < W * (1 + units):
             src, u = divmod(index - W, units)
             return f"rank {src}'s tokens {u * self.unit} .. {(u + 1) * self.unit - 1}"
-        return f"rank {index - W * (1 + units)}'s routing (through the proxy)"
+        return f"rank {index - W * (1 + units)}'s routing, through the proxy"
 
     def queue_items(self):
         """The adaptive split's items per call that its queues are planned for: (tiles,

@@ -340,7 +340,7 @@ class RingAttention(Traced, OpLifetime):
         hv, p = divmod(rest, self.parts)
         if src >= self.world:
             return None
-        return f"rank {src}'s {'KV'[hv]} part {p} (through the proxy)"
+        return f"rank {src}'s {'KV'[hv]} part {p}, through the proxy"
 
     # -- traces (comm_sms="adaptive", trace=True) ---------------------------------------------
     def trace_events(self):
