@@ -192,7 +192,6 @@ class Comm:
     def free(self, buf):
         """Collective over the buffer's group: release a symmetric buffer early (and its proxy
         window, if it has one: then collective over the world)."""
-        self._check_open()
         windowed = self.proxy is not None and self.proxy.transport.window_of(buf) is not None
         self.meet(self.mpi if windowed else buf.group, "free()")
         if self.proxy is not None:
@@ -216,7 +215,6 @@ class Comm:
         The ranks of this node, members at every scope, first compare ``scope`` itself: ranks
         that named different groups (or one that is none) raise instead of waiting in
         different ones."""
-        self._check_open()
         self.meet(self.node_comm, f"{what}: planning")
         scopes = self.node_comm.allgather(repr(scope))
         if len(set(scopes)) > 1:
