@@ -9,12 +9,15 @@
 #   OUT=/some/dir bash benchmarks/gpu_tests_parallel.sh "tests/test_fused.py" "moe and 1x2" ...
 set -uo pipefail
 source "$(dirname "$0")/gpu_env.sh"
+# a run that would outlast its group fails first, with what its ranks printed so far
+group_s=${GROUP_TIMEOUT_S:-450}
+export MKNUMBA_TEST_TIMEOUT_S=${MKNUMBA_TEST_TIMEOUT_S:-$((group_s > 60 ? group_s - 30 : group_s))}
 i=0
 for group in "$@"; do
   i=$((i + 1))
   while [ "$(jobs -rp | wc -l)" -ge "${MAX_GROUPS:-$((NGPU < 2 ? 3 : 6))}" ]; do wait -n; done
   if [[ $group == tests/* ]]; then args=($group); else args=(-k "$group" tests); fi
-  timeout "${GROUP_TIMEOUT_S:-450}" ${PYTHON:-python3} -m pytest -v -m gpu -rs --durations=5 \
+  timeout "$group_s" ${PYTHON:-python3} -m pytest -v -m gpu -rs --durations=5 \
     "${args[@]}" > "$OUT/group$i.log" 2>&1 &
 done
 wait

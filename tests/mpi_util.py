@@ -62,8 +62,29 @@ def _launch(script, n, args, env, simulator, timeout):
     # other ranks waiting in a collective until the timeout
     cmd = mpiexec() + ["-n", str(n), sys.executable, "-m", "mpi4py",
                        os.path.join(HERE, "mpi", script), *map(str, args)]
-    p = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    return cmd, p.returncode, p.stdout + p.stderr
+    # MKNUMBA_TEST_TIMEOUT_S caps every run's bound: a GPU script that kills a group of tests
+    # after some time sets it lower, so that a run past it fails with what it printed so far
+    cap = os.environ.get("MKNUMBA_TEST_TIMEOUT_S")
+    timeout = min(timeout, float(cap)) if cap else timeout
+    with subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.terminate()           # mpiexec passes it on to the ranks; a kill would orphan them
+            try:
+                out, err = p.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+    return cmd, p.returncode, out + err
+
+
+def _timed_out_output(e):
+    """What a run that timed out had printed (subprocess.TimeoutExpired's output)."""
+    return "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
+                   for x in (e.stdout, e.stderr))
 
 
 def run_mpi(script, n, *args, env=None, simulator=True, timeout=600, expect_fail=False,
@@ -74,7 +95,11 @@ def run_mpi(script, n, *args, env=None, simulator=True, timeout=600, expect_fail
     GPUs (default ``n``; see :func:`require_gpus`)."""
     if not simulator:
         require_gpus(n if gpus is None else gpus, env)
-    cmd, rc, out = _launch(script, n, args, env, simulator, timeout)
+    try:
+        cmd, rc, out = _launch(script, n, args, env, simulator, timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{' '.join(e.cmd)} timed out after {e.timeout:g} s; its output "
+                             f"so far:\n{_timed_out_output(e)[-6000:]}") from None
     if expect_fail:
         assert rc != 0, f"{' '.join(cmd)} succeeded but should have failed:\n{out}"
     else:
@@ -127,9 +152,8 @@ class SharedLaunch:
         try:
             cmd, rc, out = _launch("launch_sets.py", self.n, argv[1:], None, True, self.timeout)
         except subprocess.TimeoutExpired as e:        # each test says so, none launches again
-            cmd, rc = e.cmd, f"timed out after {self.timeout} s"
-            out = "".join(x.decode(errors="replace") if isinstance(x, bytes) else x or ""
-                          for x in (e.stdout, e.stderr))
+            cmd, rc = e.cmd, f"timed out after {e.timeout:g} s"
+            out = _timed_out_output(e)
         self.returncode = rc
         lines = out.splitlines()
         rest = "\n".join(line for line in lines if not re.match(r"\d+\| ", line))  # no run's
