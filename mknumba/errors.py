@@ -51,6 +51,15 @@ ROLE_NAMES = {ROLE_COMPUTE: "compute", ROLE_INTRA: "intra-node comm", ROLE_SEND:
               ROLE_RECV: "receive", ROLE_CONTROLLER: "controller", ROLE_PROXY: "proxy",
               ROLE_TEST: "test"}
 
+#: A wait's role code may say, above its low byte, which of the role's flag arrays it watched
+#: (``role | array << ROLE_BITS``; array 0: the role's first or only one), so that an op whose
+#: role waits on several arrays still says what a timed-out flag stands for (its
+#: ``_flag_name``). ARRAY_RING_CREDIT: the proxy's command ring's free slots, which the send
+#: role of every op waits on (``roles.send.enqueue``; named here, not by the op).
+ROLE_BITS = 8
+ARRAY_RING_CREDIT = 255
+ROLE_SEND_CREDIT = ROLE_SEND | ARRAY_RING_CREDIT << ROLE_BITS
+
 # Layout of the error record: one int64 per field.
 ERR_SET, ERR_RANK, ERR_ROLE, ERR_FLAG, ERR_EXPECTED, ERR_SEEN, ERR_BLOCK, ERR_KIND = range(8)
 ERR_WORDS = 8
@@ -86,14 +95,17 @@ def raise_if_timed_out(rec, what="", flag_name=None):
 
 def describe_error_record(rec, what="", flag_name=None):
     """Format an error record (a length-8 int64 array) as a sentence; '' when it is clear.
-    ``flag_name(role, index)``: what the flag a timed-out wait watched stands for, in the
-    caller's terms (e.g. "rank 3's tile 2 of its shard"), or None where the op cannot tell
-    from these alone (an op's ``_flag_name``)."""
+    ``flag_name(role, index, array)``: what flag ``index`` of the role's flag array
+    ``array`` (:data:`ROLE_BITS`), which a timed-out wait watched, stands for in the caller's
+    terms (e.g. "rank 3's tile 2 of its shard"), or None where the op cannot tell (an op's
+    ``_flag_name``)."""
     rec = np.asarray(rec)
     if rec[ERR_SET] == 0:
         return ""
     where = what + ": " if what else ""
-    role = ROLE_NAMES.get(int(rec[ERR_ROLE]), f"role {int(rec[ERR_ROLE])}")
+    code = int(rec[ERR_ROLE])
+    role_id, array = code & ((1 << ROLE_BITS) - 1), code >> ROLE_BITS
+    role = ROLE_NAMES.get(role_id, f"role {role_id}")
     if rec[ERR_KIND] == KIND_EXPERT:
         return (f"{where}rank {int(rec[ERR_RANK])}: topk_idx[{int(rec[ERR_FLAG])}, "
                 f"{int(rec[ERR_BLOCK])}] = {int(rec[ERR_SEEN])} is not an expert id (0 .. "
@@ -104,7 +116,10 @@ def describe_error_record(rec, what="", flag_name=None):
                 f"{int(rec[ERR_BLOCK])}): {int(rec[ERR_SEEN])} rows were routed to this rank, "
                 f"more than the {int(rec[ERR_EXPECTED])} it was planned for; nothing was "
                 "written past them. Plan with a larger capacity (or max_tokens).")
-    name = flag_name(int(rec[ERR_ROLE]), int(rec[ERR_FLAG])) if flag_name else None
+    if array == ARRAY_RING_CREDIT:
+        name = "a free slot in the proxy's command ring"
+    else:
+        name = flag_name(role_id, int(rec[ERR_FLAG]), array) if flag_name else None
     return (f"{where}rank {int(rec[ERR_RANK])}, {role} role (block "
             f"{int(rec[ERR_BLOCK])}) timed out waiting on flag {int(rec[ERR_FLAG])}"
             f"{f' ({name})' if name else ''} to reach epoch {int(rec[ERR_EXPECTED])}; it last "

@@ -161,28 +161,44 @@ def test_timeout_message_names_what_the_flag_stands_for():
     rec = np.zeros(E.ERR_WORDS, np.int64)
     rec[[E.ERR_SET, E.ERR_RANK, E.ERR_ROLE, E.ERR_FLAG, E.ERR_EXPECTED, E.ERR_SEEN]] = \
         [1, 3, E.ROLE_RECV, 9, 5, 4]
-    names = {(E.ROLE_RECV, 9): "rank 2's tile 1 of its shard"}
-    msg = E.describe_error_record(rec, "AllGather", lambda role, i: names.get((role, i)))
+    names = {(E.ROLE_RECV, 9, 0): "rank 2's tile 1 of its shard",
+             (E.ROLE_RECV, 9, 3): "array 3's flag 9"}
+    namer = lambda role, i, array: names.get((role, i, array))     # noqa: E731
+    msg = E.describe_error_record(rec, "AllGather", namer)
     assert ("AllGather: rank 3, receive role (block 0) timed out waiting on flag 9 (rank 2's "
             "tile 1 of its shard) to reach epoch 5; it last held 4.") in msg, msg
-    plain = E.describe_error_record(rec, "AllGather", lambda role, i: None)
+    plain = E.describe_error_record(rec, "AllGather", lambda role, i, array: None)
     assert "waiting on flag 9 to reach epoch 5" in plain, plain
     with pytest.raises(mk.MkTimeoutError, match=r"flag 9 \(rank 2's tile 1"):
-        E.raise_if_timed_out(rec, "AllGather", lambda role, i: names.get((role, i)))
+        E.raise_if_timed_out(rec, "AllGather", namer)
+    # a role code that names the array: the role's name from its low byte, the array to the op
+    rec[E.ERR_ROLE] = E.ROLE_RECV | 3 << E.ROLE_BITS
+    msg = E.describe_error_record(rec, "x", namer)
+    assert "receive role (block 0) timed out waiting on flag 9 (array 3's flag 9)" in msg, msg
+    rec[E.ERR_ROLE], rec[E.ERR_FLAG] = E.ROLE_SEND_CREDIT, 0       # every op's send role
+    msg = E.describe_error_record(rec, "x", lambda role, i, array: "not asked")
+    assert ("inter-node send role (block 0) timed out waiting on flag 0 (a free slot in the "
+            "proxy's command ring)") in msg, msg
     rec[E.ERR_KIND] = E.KIND_CAPACITY
-    assert "(rank 2's" not in E.describe_error_record(rec, "x", lambda role, i: "named")
+    assert "(rank 2's" not in E.describe_error_record(rec, "x", lambda role, i, a: "named")
 
 
 def test_ops_name_their_flags():
     """Each op's ``_flag_name`` reads a flag index as its kernel lays the flags out (indices
     written here from the layouts in the kernels' docstrings), and names nothing it cannot
     tell apart."""
+    from functools import partial
     from types import SimpleNamespace as NS
-    from mknumba.errors import ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV, ROLE_SEND
+    import numpy as np
+    from mknumba.errors import ROLE_BITS, ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV, ROLE_SEND
     from mknumba.kernels.allgather import AllGather
     from mknumba.kernels.allgather_gemm import AllGatherGemm
+    from mknumba.kernels.gemm_reduce import kernel as grk
+    from mknumba.kernels.gemm_reduce.op import GemmReduce
     from mknumba.kernels.moe_dispatch import MoeDispatchGemm
+    from mknumba.kernels.moe_dispatch import kernel as moek
     from mknumba.kernels.ring_attention import RingAttention
+    from mknumba.kernels.ring_attention import kernel as ringk
     ag = NS(tiles=3, members=2, _member_ranks=(4, 5))        # a node of world ranks 4, 5
     assert AllGather._flag_name(ag, ROLE_RECV, 1 * 3 + 2) == "rank 5's tile 2 of its shard"
     assert AllGather._flag_name(ag, ROLE_SEND, 0) is None    # the proxy's ring credit
@@ -190,17 +206,57 @@ def test_ops_name_their_flags():
     for role in (ROLE_COMPUTE, ROLE_RECV, ROLE_INTRA):
         assert AllGatherGemm._flag_name(agg, role, 1 * 4 + 3) == "rank 1's part 3 of its rows of a"
     assert AllGatherGemm._flag_name(agg, ROLE_SEND, 0) is None
-    moe = NS(world=2, units=3, unit=16)      # flags: counts [0, 2), units [2, 8), routing [8, 10)
-    assert MoeDispatchGemm._flag_name(moe, ROLE_INTRA, 1) == "rank 1's token counts"
-    assert MoeDispatchGemm._flag_name(moe, ROLE_INTRA, 0) == (
-        "rank 0's token counts, or this GPU's routing layout")
-    assert MoeDispatchGemm._flag_name(moe, ROLE_RECV, 2 + 1 * 3 + 2) == "rank 1's tokens 32 .. 47"
-    assert MoeDispatchGemm._flag_name(moe, ROLE_RECV, 9) == "rank 1's routing, through the proxy"
-    assert MoeDispatchGemm._flag_name(moe, ROLE_COMPUTE, 1) is None
-    ring = NS(parts=2, world=4)              # arrive[src, k|v, part]
-    assert RingAttention._flag_name(ring, ROLE_RECV, (3 * 2 + 1) * 2 + 0) == (
-        "rank 3's V part 0, through the proxy")
-    assert RingAttention._flag_name(ring, ROLE_COMPUTE, 1) is None
+    # MoE: flags: counts [0, 2), units [2, 8), routing [8, 10); lflags: the layout, 4 tile
+    # rows of 128, then 8 chunks a tile row (adaptive)
+    moe = NS(world=2, units=3, unit=16, tiles_m=4, bm=128, chunks=8)
+    moe._layout_flag_name = partial(MoeDispatchGemm._layout_flag_name, moe)
+    name = partial(MoeDispatchGemm._flag_name, moe)
+    assert name(ROLE_INTRA, 1) == "rank 1's token counts"
+    assert name(ROLE_INTRA, 0) == "rank 0's token counts"
+    assert name(ROLE_RECV, 2 + 1 * 3 + 2) == "rank 1's tokens 32 .. 47"
+    assert name(ROLE_RECV, 9) == "rank 1's routing, through the proxy"
+    layout = "this GPU's routing layout (the rows routed to its experts)"
+    assert name(ROLE_INTRA, 0, moek.INTRA_LAYOUT >> ROLE_BITS) == layout
+    assert name(ROLE_COMPUTE, 0) == layout
+    assert name(ROLE_COMPUTE, 1 + 2) == (
+        "rows 256..383 of the receive buffer, which this GPU's intra-node role gathers")
+    assert name(ROLE_COMPUTE, 1 + 4 + 2 * 8 + 5) == (
+        "chunk 5 of rows 256..383 of the receive buffer, which this GPU's intra-node role "
+        "gathers")
+    assert name(ROLE_COMPUTE, 1 + 4 + 4 * 8) is None
+    ring = NS(parts=2, world=4)              # arrive[src, k|v, part], flags[src, part]
+    name = partial(RingAttention._flag_name, ring)
+    assert name(ROLE_RECV, (3 * 2 + 1) * 2 + 0) == "rank 3's V part 0, through the proxy"
+    assert name(ROLE_COMPUTE, (3 * 2 + 1) * 2 + 0) == "rank 3's V part 0, through the proxy"
+    assert name(ROLE_COMPUTE, 2 * 2 + 1, ringk.COMPUTE_PUSHED >> ROLE_BITS) == (
+        "rank 2's K and V part 1, pushed by a GPU of this node")
+    assert name(ROLE_COMPUTE, 0, ringk.COMPUTE_MAILBOX >> ROLE_BITS) == (
+        "this block's mailbox: its producer's next item")
+    # GemmReduce: a 300 x 200 output in 128 x 64 tiles (3 x 4), world ranks 4, 5, 6 on this
+    # node (this is local rank 1), rail peers 1 and 9; 5 final tiles in chunks of 2
+    plan = NS(tiles_m=3, tiles_n=4, owner_of_row=np.array([0, 1, 2]), recv_chunks=3,
+              final_slots=np.array([7, 8, 9, 10, 11]), final_tiles=np.array([4, 5, 6, 7, 8]),
+              n_chunks=6)
+    gr = NS(plan=plan, bm=128, bn=64, m=300, n=200,
+            comm=NS(topology=NS(node_ranks=(4, 5, 6), rail_peers=(1, 9), local_rank=1)))
+    gr._tile_name = partial(GemmReduce._tile_name, gr)
+    name = partial(GemmReduce._flag_name, gr)
+    partial_of = grk.INTRA_PARTIAL_OF >> ROLE_BITS
+    assert name(ROLE_INTRA, 9, partial_of + 2) == (
+        "rank 6's partial of tile 9 at rows 256..299, columns 64..127")
+    assert name(ROLE_INTRA, 2 * 12 + 9, partial_of + 2) == (     # delivered: plane 2
+        "rank 6's partial of tile 9 at rows 256..299, columns 64..127")
+    assert name(ROLE_INTRA, 7) == (
+        "rank 5's final sum of tile 7 at rows 128..255, columns 192..199, a tile it owns")
+    assert name(ROLE_COMPUTE, 2 * 12 + 3) == (                   # plane 2: local rank 1 + 2
+        "rank 4's partial of tile 3 at rows 0..127, columns 192..199, delivered here")
+    assert name(ROLE_RECV, 1 * 3 + 2) == (
+        "rank 9's sum of chunk 2 of the tiles this rank finishes, through the proxy")
+    assert name(ROLE_RECV, 9, grk.RECV_OWN_SUM >> ROLE_BITS) == (
+        "this GPU's sum of its node's partials of tile 6 at rows 128..255, columns 128..191")
+    assert name(ROLE_SEND, 5) == (
+        "chunk 5 of the tiles this GPU sends, staged by its reduce role")
+    assert name(ROLE_RECV, 9, 7) is None and name(ROLE_INTRA, 12) is None
 
 
 def test_ops_take_only_a_comm():

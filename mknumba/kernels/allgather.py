@@ -260,7 +260,7 @@ class AllGather(OpLifetime):
         if not fwd:
             self.forward_blocks = 0
 
-    def _flag_name(self, role, index):
+    def _flag_name(self, role, index, array=0):
         """The receive role's waits (forward's too) watch flags[src * tiles + t]: member
         src's tile t has arrived."""
         src, t = divmod(index, self.tiles)

@@ -235,11 +235,11 @@ class OpLifetime:
         else:
             raise_if_timed_out(self.err, what, self._flag_name)
 
-    def _flag_name(self, role, index):
-        """What flag ``index``, which a wait of ``role`` (``errors.ROLE_*``) timed out on,
-        stands for in the caller's terms (e.g. "rank 3's tile 2 of its shard"), for the
-        timeout's message; None where the op cannot tell from these alone (several of its
-        flag arrays share the role). Ops override it."""
+    def _flag_name(self, role, index, array=0):
+        """What flag ``index`` of the flag array ``array`` (``errors.ROLE_BITS``: 0 where the
+        role waits on one), which a wait of ``role`` (``errors.ROLE_*``) timed out on, stands
+        for in the caller's terms (e.g. "rank 3's tile 2 of its shard"), for the timeout's
+        message; None where the op cannot tell. Ops override it."""
         return None
 
     def _end_calls(self, why):

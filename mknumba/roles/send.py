@@ -12,7 +12,7 @@ import numpy as np
 from numba import cuda
 
 from .. import _compat  # noqa: F401  (numpy compatibility before numba.cuda compiles)
-from ..errors import ROLE_SEND
+from ..errors import ROLE_SEND_CREDIT
 from ..primitives import atomic_add_relaxed, st_release_sys, wait_flag
 from ..proxy.ring import CMD_WORDS, W_SEQ, slot_base, write_body
 
@@ -38,8 +38,8 @@ def enqueue(ring, head, tail, peer, src_win, src_off, dst_win, dst_off, nbytes, 
     # Credit: the slot is free once the proxy's consumed count reaches ticket + 1 - slots
     # (wrap-safe, so the same bounded flag wait serves as the credit wait). ``tail`` is host
     # memory: back off up to 4 µs between polls, leaving PCIe to the GPU's command fetches.
-    if not wait_flag(tail, 0, np.int64(ticket) + 1 - slots, deadline, err, rank, ROLE_SEND,
-                     CREDIT_PAUSE_NS):
+    if not wait_flag(tail, 0, np.int64(ticket) + 1 - slots, deadline, err, rank,
+                     ROLE_SEND_CREDIT, CREDIT_PAUSE_NS):
         return False
     base = _slot_base(ticket, slots)
     _write_body(ring, base, peer, src_win, src_off, dst_win, dst_off, nbytes, chunk,

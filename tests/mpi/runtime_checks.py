@@ -153,7 +153,12 @@ def check_fused_timeout(comm):
             slack = 60.0 if SIMULATOR else 2.0    # the simulator runs blocks one by one
             assert took <= bound + slack, f"raised after {took:.1f} s, bound {bound:.1f} s"
             assert "GemmAllReduce" in str(e) and f"rank {comm.rank}" in str(e), str(e)
-            print(f"fused timeout raised after {took:.2f} s (bound {bound:.1f} s)", flush=True)
+            # the flag named as the peer's partial or final sum of a tile (op._flag_name)
+            peer = comm.topology.node_ranks[1]
+            assert any(f"(rank {peer}'s {what} of tile " in str(e)
+                       for what in ("partial", "final sum")), str(e)
+            print(f"fused timeout raised after {took:.2f} s (bound {bound:.1f} s): {e}",
+                  flush=True)
         else:
             raise AssertionError("a fused op whose peer never called did not time out")
     comm.barrier()

@@ -306,7 +306,7 @@ class AllGatherGemm(AllGatherGemmPlan, Traced, OpLifetime):
         per_call[Q_COMPUTE], per_call[Q_COMM] = len(self.order) + flex, self.ncomm + flex
         return [(self.queue, per_call)]
 
-    def _flag_name(self, role, index):
+    def _flag_name(self, role, index, array=0):
         """Every wait but the proxy's ring credit (send) watches flags[src * parts + p]: part
         p of world rank src's rows of A has arrived (here, or at the forwarder)."""
         src, p = divmod(index, self.parts)

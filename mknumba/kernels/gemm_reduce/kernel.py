@@ -10,7 +10,7 @@ from numba import cuda, types
 from ... import _compat  # noqa: F401  (numpy alias before numba compiles)
 from ... import primitives as prim
 from ..._compat import SIMULATOR
-from ...errors import ROLE_INTRA, ROLE_RECV, ROLE_SEND
+from ...errors import ROLE_BITS, ROLE_INTRA, ROLE_RECV, ROLE_SEND
 from ...roles import compute
 from ...roles import controller as ctl_
 from ...roles.blocks import begin, poll, publish, publish_peers, record, stamp, take, wait
@@ -36,6 +36,12 @@ CFG_FIELDS = ("m", "n", "tiles_n", "me", "g", "nodes", "out_row0", "compute", "r
  C_INIT_COMM) = range(33)
 Q_REDUCE, Q_PULL, Q_COMPUTE = 0, 1, 2      # the work queues (roles.blocks.take)
 QUEUES = 3
+# Which flag array a wait watched, in its role code (errors.ROLE_BITS), so that a timeout
+# names it (``op.GemmReduce._flag_name``): the intra-node role's array 0 is the final flags
+# (pull), array 1 + j local GPU j's partials; the receive role's array 0 the arrival flags,
+# array 1 this GPU's stage slots (its own node's sum).
+INTRA_PARTIAL_OF = ROLE_INTRA | 1 << ROLE_BITS       # plus j << ROLE_BITS
+RECV_OWN_SUM = ROLE_RECV | 1 << ROLE_BITS
 
 # trace rows (``trace=True``): globaltimer stamps, one row per event, indexed by the role's item
 # (tile_*: by position in the compute order; tile_block: which block computed it; block_*,
@@ -88,21 +94,22 @@ def make_kernel(build, threads, adaptive=False):
 
     @cuda.jit(device=True, inline=True)
     def red_flag(cfg, tile_flags, tile_flag_ptrs, j, t, tiles):
-        """Where local GPU ``j``'s partial of tile ``t`` is announced: (flags, index, system).
-        Delivered: plane j of this GPU (its own tile, then its inbox); else every local GPU's
-        own tile, read over NVLink."""
+        """Where the ``j``-th partial of tile ``t`` is announced: (flags, index, system, the
+        local GPU whose partial it is). Delivered: plane j of this GPU (its own tile, then its
+        inbox: plane j from the GPU j places after it); else every local GPU's own tile, read
+        over NVLink."""
+        me, G = cfg[C_ME], cfg[C_G]
         if cfg[C_DELIVER] != 0:
-            return tile_flags, np.int64(j * tiles + t), True
-        G = cfg[C_G]
-        return (prim.peer_view(tile_flag_ptrs, prim.peer_after(cfg[C_ME], 1 + j, G),
-                               tile_flags), np.int64(t), G > 1)
+            return tile_flags, np.int64(j * tiles + t), True, prim.peer_after(me, j, G)
+        src = prim.peer_after(me, 1 + j, G)
+        return prim.peer_view(tile_flag_ptrs, src, tile_flags), np.int64(t), G > 1, src
 
     @cuda.jit(device=True, inline=True)
     def reduce_ready(cfg, node, t, tiles, epoch):
         """Block-wide, no wait: whether every local GPU's partial of tile ``t`` is there."""
         tile_flags, tile_flag_ptrs = node[2], node[3]
         for j in range(cfg[C_G]):
-            flags, idx, system = red_flag(cfg, tile_flags, tile_flag_ptrs, j, t, tiles)
+            flags, idx, system, _ = red_flag(cfg, tile_flags, tile_flag_ptrs, j, t, tiles)
             if not poll(flags, idx, epoch, system):
                 return False
         return True
@@ -113,8 +120,9 @@ def make_kernel(build, threads, adaptive=False):
         tile_flags, tile_flag_ptrs = node[2], node[3]
         epoch, call, deadline, err, rank, trace = ctx
         for j in range(cfg[C_G]):
-            flags, idx, system = red_flag(cfg, tile_flags, tile_flag_ptrs, j, t, tiles)
-            if not wait(flags, idx, epoch, deadline, err, rank, ROLE_INTRA, system):
+            flags, idx, system, src = red_flag(cfg, tile_flags, tile_flag_ptrs, j, t, tiles)
+            if not wait(flags, idx, epoch, deadline, err, rank,
+                        INTRA_PARTIAL_OF + (src << ROLE_BITS), system):
                 return False
         return True
 
@@ -229,7 +237,7 @@ def make_kernel(build, threads, adaptive=False):
                     return False
             stamp(tr, trace, T_RECV_ARRIVED, i)
             fs = final_slots[i]
-            if not wait(red_flags, fs, epoch, deadline, err, rank, ROLE_RECV, False):
+            if not wait(red_flags, fs, epoch, deadline, err, rank, RECV_OWN_SUM, False):
                 return False
             t = final_tiles[i]
             r0, c0 = origin(t, cfg[C_TILES_N])

@@ -6,7 +6,8 @@ from numba import cuda
 from ..._compat import SIMULATOR
 from ...arrays import (is_torch, new_output, operand, refuse_overlap, shared_bytes, torch_ptr,
                        unshared)
-from ...errors import ERR_SET, MkError, MkValueError
+from ...errors import (ERR_SET, ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV, ROLE_SEND, MkError,
+                       MkValueError)
 from ...sched.reduce import nonempty
 from ..gemm import Gemm
 from ...roles.controller import CTL_WORDS
@@ -355,6 +356,47 @@ class GemmReduce(GemmReducePlan, Traced, OpLifetime):
                         max(0, int(ev["ctl_n"][b]) - CTL_LOG) for b in range(self.grid))
                     if self.adaptive else 0)
         return Timeline(self.comm.rank, items, segments, decisions, meta)
+
+    def _flag_name(self, role, index, array=0):
+        """What each wait watches (``kernel``'s role codes): the intra-node role, local GPU
+        j's partial of a tile (array 1 + j; delivered partials: index plane * tiles + tile)
+        or a tile's final sum from its owner (array 0, pull); the compute role (fold), the
+        partial a local GPU delivered into plane j (index j * tiles + tile); the receive role,
+        a rail peer's chunk (array 0, index source * chunks + chunk) or this GPU's own sum of
+        the node's partials (array 1, a stage slot); the send role, a chunk this GPU's reduce
+        role stages."""
+        p, t = self.plan, self.comm.topology
+        tiles = p.tiles_m * p.tiles_n
+        if role == ROLE_INTRA and 1 <= array <= len(t.node_ranks):
+            return (f"rank {t.node_ranks[array - 1]}'s partial of "
+                    + self._tile_name(index % tiles))
+        if role == ROLE_INTRA and array == 0 and index < tiles:
+            owner = t.node_ranks[p.owner_of_row[index // p.tiles_n]]
+            return f"rank {owner}'s final sum of {self._tile_name(index)}, a tile it owns"
+        if role == ROLE_COMPUTE and index < len(t.node_ranks) * tiles:
+            j, tile = divmod(index, tiles)
+            src = t.node_ranks[(t.local_rank + j) % len(t.node_ranks)]
+            return f"rank {src}'s partial of {self._tile_name(tile)}, delivered here"
+        if role == ROLE_RECV and array == 0 and p.recv_chunks:
+            s, c = divmod(index, p.recv_chunks)
+            if s < len(t.rail_peers):
+                return (f"rank {t.rail_peers[s]}'s sum of chunk {c} of the tiles this rank "
+                        "finishes, through the proxy")
+        if role == ROLE_RECV and array == 1:
+            at = np.flatnonzero(p.final_slots == index)
+            if len(at):
+                return ("this GPU's sum of its node's partials of "
+                        + self._tile_name(int(p.final_tiles[at[0]])))
+        if role == ROLE_SEND and array == 0 and index < p.n_chunks:
+            return f"chunk {index} of the tiles this GPU sends, staged by its reduce role"
+        return None
+
+    def _tile_name(self, tile):
+        """Output tile ``tile`` in the caller's terms: its rows and columns of the product."""
+        r0, c0 = divmod(tile, self.plan.tiles_n)
+        r0, c0 = r0 * self.bm, c0 * self.bn
+        return (f"tile {tile} at rows {r0}..{min(r0 + self.bm, self.m) - 1}, columns "
+                f"{c0}..{min(c0 + self.bn, self.n) - 1}")
 
     def free(self):
         """Collective: release the op's symmetric buffers (waits for this rank's calls)."""

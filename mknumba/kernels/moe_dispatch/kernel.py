@@ -19,7 +19,7 @@ from numba import cuda, types
 from ... import _compat  # noqa: F401  (numpy alias before numba compiles)
 from ... import primitives as prim
 from ..._compat import SIMULATOR
-from ...errors import KIND_CAPACITY, KIND_EXPERT, ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV
+from ...errors import KIND_CAPACITY, KIND_EXPERT, ROLE_BITS, ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV
 from ...roles import compute
 from ...roles import controller as ctl_
 from ...roles.blocks import launch_context, copy_tile, publish, publish_peers, wait
@@ -61,6 +61,9 @@ POOL_STATE = ctl_.STATE              # (a global: numba sizes local arrays by co
 #: first receive-buffer row of that source's rows; per tile row its expert
 LAY_TILES, LAY_ROWS, LAY_BASE = 0, 1, 2
 LAYOUT_FLAG = 0          # lflags[0]: the layout is there; lflags[1 + tm]: tile row tm arrived
+# the intra-node role's waits on lflags, as their role code says (errors.ROLE_BITS: array 1;
+# array 0 is ``flags``), so that a timeout names the layout (``op._flag_name``)
+INTRA_LAYOUT = ROLE_INTRA | 1 << ROLE_BITS
 
 _BYTE = np.dtype(np.uint8) if SIMULATOR else np.uint8
 
@@ -360,7 +363,7 @@ def pull_role(cfg, table, flags, xbuf, xbuf_ptrs, meta, meta_ptrs, meta_f, recv,
     epoch, call, deadline, err, rank = ctx
     dims = pull_dims(cfg, call)
     el = dims[1]
-    if not wait(lflags, LAYOUT_FLAG, epoch, deadline, err, rank, ROLE_INTRA, False):
+    if not wait(lflags, LAYOUT_FLAG, epoch, deadline, err, rank, INTRA_LAYOUT, False):
         return False
     tiles = lay[LAY_TILES]
     for it in range(prim.steps(first, tiles, step)):
@@ -531,7 +534,7 @@ def make_kernel(build, threads, adaptive=False):
                                         np.uint32(most_tiles - rows * tiles_n))
                 prim.atomic_add_relaxed(queue, Q_COMM, np.uint32((tiles_m - rows) * C))
             publish(lflags, LAYOUT_FLAG, epoch, False)
-        if not wait(lflags, LAYOUT_FLAG, epoch, deadline, err, rank, ROLE_INTRA, False):
+        if not wait(lflags, LAYOUT_FLAG, epoch, deadline, err, rank, INTRA_LAYOUT, False):
             return
         rows = lay[LAY_TILES]
         skip_tiles, skip_pulls = most_tiles - rows * tiles_n, (tiles_m - rows) * C

@@ -9,7 +9,7 @@ from numba import cuda
 
 from ...arrays import (dtype_name, is_torch, new_output, operand, refuse_overlap, torch_ptr,
                        unshared)
-from ...errors import ERR_SET, ROLE_INTRA, ROLE_RECV, MkError, MkValueError
+from ...errors import ERR_SET, ROLE_COMPUTE, ROLE_INTRA, ROLE_RECV, MkError, MkValueError
 from ...roles.controller import CTL_WORDS, QUEUES
 from ...roles.compute import kn_kind
 from ..gemm_inputs import b_map
@@ -384,21 +384,37 @@ class MoeDispatchGemm(MoeDispatchGemmPlan, OpLifetime):
                                                  for n in self.queue_items())
         return [(self.queue, per_call)]
 
-    def _flag_name(self, role, index):
-        """The receive and intra-node roles' waits watch ``flags`` (``kernel.flag_words``):
-        a source's counts, its 16-token units, and (through the proxy) its routing; the
-        intra-node role also waits on this GPU's layout flag, index 0 as rank 0's counts."""
+    def _flag_name(self, role, index, array=0):
+        """The receive and intra-node roles' waits watch ``flags`` (array 0,
+        ``kernel.flag_words``): a source's counts, its 16-token units, and (through the
+        proxy) its routing. The compute role's, and the intra-node role's array 1
+        (``kernel.INTRA_LAYOUT``), watch ``lflags``: this GPU's routing layout (index 0), then
+        the receive buffer's tile rows and (adaptive) their pulled chunks."""
         W, units = self.world, self.units
-        if role not in (ROLE_RECV, ROLE_INTRA) or index >= W * (2 + units):
+        if role == ROLE_COMPUTE or (role == ROLE_INTRA and array == 1):
+            return self._layout_flag_name(index)
+        if role not in (ROLE_RECV, ROLE_INTRA) or array or index >= W * (2 + units):
             return None
         if index < W:
-            return (f"rank {index}'s token counts" +
-                    (", or this GPU's routing layout" if index == 0 and role == ROLE_INTRA
-                     else ""))
+            return f"rank {index}'s token counts"
         if index < W * (1 + units):
             src, u = divmod(index - W, units)
             return f"rank {src}'s tokens {u * self.unit} .. {(u + 1) * self.unit - 1}"
         return f"rank {index - W * (1 + units)}'s routing, through the proxy"
+
+    def _layout_flag_name(self, index):
+        """``lflags[index]`` in words: 0 the layout, 1 + tm tile row tm of the receive buffer,
+        then (adaptive) chunk c of tile row tm at 1 + tiles_m + tm * chunks + c."""
+        if index == 0:
+            return "this GPU's routing layout (the rows routed to its experts)"
+        tm, chunk = index - 1, None
+        if tm >= self.tiles_m:
+            tm, chunk = divmod(tm - self.tiles_m, self.chunks)
+        if tm >= self.tiles_m:
+            return None
+        rows = f"rows {tm * self.bm}..{(tm + 1) * self.bm - 1} of the receive buffer"
+        return ((f"chunk {chunk} of " if chunk is not None else "") + rows
+                + ", which this GPU's intra-node role gathers")
 
     def queue_items(self):
         """The adaptive split's items per call that its queues are planned for: (tiles,

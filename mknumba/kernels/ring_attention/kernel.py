@@ -6,7 +6,7 @@ import numpy as np
 from numba import cuda, types
 
 from ... import primitives as prim
-from ...errors import ROLE_COMPUTE, ROLE_RECV
+from ...errors import ROLE_BITS, ROLE_COMPUTE, ROLE_RECV
 from ...roles.attention import (HEAD_DIM_MAX, LOG2E, RUN_BYTES, SM90_BUILDS, SM90_CONSUMERS,
                                 SM90_ROWS, SM90_THREADS, attend_slice, load_row, sm90_functions,
                                 store_row)
@@ -142,16 +142,23 @@ def forward_part(p, kv_words, kv_ptrs, flags, flag_ptrs, arrive, rail, cfg, slot
     return True
 
 
+# The compute role's waits say which array they watch in their role codes (errors.ROLE_BITS),
+# so that a timeout names it (``op._flag_name``): array 0 arrive, 1 flags, 2 the mailbox
+# between a block's producer and its consumers (sm_90a adaptive pool).
+COMPUTE_PUSHED = ROLE_COMPUTE | 1 << ROLE_BITS
+COMPUTE_MAILBOX = ROLE_COMPUTE | 2 << ROLE_BITS
+
+
 @cuda.jit(device=True, inline=True)
 def slice_flags(src, flags, arrive, cfg):
     """Where the parts of slice ``src`` (not this rank's) announce they are in this GPU's
-    slot: (flag array, first index, count). A rail peer's land through the proxy, K and V
-    apart (arrive[src, k|v, p]); every other one is pushed by a GPU of this node
-    (flags[src, p])."""
+    slot: (flag array, first index, count, the role code of a compute wait on it). A rail
+    peer's land through the proxy, K and V apart (arrive[src, k|v, p]); every other one is
+    pushed by a GPU of this node (flags[src, p])."""
     parts = cfg[C_PARTS]
     if prim.umod32(src, cfg[C_G]) == cfg[C_LOCAL]:
-        return arrive, src * 2 * parts, 2 * parts
-    return flags, src * parts, parts
+        return arrive, src * 2 * parts, 2 * parts, ROLE_COMPUTE
+    return flags, src * parts, parts, COMPUTE_PUSHED
 
 
 @cuda.jit(device=True)
@@ -159,12 +166,12 @@ def slice_ready(src, flags, arrive, cfg, epoch, deadline, err, rank, block_wide)
     """Wait until every part of slice ``src`` (not this rank's) is in this GPU's slot
     (:func:`slice_flags`). ``block_wide``: all threads of the block call this (one poller, the
     others at a barrier); else one thread does. False on timeout."""
-    fl, first, count = slice_flags(src, flags, arrive, cfg)
+    fl, first, count, role = slice_flags(src, flags, arrive, cfg)
     for i in range(count):
         if block_wide:
-            ok = wait(fl, first + i, epoch, deadline, err, rank, ROLE_COMPUTE)
+            ok = wait(fl, first + i, epoch, deadline, err, rank, role)
         else:
-            ok = prim.wait_flag(fl, first + i, epoch, deadline, err, rank, ROLE_COMPUTE)
+            ok = prim.wait_flag(fl, first + i, epoch, deadline, err, rank, role)
         if not ok:
             return False
     return True
@@ -339,7 +346,7 @@ def slices_arrived(args, i):
     ``i`` reads every slice."""
     flags, arrive, order, cfg, epoch = args
     for j in range(1, order.shape[0]):             # order[0] is this rank's own
-        fl, first, count = slice_flags(order[j], flags, arrive, cfg)
+        fl, first, count, _ = slice_flags(order[j], flags, arrive, cfg)
         for f in range(count):
             if not prim.epoch_reached(prim.acquire(fl, first + f, True), epoch):
                 return False
@@ -458,8 +465,8 @@ def pool_sm90_role(build="sm90"):
                                      (flags, arrive, order, cfg, epoch))
                 # the consumers took the last item (box[0]: this lane's count of items
                 # posted): the mailbox is free
-                if not prim.wait_flag(box, 1, box[0], deadline, err, rank, ROLE_COMPUTE, 100,
-                                      False):
+                if not prim.wait_flag(box, 1, box[0], deadline, err, rank, COMPUTE_MAILBOX,
+                                      100, False):
                     break
                 box[2] = it if kind == ctl_.COMPUTE else -2 - it if kind == ctl_.COMM else -1
                 prim.release(box, 0, box[0] + 1, False)
@@ -486,7 +493,7 @@ def pool_sm90_role(build="sm90"):
             if tid == 0:
                 now = prim.globaltimer()
                 posted[0] = prim.wait_flag(box, 0, taken + 1, max(deadline, now + timeout_ns),
-                                           err, rank, ROLE_COMPUTE, 100, False)
+                                           err, rank, COMPUTE_MAILBOX, 100, False)
             prim.bar_sync(BAR_CONSUMERS, SM90_CONSUMERS)     # the answer and the item, for all
             came = posted[0]
             got = box[2]

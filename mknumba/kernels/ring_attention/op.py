@@ -8,7 +8,8 @@ from numba import cuda
 
 from ..._compat import SIMULATOR
 from ...arrays import is_torch, new_output, operand, refuse_overlap, torch_ptr, unshared
-from ...errors import ERR_SET, ERR_WORDS, ROLE_RECV, MkError, MkValueError, positive_ints
+from ...errors import (ERR_SET, ERR_WORDS, ROLE_COMPUTE, ROLE_RECV, MkError, MkValueError,
+                       positive_ints)
 from ...roles.attention import (HEAD_DIM_MAX, SM90_BUILDS, SM90_HEAD_DIMS, SM90_ROWS,
                                 SM90_SMEM_BYTES, SM90_THREADS)
 from ...sched.sequence import check_layout, runs
@@ -330,15 +331,25 @@ class RingAttention(Traced, OpLifetime):
         per_call[Q_COMM] = self.ncomm + self.compute_blocks
         return [(self.queue, per_call)]
 
-    def _flag_name(self, role, index):
-        """Between nodes the forward role's waits (receive) watch arrive[src, k|v, part]: a
-        rail peer's K or V part, landed through the proxy. (The compute role's waits watch
-        that array, another and a mailbox alike: not named.)"""
-        if role != ROLE_RECV or not self.parts:
+    def _flag_name(self, role, index, array=0):
+        """Between nodes the forward role's waits (receive), and the compute role's array 0,
+        watch arrive[src, k|v, part]: a rail peer's K or V part, landed through the proxy. The
+        compute role's array 1 (``kernel.COMPUTE_PUSHED``) is flags[src, part], a slice's
+        part pushed by a GPU of this node; its array 2 the mailbox between a block's producer
+        warp and its consumers (index 0: the producer's next item, 1: the consumers' taking
+        the last one)."""
+        if role == ROLE_COMPUTE and array == 2 and index in (0, 1):
+            return ("this block's mailbox: " + ("its producer's next item" if index == 0 else
+                                                "its consumers taking the last item"))
+        if not self.parts or not (role == ROLE_RECV and array == 0 or role == ROLE_COMPUTE):
             return None
+        if role == ROLE_COMPUTE and array == 1:
+            src, p = divmod(index, self.parts)
+            return (f"rank {src}'s K and V part {p}, pushed by a GPU of this node"
+                    if src < self.world else None)
         src, rest = divmod(index, 2 * self.parts)
         hv, p = divmod(rest, self.parts)
-        if src >= self.world:
+        if array or src >= self.world:
             return None
         return f"rank {src}'s {'KV'[hv]} part {p}, through the proxy"
 
