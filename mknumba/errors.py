@@ -116,7 +116,7 @@ def describe_error_record(rec, what="", flag_name=None):
                 f"{int(rec[ERR_BLOCK])}): {int(rec[ERR_SEEN])} rows were routed to this rank, "
                 f"more than the {int(rec[ERR_EXPECTED])} it was planned for; nothing was "
                 "written past them. Plan with a larger capacity (or max_tokens).")
-    if array == ARRAY_RING_CREDIT:
+    if code == ROLE_SEND_CREDIT:
         name = "a free slot in the proxy's command ring"
     else:
         name = flag_name(role_id, int(rec[ERR_FLAG]), array) if flag_name else None
