@@ -338,20 +338,21 @@ class RingAttention(Traced, OpLifetime):
         part pushed by a GPU of this node; its array 2 the mailbox between a block's producer
         warp and its consumers (index 0: the producer's next item, 1: the consumers' taking
         the last one)."""
-        if role == ROLE_COMPUTE and array == 2 and index in (0, 1):
+        if (role, array) == (ROLE_COMPUTE, 2) and index in (0, 1):
             return ("this block's mailbox: " + ("its producer's next item" if index == 0 else
                                                 "its consumers taking the last item"))
-        if not self.parts or not (role == ROLE_RECV and array == 0 or role == ROLE_COMPUTE):
+        if not self.parts:
             return None
-        if role == ROLE_COMPUTE and array == 1:
+        if (role, array) == (ROLE_COMPUTE, 1):
             src, p = divmod(index, self.parts)
             return (f"rank {src}'s K and V part {p}, pushed by a GPU of this node"
                     if src < self.world else None)
-        src, rest = divmod(index, 2 * self.parts)
-        hv, p = divmod(rest, self.parts)
-        if array or src >= self.world:
-            return None
-        return f"rank {src}'s {'KV'[hv]} part {p}, through the proxy"
+        if (role, array) in ((ROLE_RECV, 0), (ROLE_COMPUTE, 0)):
+            src, rest = divmod(index, 2 * self.parts)
+            hv, p = divmod(rest, self.parts)
+            if src < self.world:
+                return f"rank {src}'s {'KV'[hv]} part {p}, through the proxy"
+        return None
 
     # -- traces (comm_sms="adaptive", trace=True) ---------------------------------------------
     def trace_events(self):
